@@ -1,0 +1,4 @@
+from dlrm_hybrid.cli import main
+
+if __name__ == "__main__":
+    main()

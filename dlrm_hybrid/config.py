@@ -1,0 +1,226 @@
+"""Run configuration: YAML (safe_load) into typed dataclasses, `--set` overrides, validation.
+
+Every problem is a `ConfigError` whose message is one line naming the key and the fix;
+the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the key and what to do."""
+
+
+@dataclass
+class ModelConfig:
+    embedding_dim: int = 16
+    embedding_precision: str = "fp32"  # fp32 | fp16
+    bottom_mlp: List[int] = field(default_factory=lambda: [64, 16])
+    top_mlp: List[int] = field(default_factory=lambda: [64, 32, 1])
+    interaction: str = "dot"  # dot | cat | dcn
+    self_interaction: bool = False  # dot: also include each vector's dot with itself
+    dcn_layers: int = 3
+    dcn_low_rank: int = 512
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    global_batch_size: int = 1024
+    seed: int = 1234  # fixes the synthetic dataset (teacher and samples), independent of train.seed
+    num_dense: int = 13
+    cardinalities: List[int] = field(default_factory=lambda: [1000, 100, 10])
+    hotness: List[int] = field(default_factory=lambda: [1])  # ids per sample; one value or one per table
+    train_samples: int = 1_000_000
+    val_samples: int = 65_536
+    zipf_exponent: float = 1.1  # category frequency skew, as in click logs
+    teacher_dim: int = 8  # width of the planted teacher's latent vectors
+    teacher_scale: float = 1.0  # logit scale of the teacher: higher means an easier task
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "auto"  # auto | nccl | gloo
+    memory_per_rank: str = "auto"  # embedding budget per rank, e.g. "80GiB"; auto: device memory or 8GiB on CPU
+
+
+@dataclass
+class OptimConfig:
+    embedding: str = "rowwise_adagrad"  # sgd | rowwise_adagrad | adagrad | adam
+    embedding_lr: float = 0.1
+    dense: str = "sgd"  # sgd | adagrad | adam
+    dense_lr: float = 0.1
+    eps: float = 1e-8  # adagrad/adam epsilon
+    warmup_steps: int = 0  # linear warmup from 0 to the base LR
+    decay_start_step: int = 0  # polynomial decay begins here (0: no decay)
+    decay_steps: int = 0  # ...and lasts this many steps
+    decay_power: float = 2.0
+    decay_end_factor: float = 0.0  # LR at the end of the decay, as a fraction of the base LR
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate only at the end
+    run_dir: str = "runs/default"
+    seed: int = 0  # model initialisation
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+CHOICES = {
+    "model.embedding_precision": ("fp32", "fp16"),
+    "model.interaction": ("dot", "cat", "dcn"),
+    "data.source": ("synthetic",),
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
+    "optim.dense": ("sgd", "adagrad", "adam"),
+}
+POSITIVE = ("data.global_batch_size", "data.num_dense", "data.train_samples", "data.val_samples",
+            "model.embedding_dim", "data.teacher_dim", "train.max_steps", "train.log_every")
+
+
+def load_config(path: Optional[str], overrides: List[str] = (), world_size: int = 1) -> Config:
+    """Read `path` (or the defaults), apply `key=value` overrides, validate for `world_size` ranks."""
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"config file {path}: cannot read ({e.strerror}); check the path")
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({str(e).splitlines()[0]})")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of sections (model, data, ...)")
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set train.max_steps=40")
+        _assign(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+    cfg = _build(Config, raw, "")
+    validate(cfg, world_size)
+    return cfg
+
+
+def _assign(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for name in parents:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{name}' is not a section")
+    node[leaf] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown key; valid keys here: {', '.join(sorted(names))}")
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            values[name] = _check_type(f"{prefix}{name}", hint, value)
+    return cls(**values)
+
+
+def _check_type(key: str, hint: Any, value: Any) -> Any:
+    if typing.get_origin(hint) in (list, List):
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of {item.__name__}, got {value!r}")
+        return [_check_type(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Cross-field checks that a dataclass type cannot express."""
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}: {_get(cfg, key)!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}: must be positive, got {_get(cfg, key)}")
+    m, d = cfg.model, cfg.data
+    if d.global_batch_size % world_size:
+        raise ConfigError(
+            f"data.global_batch_size: {d.global_batch_size} is not divisible by the world size "
+            f"{world_size}; use a multiple of {world_size}")
+    if not m.bottom_mlp or not m.top_mlp:
+        raise ConfigError("model.bottom_mlp/model.top_mlp: need at least one layer each")
+    if m.top_mlp[-1] != 1:
+        raise ConfigError(f"model.top_mlp: last layer must be 1 (the click logit), got {m.top_mlp[-1]}")
+    if m.interaction in ("dot", "dcn") and m.bottom_mlp[-1] != m.embedding_dim:
+        raise ConfigError(
+            f"model.embedding_dim: {m.embedding_dim} must equal the bottom MLP output "
+            f"(model.bottom_mlp[-1] = {m.bottom_mlp[-1]}) for interaction '{m.interaction}'")
+    if not d.cardinalities or min(d.cardinalities) <= 0:
+        raise ConfigError("data.cardinalities: need one positive row count per categorical feature")
+    if len(d.hotness) not in (1, len(d.cardinalities)) or min(d.hotness) <= 0:
+        raise ConfigError(
+            f"data.hotness: give one positive value or one per table ({len(d.cardinalities)})")
+    if cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every: must be >= 0, got {cfg.train.eval_every}")
+    parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, key: str, allow_auto: bool = False) -> Optional[int]:
+    """'80GiB' -> 85899345920; 'auto' -> None where allowed."""
+    value = text.strip().lower()
+    if allow_auto and value == "auto":
+        return None
+    number = value.rstrip("kmgtib")
+    unit = value[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in _UNITS or amount <= 0:
+        raise ConfigError(f"{key}: {text!r} is not a size; write e.g. 80GiB, 512MiB or 2e9")
+    return int(amount * _UNITS[unit])

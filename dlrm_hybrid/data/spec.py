@@ -1,0 +1,23 @@
+"""The shape of a click-log dataset as the model sees it: dense width, tables, ids per lookup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    num_dense: int
+    cardinalities: List[int]  # rows of each categorical feature's table
+    hotness: List[int]  # ids per sample of each categorical feature
+
+    @property
+    def feature_names(self) -> List[str]:
+        return [f"cat_{i}" for i in range(len(self.cardinalities))]
+
+    @staticmethod
+    def from_config(data_cfg) -> "DataSpec":
+        hot = data_cfg.hotness
+        hotness = hot * len(data_cfg.cardinalities) if len(hot) == 1 else list(hot)
+        return DataSpec(data_cfg.num_dense, list(data_cfg.cardinalities), hotness)

@@ -1,0 +1,115 @@
+"""Synthetic click logs with a known answer.
+
+A planted teacher (a fixed random model of the DLRM family) gives each sample a true click
+probability; labels are Bernoulli draws from it. The AUC of the true probabilities on the
+validation split (the oracle AUC) is the ceiling a learner can reach.
+
+Every random number is a pure function of (seed, stream, sample or row index), computed by a
+counter-based hash instead of a sequential generator: that is what lets each rank generate
+exactly its own slice of any global batch, and makes the data identical for any world size.
+Teacher latent vectors are hashed from their row index too, so a 40M-row table costs no memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dlrm_hybrid.data.batch import Batch, fixed_hotness_kjt
+from dlrm_hybrid.data.spec import DataSpec
+
+SPLIT_OFFSET = {"train": 0, "val": 1 << 40}  # disjoint sample index ranges per split
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def counter_uniform(seed: int, stream: int, index: np.ndarray) -> np.ndarray:
+    """Uniform floats in (0, 1), one per index, a pure function of (seed, stream, index)."""
+    key = _splitmix64(np.array([(seed << 20) ^ stream], dtype=np.uint64))
+    bits = _splitmix64(index.astype(np.uint64) ^ key)
+    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def counter_normal(seed: int, stream: int, index: np.ndarray) -> torch.Tensor:
+    return torch.special.ndtri(torch.from_numpy(counter_uniform(seed, stream, index)))
+
+
+def zipf_ids(u: np.ndarray, rows: int, exponent: float) -> np.ndarray:
+    """Inverse CDF of a bounded power law on [1, rows + 1): id 0 is the most frequent."""
+    if abs(exponent - 1.0) < 1e-9:
+        x = np.power(rows + 1.0, u)
+    else:
+        a = 1.0 - exponent
+        x = np.power(1.0 + u * (np.power(rows + 1.0, a) - 1.0), 1.0 / a)
+    return np.minimum(x.astype(np.int64) - 1, rows - 1)
+
+
+class SyntheticClicks:
+    """The planted-teacher dataset described by a `DataConfig`."""
+
+    STREAM_DENSE, STREAM_LABEL, STREAM_IDS, STREAM_LATENT = 0, 1, 2, 3
+
+    def __init__(self, data_cfg) -> None:
+        self.spec = DataSpec.from_config(data_cfg)
+        self.seed = data_cfg.seed
+        self.exponent = data_cfg.zipf_exponent
+        self.teacher_dim = data_cfg.teacher_dim
+        self.sizes = {"train": data_cfg.train_samples, "val": data_cfg.val_samples}
+        gen = torch.Generator().manual_seed(self.seed)
+        self.dense_proj = torch.randn(self.spec.num_dense, self.teacher_dim, generator=gen,
+                                      dtype=torch.float64) / self.spec.num_dense**0.5
+        vectors = len(self.spec.cardinalities) + 1
+        pairs = vectors * (vectors - 1) // 2
+        # Each latent entry is N(0, 1/d), so a dot of two is ~N(0, 1/d); the sum of the pairwise
+        # dots is rescaled to unit variance, then to teacher_scale, around a ~25% click rate.
+        self.logit_scale = data_cfg.teacher_scale / (pairs / self.teacher_dim) ** 0.5
+        self.logit_bias = -1.2
+
+    def num_samples(self, split: str) -> int:
+        return self.sizes[split]
+
+    def batch(self, split: str, first: int, count: int) -> Batch:
+        """Samples [first, first + count) of `split`; indices past its end are padding."""
+        index = np.arange(first, first + count, dtype=np.uint64) + np.uint64(SPLIT_OFFSET[split])
+        dense = self._dense(index)
+        ids = self._ids(index)
+        prob = torch.sigmoid(self._teacher_logit(dense, ids))
+        u = torch.from_numpy(counter_uniform(self.seed, self.STREAM_LABEL, index))
+        labels = (u < prob).to(torch.float32)
+        valid = torch.arange(first, first + count) < self.sizes[split]
+        sparse = fixed_hotness_kjt(self.spec.feature_names, [torch.from_numpy(t) for t in ids])
+        return Batch(dense.to(torch.float32), sparse, labels, valid, prob.to(torch.float32))
+
+    def _dense(self, index: np.ndarray) -> torch.Tensor:
+        n = self.spec.num_dense
+        flat = (index[:, None] * np.uint64(n) + np.arange(n, dtype=np.uint64)).reshape(-1)
+        return counter_normal(self.seed, self.STREAM_DENSE, flat).reshape(len(index), n)
+
+    def _ids(self, index: np.ndarray) -> list:
+        out = []
+        for table, (rows, hot) in enumerate(zip(self.spec.cardinalities, self.spec.hotness)):
+            slots = index[:, None] * np.uint64(64) + np.arange(hot, dtype=np.uint64)
+            u = counter_uniform(self.seed, self.STREAM_IDS + 16 * table, slots.reshape(-1))
+            out.append(zipf_ids(u, rows, self.exponent).reshape(len(index), hot))
+        return out
+
+    def _latents(self, table: int, ids: np.ndarray) -> torch.Tensor:
+        """The teacher's latent vectors of `ids` ([B, hot]) in `table`, mean-pooled: [B, d]."""
+        d = self.teacher_dim
+        flat = (ids.astype(np.uint64)[..., None] * np.uint64(d) + np.arange(d, dtype=np.uint64))
+        vec = counter_normal(self.seed, self.STREAM_LATENT + 16 * table, flat.reshape(-1))
+        return vec.reshape(*ids.shape, d).mean(dim=1) / d**0.5
+
+    def _teacher_logit(self, dense: torch.Tensor, ids: list) -> torch.Tensor:
+        vectors = [dense @ self.dense_proj / self.teacher_dim**0.5]
+        vectors += [self._latents(t, table_ids) for t, table_ids in enumerate(ids)]
+        z = torch.stack(vectors, dim=1)  # [B, F + 1, d]
+        dots = torch.bmm(z, z.transpose(1, 2))
+        upper = torch.triu_indices(z.shape[1], z.shape[1], offset=1)
+        return self.logit_bias + self.logit_scale * dots[:, upper[0], upper[1]].sum(dim=1)

@@ -1,0 +1,69 @@
+"""Turn a placement into a torchrec ShardingPlan, shard the model, and initialise the tables.
+
+Table initialisation must not depend on the placement: each table's values come from its own
+seeded generator, in fixed row blocks, and a rank copies in only the shards it owns. That is
+what makes a 1-rank and an 8-rank run start from the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from dlrm_hybrid.model.dlrm import DLRM
+from dlrm_hybrid.parallel.placement import Placement
+
+INIT_ROW_BLOCK = 65536  # rows generated per seeded block
+
+
+def sharding_plan(model: DLRM, placement: Placement, local_world_size: int,
+                  device_type: str) -> ShardingPlan:
+    per_table = {name: table_wise(rank=rank) for name, rank in placement.rank_of.items()}
+    module_plan = construct_module_sharding_plan(
+        model.embedding_bags, per_table, local_size=local_world_size,
+        world_size=placement.world_size, device_type=device_type)
+    return ShardingPlan({"embedding_bags": module_plan})
+
+
+def shard_model(model: DLRM, placement: Placement, device: torch.device,
+                local_world_size: int) -> DistributedModelParallel:
+    """Shard the embeddings by `placement`; the rest becomes data-parallel (DDP)."""
+    plan = sharding_plan(model, placement, local_world_size, device.type)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    return DistributedModelParallel(model, env=env, device=device, plan=plan)
+
+
+def init_tables(dmp: DistributedModelParallel, tables: List[EmbeddingBagConfig], seed: int) -> None:
+    """Fill each locally owned shard with U(-1/sqrt(rows), 1/sqrt(rows)), as the original DLRM."""
+    state = dmp.state_dict()
+    for index, table in enumerate(tables):
+        weight = state[_state_key(state, table.name)]
+        bound = table.num_embeddings ** -0.5
+        for shard in weight.local_shards():
+            row0, col0 = shard.metadata.shard_offsets
+            rows, cols = shard.tensor.shape
+            with torch.no_grad():
+                for start in range(row0 - row0 % INIT_ROW_BLOCK, row0 + rows, INIT_ROW_BLOCK):
+                    block = _table_block(seed, index, start, table, bound)
+                    lo, hi = max(start, row0), min(start + block.shape[0], row0 + rows)
+                    shard.tensor[lo - row0:hi - row0].copy_(
+                        block[lo - start:hi - start, col0:col0 + cols])
+
+
+def _table_block(seed: int, table_index: int, start: int, table: EmbeddingBagConfig,
+                 bound: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(hash((seed, table_index, start)) & 0x7FFFFFFFFFFFFFFF)
+    rows = min(INIT_ROW_BLOCK, table.num_embeddings - start)
+    return torch.empty(rows, table.embedding_dim).uniform_(-bound, bound, generator=gen)
+
+
+def _state_key(state: dict, table_name: str) -> str:
+    suffix = f"embedding_bags.embedding_bags.{table_name}.weight"
+    (key,) = [k for k in state if k.endswith(suffix)]
+    return key

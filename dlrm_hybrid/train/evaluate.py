@@ -1,0 +1,41 @@
+"""Exact validation metrics over the whole split, gathered from every rank."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.functional import binary_cross_entropy_with_logits
+from torchmetrics.functional.classification import binary_auroc
+
+from dlrm_hybrid.data.slices import eval_batches
+
+
+@torch.no_grad()
+def evaluate(model, dataset, split: str, global_batch: int, env) -> Optional[Dict[str, float]]:
+    """AUC and log loss on rank 0 (None elsewhere); `oracle_auc` too when the data knows the
+    true click probabilities."""
+    model.eval()
+    columns = []  # per batch: [logit, label, valid, true_prob] x local batch
+    for batch in eval_batches(dataset, split, global_batch, env.rank, env.world_size):
+        batch = batch.to(env.device, non_blocking=True)
+        logits = model(batch.dense, batch.sparse).float()
+        true_prob = batch.true_prob if batch.true_prob is not None else torch.full_like(logits, -1)
+        columns.append(torch.stack([logits, batch.labels, batch.valid.float(), true_prob]))
+    model.train()
+    local = torch.cat(columns, dim=1)
+    gathered = [torch.empty_like(local) for _ in range(env.world_size)] if env.is_main else None
+    dist.gather(local, gathered, dst=0)
+    if not env.is_main:
+        return None
+    logits, labels, valid, true_prob = torch.cat(gathered, dim=1)
+    keep = valid > 0.5
+    logits, labels, true_prob = logits[keep].cpu(), labels[keep].cpu(), true_prob[keep].cpu()
+    result = {
+        "val_auc": binary_auroc(torch.sigmoid(logits), labels.long()).item(),
+        "val_logloss": binary_cross_entropy_with_logits(logits, labels).item(),
+    }
+    if (true_prob >= 0).all():
+        result["oracle_auc"] = binary_auroc(true_prob, labels.long()).item()
+    return result

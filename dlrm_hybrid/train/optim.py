@@ -1,0 +1,57 @@
+"""Optimizers: fused in-backward for the embeddings (fbgemm via torchrec), torch.optim for the
+MLPs, one LR schedule (linear warmup, then polynomial decay) driving both."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+EMBEDDING_OPTIMIZERS = {
+    "sgd": torch.optim.SGD,
+    "rowwise_adagrad": RowWiseAdagrad,
+    "adagrad": torch.optim.Adagrad,
+    "adam": torch.optim.Adam,
+}
+DENSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
+
+
+def _kwargs(name: str, lr: float, eps: float) -> dict:
+    return {"lr": lr} if name == "sgd" else {"lr": lr, "eps": eps}
+
+
+def attach_embedding_optimizer(embedding_bags: torch.nn.Module, optim_cfg) -> None:
+    """Before sharding: torchrec's sharder reads this and fuses the update into the backward."""
+    apply_optimizer_in_backward(
+        EMBEDDING_OPTIMIZERS[optim_cfg.embedding], embedding_bags.parameters(),
+        _kwargs(optim_cfg.embedding, optim_cfg.embedding_lr, optim_cfg.eps))
+
+
+def build_optimizer(dmp, optim_cfg) -> Tuple[CombinedOptimizer, LambdaLR]:
+    """After sharding: the dense optimizer plus the sharded model's fused one, and the schedule.
+
+    The fused optimizer reads its LR from its param group in `zero_grad()`, so call
+    `zero_grad()` at the start of each step for the embeddings to follow the schedule.
+    """
+    dense_cls = DENSE_OPTIMIZERS[optim_cfg.dense]
+    dense_kwargs = _kwargs(optim_cfg.dense, optim_cfg.dense_lr, optim_cfg.eps)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: dense_cls(params, **dense_kwargs))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    return optimizer, LambdaLR(optimizer, lambda step: lr_factor(step, optim_cfg))
+
+
+def lr_factor(step: int, optim_cfg) -> float:
+    """Multiplier of the base LR at (0-based) `step`: warmup, hold, polynomial decay, floor."""
+    c = optim_cfg
+    if step < c.warmup_steps:
+        return (step + 1) / c.warmup_steps
+    if c.decay_steps <= 0 or step < c.decay_start_step:
+        return 1.0
+    progress = min(1.0, (step - c.decay_start_step) / c.decay_steps)
+    return c.decay_end_factor + (1.0 - c.decay_end_factor) * (1.0 - progress) ** c.decay_power
