@@ -44,7 +44,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
     model = build_model(cfg.model, dataset.spec)
     tables = model.embedding_bags.embedding_bag_configs()
-    attach_embedding_optimizer(model.embedding_bags, cfg.optim)
+    attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
     placement = place_tables(table_specs(tables, cfg), env.world_size, memory_budget(cfg, env))
     log.say(placement.describe())
     dmp = shard_model(model, placement, env.device, env.local_world_size)

@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+from torch.distributed.optim import _apply_optimizer_in_backward
 from torch.optim.lr_scheduler import LambdaLR
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from dlrm_hybrid.config import ConfigError
 
 EMBEDDING_OPTIMIZERS = {
     "sgd": torch.optim.SGD,
@@ -25,9 +27,16 @@ def _kwargs(name: str, lr: float, eps: float) -> dict:
     return {"lr": lr} if name == "sgd" else {"lr": lr, "eps": eps}
 
 
-def attach_embedding_optimizer(embedding_bags: torch.nn.Module, optim_cfg) -> None:
+GPU_ONLY_EMBEDDING_OPTIMIZERS = ("adam",)  # fbgemm's CPU kernels lack them
+
+
+def attach_embedding_optimizer(embedding_bags: torch.nn.Module, optim_cfg,
+                               device: torch.device) -> None:
     """Before sharding: torchrec's sharder reads this and fuses the update into the backward."""
-    apply_optimizer_in_backward(
+    if device.type == "cpu" and optim_cfg.embedding in GPU_ONLY_EMBEDDING_OPTIMIZERS:
+        raise ConfigError(f"optim.embedding: {optim_cfg.embedding} runs only on GPU in fbgemm; "
+                          f"on CPU use sgd, rowwise_adagrad or adagrad")
+    _apply_optimizer_in_backward(
         EMBEDDING_OPTIMIZERS[optim_cfg.embedding], embedding_bags.parameters(),
         _kwargs(optim_cfg.embedding, optim_cfg.embedding_lr, optim_cfg.eps))
 

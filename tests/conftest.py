@@ -1,0 +1,54 @@
+"""Shared test helpers: run the CLI as a user would, in a one-process group or under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def run_cli(args: List[str], nproc: int = 0, timeout: int = 300,
+            extra_env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`python -m dlrm_hybrid ARGS`, or under `torchrun --nproc_per_node=nproc` when nproc > 0."""
+    if nproc:
+        cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
+    else:
+        cmd = [sys.executable, "-m", "dlrm_hybrid", *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", **(extra_env or {}))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> List[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def done_fields(stdout: str) -> dict:
+    """The `done:` line's key=value pairs; asserts it is the last line printed."""
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("done: "), stdout[-2000:]
+    return {k: float(v) for k, v in (item.split("=") for item in last.split()[1:])}
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A gloo group of one process, for tests that shard a model in-process."""
+    import torch.distributed as dist
+
+    from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
+
+    saved = dict(os.environ)
+    env = init_distributed("gloo")
+    yield env
+    shutdown()
+    os.environ.clear()
+    os.environ.update(saved)
+    assert not dist.is_initialized()

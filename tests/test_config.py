@@ -1,0 +1,70 @@
+"""Config loading, overrides, and the one-line errors (exit code 2) a user sees for bad input."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
+
+
+def test_every_shipped_config_loads():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(str(path), world_size=2)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(str(ROOT / "configs/demo.yaml"),
+                      ["train.max_steps=40", "data.cardinalities=[7, 8]", "data.hotness=[1]",
+                       "optim.dense_lr=1"])
+    assert cfg.train.max_steps == 40
+    assert cfg.data.cardinalities == [7, 8]
+    assert cfg.optim.dense_lr == 1.0 and isinstance(cfg.optim.dense_lr, float)
+
+
+@pytest.mark.parametrize("override, world, needle", [
+    ("train.max_stepz=3", 1, "train.max_stepz: unknown key"),
+    ("bogus.key=3", 1, "bogus: unknown key"),
+    ("train.max_steps=abc", 1, "train.max_steps: expected int"),
+    ("data.cardinalities=5", 1, "data.cardinalities: expected a list"),
+    ("data.global_batch_size=1000", 3, "data.global_batch_size: 1000 is not divisible by the world size 3"),
+    ("model.embedding_dim=32", 1, "model.embedding_dim: 32 must equal the bottom MLP output"),
+    ("parallel.backend=mpi", 1, "parallel.backend: 'mpi' is not one of"),
+    ("parallel.memory_per_rank=lots", 1, "parallel.memory_per_rank: 'lots' is not a size"),
+])
+def test_bad_values_raise_one_named_error(override, world, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+        load_config(str(ROOT / "configs/demo.yaml"), [override], world_size=world)
+
+
+def test_cat_interaction_does_not_need_matching_dims():
+    cfg = load_config(None, ["model.interaction=cat", "model.embedding_dim=4"])
+    assert cfg.model.embedding_dim == 4
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.max_stepz=3", "train.max_stepz: unknown key"),
+    ("train.max_steps=abc", "train.max_steps: expected int, got 'abc'"),
+    ("data.global_batch_size=1001", "data.global_batch_size: 1001 is not divisible by the world size 2"),
+    ("model.embedding_dim=32", "model.embedding_dim: 32 must equal the bottom MLP output"),
+])
+def test_cli_reports_bad_config_in_one_line_with_exit_code_2(override, needle):
+    # WORLD_SIZE as torchrun sets it: the divisibility check sees 2 ranks without starting them.
+    result = run_cli(["train", "--config", "configs/demo.yaml", "--set", override],
+                     extra_env={"WORLD_SIZE": "2"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0]
+
+
+def test_cli_names_a_missing_config_file(tmp_path: Path):
+    result = run_cli(["train", "--config", str(tmp_path / "nope.yaml")])
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "nope.yaml" in result.stderr
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB", "k") == 80 * 2**30
+    assert parse_bytes("1.5MB", "k") == 1_500_000
+    assert parse_bytes("auto", "k", allow_auto=True) is None
