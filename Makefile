@@ -21,7 +21,7 @@ STAMP := $(VENV)/.installed-$(subst ==,-,$(FBGEMM))
 .PHONY: demo test install clean
 
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -88,7 +88,10 @@ class Config:
         return dataclasses.asdict(self)
 
     def save(self, path: Path) -> None:
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Write atomically: a reader never sees half a file."""
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        partial.replace(path)
 
 
 CHOICES = {

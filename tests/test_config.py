@@ -68,3 +68,11 @@ def test_parse_bytes():
     assert parse_bytes("80GiB", "k") == 80 * 2**30
     assert parse_bytes("1.5MB", "k") == 1_500_000
     assert parse_bytes("auto", "k", allow_auto=True) is None
+
+
+def test_readme_documents_every_config_key():
+    readme = (ROOT / "README.md").read_text()
+    cfg = load_config(None).to_dict()
+    missing = [f"{section}.{key}" for section, keys in cfg.items() for key in keys
+               if f"`{section}.{key}`" not in readme]
+    assert not missing, f"README config reference lacks {missing}"

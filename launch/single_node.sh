@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One host, one process per GPU (or NPROC CPU processes with gloo when there is no GPU).
+#   launch/single_node.sh configs/demo.yaml --set train.max_steps=100
+set -euo pipefail
+config=${1:?usage: launch/single_node.sh CONFIG [--set KEY=VALUE ...]}
+shift
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+nproc=${NPROC:-$([ "${gpus:-0}" -gt 0 ] && echo "$gpus" || echo 2)}
+exec torchrun --standalone --nproc_per_node="$nproc" -m dlrm_hybrid train --config "$config" "$@"
