@@ -28,14 +28,14 @@ test: $(STAMP)
 
 install: $(STAMP)
 
-# torchrec goes in with --no-deps: it declares the CUDA fbgemm-gpu, which on a CPU machine fails
-# to load and overwrites the CPU build (DESIGN.md, "Version set").
+# torchrec goes in last, with --no-deps: it declares the CUDA fbgemm-gpu, which on a CPU machine
+# fails to load and overwrites the CPU build (DESIGN.md, "Version set"); requirements.txt has
+# the rest of its needs.
 $(STAMP): requirements.txt setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed-*
-	$(PIP) torch==$(TORCH_VERSION) $(FBGEMM)
+	$(PIP) torch==$(TORCH_VERSION) $(FBGEMM) -r requirements.txt
 	$(PIP) --no-deps torchrec==$(TORCHREC_VERSION)
-	$(PIP) -r requirements.txt
 	$(PIP) --no-deps --no-build-isolation -e .
 	$(PY) -c "import torchrec, fbgemm_gpu, dlrm_hybrid"
 	touch $@

@@ -85,3 +85,15 @@ def test_every_table_placed_once_within_budget_and_deterministic(rows, world, sl
 def test_generous_budget_always_places(rows, world):
     tables = [TableSpec(f"t{i}", r, 8) for i, r in enumerate(rows)]
     place_tables(tables, world, sum(t.bytes for t in tables))
+
+
+def test_cli_oversize_table_exits_2_and_writes_no_run_dir(tmp_path):
+    from conftest import run_cli
+
+    run_dir = tmp_path / "run"
+    result = run_cli(["train", "--set", "data.cardinalities=[100000000, 10]",
+                      "--set", "parallel.memory_per_rank=1GiB", "--set", f"train.run_dir={run_dir}"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "error: table t_cat_0 (6.3GiB" in result.stderr and "raise parallel.memory_per_rank" in result.stderr
+    assert not run_dir.exists()

@@ -33,6 +33,11 @@ class TableSpec:
     precision: str = "fp32"
     optimizer: str = "sgd"
 
+    @staticmethod
+    def of(table, precision: str, optimizer: str) -> "TableSpec":
+        """From a torchrec EmbeddingBagConfig."""
+        return TableSpec(table.name, table.num_embeddings, table.embedding_dim, precision, optimizer)
+
     @property
     def weight_bytes(self) -> int:
         return self.rows * self.dim * BYTES_PER_WEIGHT[self.precision]

@@ -35,25 +35,16 @@ class TrainResult:
 
 
 def train(cfg: Config, env: DistEnv) -> TrainResult:
-    run_dir = Path(cfg.train.run_dir)
-    log = MetricsLog(run_dir, env.is_main)
-    if env.is_main:
-        cfg.save(run_dir / "config.yaml")
+    log = MetricsLog(Path(cfg.train.run_dir), env.is_main)
     dataset = SyntheticClicks(cfg.data)
-
-    torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
-    model = build_model(cfg.model, dataset.spec)
-    tables = model.embedding_bags.embedding_bag_configs()
-    attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
-    placement = place_tables(table_specs(tables, cfg), env.world_size, memory_budget(cfg, env))
-    log.say(placement.describe())
-    dmp = shard_model(model, placement, env.device, env.local_world_size)
-    init_tables(dmp, tables, cfg.train.seed)
+    dmp = build_sharded_model(cfg, dataset.spec, env, log)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
+    log.begin(cfg)
 
     B, steps = cfg.data.global_batch_size, cfg.train.max_steps
     batches = train_batches(dataset, B, env.rank, env.world_size)
-    losses, loss_sum, train_time = [], torch.zeros((), device=env.device), 0.0
+    losses, train_time = [], 0.0
+    loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
     for step in tqdm(range(1, steps + 1), disable=not (env.is_main and cfg.train.progress_bar),
                      desc="train", unit="step"):
         start = time.perf_counter()
@@ -64,12 +55,12 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
         optimizer.step()
         schedule.step()
         loss_sum += loss.detach()
+        window += 1
         if step % cfg.train.log_every == 0 or step == steps:
-            window = cfg.train.log_every if step % cfg.train.log_every == 0 else step % cfg.train.log_every
-            mean = global_mean(loss_sum, env) / window
-            losses.append(mean)
-            log.record({"step": step, "loss": mean, "lr": schedule.get_last_lr()[-1]})
+            losses.append(global_mean(loss_sum, env) / window)
+            log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1]})
             loss_sum.zero_()
+            window = 0
         train_time += time.perf_counter() - start
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
             evaluate_and_log(dmp, dataset, cfg, env, log, step)
@@ -80,6 +71,20 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
         log.say(done_line(steps, losses[-1], metrics, samples_per_s))
     log.close()
     return TrainResult(steps, losses, metrics, samples_per_s)
+
+
+def build_sharded_model(cfg: Config, spec, env: DistEnv, log: MetricsLog):
+    """The DLRM with its tables placed, sharded and initialised, the MLPs wrapped in DDP."""
+    torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
+    model = build_model(cfg.model, spec)
+    tables = model.embedding_bags.embedding_bag_configs()
+    attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
+    specs = [TableSpec.of(t, cfg.model.embedding_precision, cfg.optim.embedding) for t in tables]
+    placement = place_tables(specs, env.world_size, memory_budget(cfg, env))
+    log.say(placement.describe())
+    dmp = shard_model(model, placement, env.device, env.local_world_size)
+    init_tables(dmp, tables, cfg.train.seed)
+    return dmp
 
 
 def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog,
@@ -98,20 +103,12 @@ def global_mean(local_value: torch.Tensor, env: DistEnv) -> float:
     return total.item() / env.world_size
 
 
-def table_specs(tables, cfg: Config) -> List[TableSpec]:
-    return [TableSpec(t.name, t.num_embeddings, t.embedding_dim, cfg.model.embedding_precision,
-                      cfg.optim.embedding) for t in tables]
-
-
 def memory_budget(cfg: Config, env: DistEnv) -> int:
     """Embedding bytes each rank may hold: the config's, or 85% of the device (the rest for MLPs
     and activations), or 8 GiB on CPU; the smallest over all ranks, so every rank plans alike."""
     budget = parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
-    if budget is None:
-        if env.device.type == "cuda":
-            budget = int(0.85 * torch.cuda.get_device_properties(env.device).total_memory)
-        else:
-            budget = CPU_DEFAULT_BUDGET
-    smallest = torch.tensor([budget], dtype=torch.int64, device=env.device)
+    if budget is None and env.device.type == "cuda":
+        budget = int(0.85 * torch.cuda.get_device_properties(env.device).total_memory)
+    smallest = torch.tensor([budget or CPU_DEFAULT_BUDGET], dtype=torch.int64, device=env.device)
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
     return int(smallest.item())

@@ -9,11 +9,16 @@ from tqdm import tqdm
 
 class MetricsLog:
     def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.run_dir = run_dir
         self.enabled = enabled
         self._file = None
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(run_dir / "metrics.jsonl", "w")
+
+    def begin(self, cfg) -> None:
+        """Create the run directory with the resolved config, once the run is known to start."""
+        if self.enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir / "config.yaml")
+            self._file = open(self.run_dir / "metrics.jsonl", "w")
 
     def record(self, event: dict) -> None:
         if self._file is not None:
