@@ -10,6 +10,7 @@ import warnings
 from typing import List, Optional
 
 from dlrm_hybrid.config import ConfigError, load_config
+from dlrm_hybrid.parallel import dry_run
 from dlrm_hybrid.parallel.placement import PlacementError
 
 USER_ERRORS = (ConfigError, PlacementError)
@@ -22,9 +23,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     train.add_argument("--config", help="YAML config; defaults apply to keys it leaves out")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.max_steps=40 (repeatable)")
+    plan = commands.add_parser("plan", help="print the embedding placement for a config, no GPU needed")
+    dry_run.add_arguments(plan)
     args = parser.parse_args(argv)
     try:
-        run_train(args.config, args.overrides)
+        if args.command == "train":
+            run_train(args.config, args.overrides)
+        else:
+            dry_run.run(args)
     except USER_ERRORS as e:
         _fail(str(e))
 
@@ -39,8 +45,10 @@ def run_train(config_path: Optional[str], overrides: List[str]) -> None:
     env = init_distributed(cfg.parallel.backend)
     try:
         train(cfg, env)
-    finally:
-        shutdown()
+    except BaseException:
+        shutdown(finished=False)
+        raise
+    shutdown()
 
 
 def _fail(message: str) -> None:

@@ -49,7 +49,10 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     backend: str = "auto"  # auto | nccl | gloo
-    memory_per_rank: str = "auto"  # embedding budget per rank, e.g. "80GiB"; auto: device memory or 8GiB on CPU
+    memory_per_rank: str = "auto"  # device memory per rank, e.g. "80GiB"; auto: the GPU's, or 8GiB on CPU
+    reserve_per_rank: str = "2GiB"  # kept free of tables, for dense parameters and activations
+    strategy: str = "greedy"  # greedy | nvidia
+    plan: str = ""  # a plan file from `dlrm_hybrid plan --out`, used as it is
 
 
 @dataclass
@@ -99,6 +102,7 @@ CHOICES = {
     "model.interaction": ("dot", "cat", "dcn"),
     "data.source": ("synthetic",),
     "parallel.backend": ("auto", "nccl", "gloo"),
+    "parallel.strategy": ("greedy", "nvidia"),
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
     "optim.dense": ("sgd", "adagrad", "adam"),
 }
@@ -201,7 +205,11 @@ def validate(cfg: Config, world_size: int) -> None:
             f"data.hotness: give one positive value or one per table ({len(d.cardinalities)})")
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every: must be >= 0, got {cfg.train.eval_every}")
-    parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
+    memory = parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
+    reserve = parse_bytes(cfg.parallel.reserve_per_rank, "parallel.reserve_per_rank")
+    if memory is not None and reserve >= memory:
+        raise ConfigError(f"parallel.reserve_per_rank: {cfg.parallel.reserve_per_rank} leaves nothing "
+                          f"of parallel.memory_per_rank ({cfg.parallel.memory_per_rank}) for tables")
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -224,6 +232,6 @@ def parse_bytes(text: str, key: str, allow_auto: bool = False) -> Optional[int]:
         amount = float(number)
     except ValueError:
         amount = -1.0
-    if unit not in _UNITS or amount <= 0:
+    if unit not in _UNITS or amount < 0:
         raise ConfigError(f"{key}: {text!r} is not a size; write e.g. 80GiB, 512MiB or 2e9")
     return int(amount * _UNITS[unit])

@@ -27,6 +27,14 @@ def run_cli(args: List[str], nproc: int = 0, timeout: int = 300,
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def failure(result: subprocess.CompletedProcess) -> str:
+    """What a failed run said that matters: the ranks' own error lines, then the tail."""
+    lines = result.stderr.splitlines()
+    errors = [l for l in lines if any(k in l for k in ("Error", "error", "terminate", "what()"))
+              and "Location" not in l]
+    return "\n".join(errors[:40] + ["..."] + lines[-15:])
+
+
 def read_metrics(run_dir: Path) -> List[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,9 +1,11 @@
 """Real multi-process runs under torchrun with gloo: what `make demo` and users rely on."""
 
+import json
+
 import pytest
 import yaml
 
-from conftest import done_fields, read_metrics, run_cli
+from conftest import done_fields, failure, read_metrics, run_cli
 
 EQUIVALENCE = ["train.max_steps=20", "train.log_every=1", "train.eval_every=0",
                "data.val_samples=8192", "train.progress_bar=false"]
@@ -14,7 +16,7 @@ def train_losses(tmp_path, nproc, optimizer):
     overrides = [*EQUIVALENCE, f"optim.embedding={optimizer}", f"train.run_dir={run_dir}"]
     result = run_cli(["train", "--config", "configs/demo.yaml",
                       *[arg for o in overrides for arg in ("--set", o)]], nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     events = read_metrics(run_dir)
     return [e["loss"] for e in events if "loss" in e], done_fields(result.stdout)
 
@@ -34,12 +36,40 @@ def test_demo_config_on_two_ranks_reaches_the_oracle(tmp_path):
     """`make demo`: 2 gloo ranks, the shipped config, within 0.02 AUC of the planted teacher."""
     result = run_cli(["train", "--config", "configs/demo.yaml", "--set",
                       f"train.run_dir={tmp_path}"], nproc=2, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     done = done_fields(result.stdout)
     assert done["steps"] == 3000 and done["samples_per_s"] > 0
     assert done["oracle_auc"] - done["val_auc"] < 0.02, result.stdout[-1000:]
-    assert "rank 0:" in result.stdout and "rank 1:" in result.stdout  # the placement printout
+    assert "plan (greedy): 8 tables, 8 shards on 2 ranks" in result.stdout  # rank 0's placement
     events = read_metrics(tmp_path)
     assert [e["step"] for e in events if "val_auc" in e] == [1000, 2000, 3000]
     assert len([e for e in events if "loss" in e]) == 3000 // 50
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["max_steps"] == 3000
+
+
+def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
+    """`plan --out` then `train --set parallel.plan=...`: torchrec applies that very placement."""
+    sets = ["data.cardinalities=[4000,100,100]", "data.hotness=[1]", "optim.embedding=sgd",
+            "data.global_batch_size=256", "data.val_samples=2048", "train.max_steps=5",
+            "train.progress_bar=false"]
+    args = [arg for s in sets for arg in ("--set", s)]
+    plan_path, run_dir = tmp_path / "plan.json", tmp_path / "run"
+    made = run_cli(["plan", "--config", "configs/demo.yaml", "--world-size", "2",
+                    "--gpu-memory", "8GiB", "--out", str(plan_path), *args])
+    assert made.returncode == 0, made.stderr
+    planned = {name: (t["sharding"], t["ranks"])
+               for name, t in json.loads(plan_path.read_text())["tables"].items()}
+    assert planned["t_cat_0"][0] == "column_wise"  # the dominant table is split to balance
+
+    result = run_cli(["train", "--config", "configs/demo.yaml", *args, "--set",
+                      f"parallel.plan={plan_path}", "--set", f"train.run_dir={run_dir}"], nproc=2)
+    assert result.returncode == 0, failure(result)
+    applied = json.loads((run_dir / "sharding.json").read_text())
+    assert {name: (a["sharding"], a["ranks"]) for name, a in applied.items()} == planned
+    done_fields(result.stdout)
+
+    wrong = run_cli(["train", "--config", "configs/demo.yaml", *args, "--set",
+                     f"parallel.plan={plan_path}", "--set", f"train.run_dir={tmp_path / 'x'}"])
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == (f"error: parallel.plan: {plan_path} is for 2 ranks, this job "
+                                    f"has 1; make one with `plan --world-size 1`")

@@ -16,6 +16,11 @@ class DataSpec:
     def feature_names(self) -> List[str]:
         return [f"cat_{i}" for i in range(len(self.cardinalities))]
 
+    @property
+    def table_names(self) -> List[str]:
+        """One embedding table per categorical feature."""
+        return [f"t_{feature}" for feature in self.feature_names]
+
     @staticmethod
     def from_config(data_cfg) -> "DataSpec":
         hot = data_cfg.hotness

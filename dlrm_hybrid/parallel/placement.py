@@ -1,24 +1,32 @@
-"""Which rank owns which embedding table: a largest-first, memory-aware greedy placer.
+"""Which rank owns which embedding table, or which columns of it.
 
-This is NVIDIA DLRM's heuristic as its README states it (sort tables largest first, cap each
-rank at ceil(T/G) tables, give the next table to the rank with the most free memory), with the
-memory check its code leaves out: a table that does not fit is an error naming it.
+Two strategies over the same cost model (`tables.py`):
+
+- `nvidia`: NVIDIA DLRM's heuristic as its README states it, made memory-aware: largest table
+  first, each to the rank with the most free memory, at most ceil(T/G) per rank.
+- `greedy` (default): largest first, each shard to the rank where it raises the higher of its
+  normalised memory and all-to-all load (per rank, and per host) the least, within budget;
+  lookup load breaks ties. Tables that are large against a rank's mean load are split column-wise (torchrec
+  `column_wise`), finer and finer until memory and all-to-all are balanced within 10%.
+
+Both split a table larger than one rank's budget column-wise over as many ranks as it needs.
+Everything is deterministic: ties go to the lower rank, equal tables by name.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from functools import lru_cache
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
-# Optimizer state per embedding row, in fp32 values, as fbgemm's fused optimizers keep it.
-OPTIMIZER_STATE_VALUES = {
-    "sgd": lambda dim: 0,
-    "rowwise_adagrad": lambda dim: 1,
-    "adagrad": lambda dim: dim,
-    "adam": lambda dim: 2 * dim,
-}
-BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2}
+import numpy as np
+
+from dlrm_hybrid.parallel.tables import TableSpec
+
+STRATEGIES = ("greedy", "nvidia")
+BALANCED = 1.08  # greedy refines until memory and all-to-all max/mean are within this (10% promised)
+MAX_REFINEMENTS = 16  # greedy's rounds of splitting the largest tables on overloaded ranks
 
 
 class PlacementError(ValueError):
@@ -26,78 +34,306 @@ class PlacementError(ValueError):
 
 
 @dataclass(frozen=True)
-class TableSpec:
-    name: str
-    rows: int
-    dim: int
-    precision: str = "fp32"
-    optimizer: str = "sgd"
-
-    @staticmethod
-    def of(table, precision: str, optimizer: str) -> "TableSpec":
-        """From a torchrec EmbeddingBagConfig."""
-        return TableSpec(table.name, table.num_embeddings, table.embedding_dim, precision, optimizer)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.rows * self.dim * BYTES_PER_WEIGHT[self.precision]
-
-    @property
-    def optimizer_bytes(self) -> int:
-        return self.rows * OPTIMIZER_STATE_VALUES[self.optimizer](self.dim) * 4
-
-    @property
-    def bytes(self) -> int:
-        return self.weight_bytes + self.optimizer_bytes
+class Shard:
+    table: str
+    rank: int
+    col_offset: int
+    cols: int
 
 
 @dataclass
-class Placement:
+class Plan:
     world_size: int
-    budget_bytes: int
-    rank_of: Dict[str, int]  # table name -> owning rank
+    strategy: str
+    budget_bytes: int  # for embedding tables, per rank
+    batch_size: int  # global batch the traffic figures are for
     tables: Dict[str, TableSpec]
+    shards: List[Shard]
+    gpus_per_node: Optional[int] = None
+    loads: np.ndarray = field(init=False, repr=False)  # [3, world]: memory, a2a, lookup bytes
+
+    def __post_init__(self) -> None:
+        self.loads = np.zeros((3, self.world_size))
+        for s in self.shards:
+            self.loads[:, s.rank] += _shard_cost(self.tables[s.table], s.cols, self.batch_size)
+
+    def shards_of(self, table: str) -> List[Shard]:
+        return [s for s in self.shards if s.table == table]
+
+    def sharding_type(self, table: str) -> str:
+        return "table_wise" if len(self.shards_of(table)) == 1 else "column_wise"
 
     def tables_on(self, rank: int) -> List[str]:
-        return [name for name, r in self.rank_of.items() if r == rank]
+        return [s.table for s in self.shards if s.rank == rank]
 
-    def bytes_on(self, rank: int) -> int:
-        return sum(self.tables[name].bytes for name in self.tables_on(rank))
+    def host_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node if self.gpus_per_node else 0
 
-    def describe(self) -> str:
-        """A per-rank table for the log."""
-        lines = [f"placement: {len(self.tables)} tables on {self.world_size} ranks, "
-                 f"budget {format_bytes(self.budget_bytes)} per rank"]
-        for rank in range(self.world_size):
-            names = self.tables_on(rank)
-            used = self.bytes_on(rank)
-            rows = sum(self.tables[n].rows for n in names)
-            lines.append(f"  rank {rank}: {len(names):3d} tables {rows:>12,d} rows "
-                         f"{format_bytes(used):>10s} ({100 * used / self.budget_bytes:5.1f}%)  "
-                         f"{', '.join(names)}")
-        return "\n".join(lines)
+    def imbalance(self) -> Dict[str, float]:
+        """max/mean over ranks of memory, all-to-all and lookup load (1.0 is perfect)."""
+        names = ("memory", "a2a", "lookup")
+        return {n: _max_over_mean(row) for n, row in zip(names, self.loads)}
 
 
-def place_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int) -> Placement:
-    """Largest table first, each to the rank with most free memory among those under the cap."""
-    cap = math.ceil(len(tables) / world_size)
-    free = [budget_bytes] * world_size
-    count = [0] * world_size
-    rank_of: Dict[str, int] = {}
-    for table in sorted(tables, key=lambda t: (-t.bytes, t.name)):
-        open_ranks = [r for r in range(world_size) if count[r] < cap]
-        rank = max(open_ranks, key=lambda r: (free[r], -r))
-        if table.bytes > free[rank]:
-            raise PlacementError(
-                f"table {table.name} ({format_bytes(table.bytes)}: {table.rows:,} rows x {table.dim}, "
-                f"{table.precision}, {table.optimizer} state) does not fit: the most free memory on "
-                f"any rank is {format_bytes(free[rank])} (rank {rank}, budget "
-                f"{format_bytes(budget_bytes)}); raise parallel.memory_per_rank or add ranks")
-        rank_of[table.name] = rank
-        free[rank] -= table.bytes
+def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
+                batch_size: int, strategy: str = "greedy",
+                gpus_per_node: Optional[int] = None) -> Plan:
+    """Place every table (or its column shards) on ranks; PlacementError if they cannot fit,
+    saying how many ranks of this budget would hold them."""
+    try:
+        return _plan(tables, world_size, budget_bytes, batch_size, strategy, gpus_per_node)
+    except PlacementError as e:
+        narrowest = max(t.shard_bytes(min(_column_widths(t.dim, t.dim))) for t in tables)
+        if narrowest > budget_bytes:
+            raise PlacementError(f"{e}; even split column-wise as far as it goes, a shard needs "
+                                 f"{format_bytes(narrowest)}: raise parallel.memory_per_rank") from None
+        world = max(world_size + 1, math.ceil(sum(t.bytes for t in tables) / budget_bytes))
+        while world < 1 << 16 and not _fits(tables, world, budget_bytes, batch_size, strategy):
+            world += 1
+        raise PlacementError(f"{e}; {world} ranks of {format_bytes(budget_bytes)} would hold them "
+                             f"(or raise parallel.memory_per_rank)") from None
+
+
+def _fits(tables, world, budget, batch, strategy) -> bool:
+    try:
+        _plan(tables, world, budget, batch, strategy, None)
+        return True
+    except PlacementError:
+        return False
+
+
+def _plan(tables: Sequence[TableSpec], world_size: int, budget_bytes: int, batch_size: int,
+          strategy: str, gpus_per_node: Optional[int]) -> Plan:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    ordered = sorted(tables, key=lambda t: (-t.bytes, t.name))
+    counts = {t.name: _shards_to_fit(t, budget_bytes) for t in ordered}
+    make = lambda shards: Plan(world_size, strategy, budget_bytes, batch_size,  # noqa: E731
+                               {t.name: t for t in tables}, shards, gpus_per_node)
+    if strategy == "nvidia":
+        return make(_place_nvidia(_split(ordered, counts, world_size), world_size, budget_bytes))
+    best = None
+    for _ in range(MAX_REFINEMENTS):
+        pieces = _split(ordered, counts, world_size)
+        try:
+            plan = make(_place_min_max(pieces, world_size, budget_bytes, batch_size, gpus_per_node))
+        except PlacementError:
+            if best is None:
+                raise
+            break
+        if best is None or _worst(plan) < _worst(best):
+            best = plan
+        if _worst(plan) <= BALANCED or not _split_overloaded(plan, counts):
+            break
+    return best
+
+
+def _worst(plan: Plan) -> float:
+    i = plan.imbalance()
+    return max(i["memory"], i["a2a"])
+
+
+def _split_overloaded(plan: Plan, counts: Dict[str, int]) -> bool:
+    """On each rank over the balance target in the worse of memory and all-to-all, cut its
+    largest still-divisible table into more column shards. False when none can be."""
+    i = plan.imbalance()
+    row = 0 if i["memory"] >= i["a2a"] else 1
+    overloaded = set(np.flatnonzero(plan.loads[row] > BALANCED * plan.loads[row].mean()).tolist())
+    by_rank: Dict[int, List[Shard]] = {}
+    for s in plan.shards:
+        if s.rank in overloaded:
+            by_rank.setdefault(s.rank, []).append(s)
+    grown = False
+    for rank in sorted(by_rank):
+        cost = lambda s: _shard_cost(plan.tables[s.table], s.cols, plan.batch_size)[row]  # noqa: E731
+        for s in sorted(by_rank[rank], key=lambda s: (-cost(s), s.table)):
+            t = plan.tables[s.table]
+            more = len(_column_widths(t.dim, counts[t.name] + 1, plan.world_size))
+            if more > counts[t.name]:
+                counts[t.name] = more
+                grown = True
+                break
+    return grown
+
+
+# --- splitting ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Piece:
+    table: TableSpec
+    col_offset: int
+    cols: int
+    shard_count: int
+
+
+def _split(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int) -> List[_Piece]:
+    """Each table as `counts[name]` equal column shards (as near as the dim allows, at most one
+    per rank)."""
+    pieces = []
+    for t in ordered:
+        widths = _column_widths(t.dim, counts[t.name], max_count=world)
+        pieces += [_Piece(t, i * widths[0], w, len(widths)) for i, w in enumerate(widths)]
+    return pieces
+
+
+def _shards_to_fit(table: TableSpec, budget: int) -> int:
+    """The fewest column shards whose widest fits in `budget` (or as many as the dim allows)."""
+    count = max(1, math.ceil(table.bytes / budget))
+    while count < table.dim and table.shard_bytes(max(_column_widths(table.dim, count))) > budget:
+        count += 1
+    return count
+
+
+@lru_cache(maxsize=None)
+def _column_widths(dim: int, count: int, max_count: int = 1 << 30) -> Tuple[int, ...]:
+    """Equal widths summing to `dim`, at least `count` of them where the dim and `max_count`
+    allow: torchrec's `column_wise(ranks=...)` splits evenly, and fbgemm's GPU kernels want
+    widths divisible by 4."""
+    unit = 4 if dim % 4 == 0 else 1
+    counts = [c for c in range(1, min(dim // unit, max_count) + 1)
+              if dim % c == 0 and (dim // c) % unit == 0]
+    chosen = next((c for c in counts if c >= count), counts[-1])
+    return (dim // chosen,) * chosen
+
+
+# --- assignment -----------------------------------------------------------------------------
+
+def _shard_cost(table: TableSpec, cols: int, batch: int) -> np.ndarray:
+    return np.array([table.shard_bytes(cols), table.shard_a2a_bytes(cols, batch),
+                     table.shard_lookup_bytes(cols, batch)], dtype=np.float64)
+
+
+def _place_min_max(pieces: List[_Piece], world: int, budget: int, batch: int,
+                   gpus_per_node: Optional[int]) -> List[Shard]:
+    costs = np.stack([_shard_cost(p.table, p.cols, batch) for p in pieces])  # [P, 3]
+    target = np.maximum(costs.sum(axis=0) / world, 1e-12)  # mean load per rank
+    loads = _Loads(costs / target, world, gpus_per_node, budget / target[0])
+    order = sorted(range(len(pieces)), key=lambda i: (-float(loads.shares[i, :2].max()),
+                                                      pieces[i].table.name, pieces[i].col_offset))
+    holders: Dict[str, List[int]] = {}
+    rank_of = np.full(len(pieces), -1)
+    for i in order:
+        taken = holders.setdefault(pieces[i].table.name, [])
+        score, tiebreak = loads.score_if_added(i)
+        score[taken] = np.inf
+        rank = _best_rank(score, tiebreak)
+        if rank is None:
+            raise _no_room(pieces[i], loads.load[0] * target[0], budget, pieces)
+        loads.add(i, rank)
+        rank_of[i] = rank
+        taken.append(rank)
+    _polish(pieces, rank_of, loads, holders)
+    return [Shard(p.table.name, int(r), p.col_offset, p.cols) for p, r in zip(pieces, rank_of)]
+
+
+class _Loads:
+    """Per-rank (and per-host) loads, each normalised by its mean: 1.0 is a fair share."""
+
+    def __init__(self, shares: np.ndarray, world: int, gpus_per_node: Optional[int],
+                 budget: float) -> None:
+        self.shares = shares  # [P, 3] each piece's memory, all-to-all, lookup share
+        self.load = np.zeros((3, world))
+        self.budget = budget  # normalised memory budget
+        self.per_host = gpus_per_node
+        self.host = np.arange(world) // gpus_per_node if gpus_per_node else None
+        self.host_load = np.zeros((3, int(self.host.max()) + 1)) if gpus_per_node else None
+
+    def score_if_added(self, i: int):
+        """For every rank: the higher of memory and all-to-all (rank, and its host) were piece i
+        added there (inf where it would not fit), and a tiebreak that also counts lookups."""
+        share = self.shares[i]
+        mem, a2a = self.load[0] + share[0], self.load[1] + share[1]
+        score = np.maximum(mem, a2a)
+        if self.host is not None:
+            hosts = np.maximum(self.host_load[0] + share[0], self.host_load[1] + share[1])
+            score = np.maximum(score, hosts[self.host] / self.per_host)
+        score[mem > self.budget] = np.inf
+        return score, mem + a2a + self.load[2] + share[2]
+
+    def add(self, i: int, rank: int, sign: float = 1.0) -> None:
+        self.load[:, rank] += sign * self.shares[i]
+        if self.host is not None:
+            self.host_load[:, self.host[rank]] += sign * self.shares[i]
+
+    def worst(self) -> float:
+        worst = self.load[:2].max()
+        if self.host is not None:
+            worst = max(worst, self.host_load[:2].max() / self.per_host)
+        return float(worst)
+
+
+def _polish(pieces: List[_Piece], rank_of: np.ndarray, loads: _Loads,
+            holders: Dict[str, List[int]]) -> None:
+    """Move pieces off the most loaded rank while that lowers the worst load (local search
+    after the greedy pass; it fixes the last few percent LPT leaves)."""
+    for _ in range(4 * len(pieces)):
+        worst = loads.worst()
+        busiest = int(np.argmax(loads.load[:2].max(axis=0)))
+        best_gain, best_move = 1e-9, None
+        for i in np.flatnonzero(rank_of == busiest):
+            loads.add(i, busiest, -1.0)
+            score, _ = loads.score_if_added(i)
+            score[holders[pieces[i].table.name]] = np.inf
+            after = max(float(score.min()), loads.worst())
+            loads.add(i, busiest)
+            if worst - after > best_gain:
+                best_gain, best_move = worst - after, (i, int(np.argmin(score)))
+        if best_move is None:
+            return
+        i, rank = best_move
+        loads.add(i, rank_of[i], -1.0)
+        loads.add(i, rank)
+        holders[pieces[i].table.name].remove(rank_of[i])
+        holders[pieces[i].table.name].append(rank)
+        rank_of[i] = rank
+
+
+def _best_rank(score: np.ndarray, tiebreak: np.ndarray) -> Optional[int]:
+    low = score.min()
+    if low == np.inf:
+        return None
+    best = np.flatnonzero(score <= low * (1 + 1e-12))
+    return int(best[0]) if len(best) == 1 else int(best[np.argmin(tiebreak[best])])
+
+
+def _place_nvidia(pieces: List[_Piece], world: int, budget: int) -> List[Shard]:
+    cap = math.ceil(len(pieces) / world)
+    free = np.full(world, float(budget))
+    count = np.zeros(world, dtype=int)
+    holders: Dict[str, set] = {}
+    shards = []
+    for piece in pieces:  # already largest table first
+        size = piece.table.shard_bytes(piece.cols)
+        taken = holders.setdefault(piece.table.name, set())
+        allowed = (count < cap) & ~np.isin(np.arange(world), list(taken))
+        rank = int(np.argmax(np.where(allowed, free, -np.inf)))
+        if not allowed.any() or size > free[rank]:
+            raise _no_room(piece, budget - free, budget, pieces)
+        free[rank] -= size
         count[rank] += 1
-    ordered = {t.name: rank_of[t.name] for t in tables}
-    return Placement(world_size, budget_bytes, ordered, {t.name: t for t in tables})
+        taken.add(rank)
+        shards.append(Shard(piece.table.name, rank, piece.col_offset, piece.cols))
+    return shards
+
+
+def _no_room(piece: _Piece, used: np.ndarray, budget: int, pieces: List[_Piece]) -> PlacementError:
+    t = piece.table
+    shard = f", shard of {piece.cols}/{t.dim} columns" if piece.shard_count > 1 else ""
+    need = sum(p.table.shard_bytes(p.cols) for p in pieces)
+    return PlacementError(
+        f"table {t.name} ({format_bytes(t.bytes)}: {t.rows:,} rows x {t.dim}, {t.precision}, "
+        f"{t.optimizer} state{shard}) does not fit: {len(used)} rank(s) of "
+        f"{format_bytes(budget)} have {format_bytes(len(used) * budget - used.sum())} free in "
+        f"total for tables needing {format_bytes(need)}")
+
+
+def _by_name(tables: Sequence[TableSpec]) -> Dict[str, TableSpec]:
+    return {t.name: t for t in tables}
+
+
+def _max_over_mean(row: np.ndarray) -> float:
+    mean = row.mean()
+    return float(row.max() / mean) if mean > 0 else 1.0
 
 
 def format_bytes(n: float) -> str:

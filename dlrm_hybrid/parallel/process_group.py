@@ -53,8 +53,12 @@ def init_distributed(backend: str = "auto") -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, backend, device)
 
 
-def shutdown() -> None:
+def shutdown(finished: bool = True) -> None:
+    """After a finished run, leave together: a rank tearing down its connections while another
+    still has work on them can abort the other. After a failure, do not wait for peers."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

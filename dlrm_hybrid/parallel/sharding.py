@@ -12,31 +12,36 @@ from typing import List
 import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
+                                                table_wise)
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from dlrm_hybrid.model.dlrm import DLRM
-from dlrm_hybrid.parallel.placement import Placement
+from dlrm_hybrid.parallel.placement import Plan
 
 INIT_ROW_BLOCK = 65536  # rows generated per seeded block
 
 
-def sharding_plan(model: DLRM, placement: Placement, local_world_size: int,
+def sharding_plan(model: DLRM, plan: Plan, local_world_size: int,
                   device_type: str) -> ShardingPlan:
-    per_table = {name: table_wise(rank=rank) for name, rank in placement.rank_of.items()}
+    per_table = {}
+    for name in plan.tables:
+        ranks = [s.rank for s in sorted(plan.shards_of(name), key=lambda s: s.col_offset)]
+        per_table[name] = (table_wise(rank=ranks[0]) if len(ranks) == 1
+                           else column_wise(ranks=ranks))
     module_plan = construct_module_sharding_plan(
         model.embedding_bags, per_table, local_size=local_world_size,
-        world_size=placement.world_size, device_type=device_type)
+        world_size=plan.world_size, device_type=device_type)
     return ShardingPlan({"embedding_bags": module_plan})
 
 
-def shard_model(model: DLRM, placement: Placement, device: torch.device,
+def shard_model(model: DLRM, plan: Plan, device: torch.device,
                 local_world_size: int) -> DistributedModelParallel:
-    """Shard the embeddings by `placement`; the rest becomes data-parallel (DDP)."""
-    plan = sharding_plan(model, placement, local_world_size, device.type)
+    """Shard the embeddings by `plan`; the rest becomes data-parallel (DDP)."""
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    return DistributedModelParallel(model, env=env, device=device, plan=plan)
+    return DistributedModelParallel(model, env=env, device=device,
+                                    plan=sharding_plan(model, plan, local_world_size, device.type))
 
 
 def init_tables(dmp: DistributedModelParallel, tables: List[EmbeddingBagConfig], seed: int) -> None:
@@ -67,3 +72,10 @@ def _state_key(state: dict, table_name: str) -> str:
     suffix = f"embedding_bags.embedding_bags.{table_name}.weight"
     (key,) = [k for k in state if k.endswith(suffix)]
     return key
+
+
+def applied_sharding(dmp: DistributedModelParallel) -> dict:
+    """What torchrec actually did with each table: {name: {"sharding": type, "ranks": [...]}}."""
+    module_plan = dmp.plan.plan["embedding_bags"]
+    return {name: {"sharding": p.sharding_type, "ranks": list(p.ranks)}
+            for name, p in module_plan.items()}

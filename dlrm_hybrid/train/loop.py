@@ -16,14 +16,17 @@ from dlrm_hybrid.config import Config, parse_bytes
 from dlrm_hybrid.data.slices import train_batches
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.model.dlrm import build_model
-from dlrm_hybrid.parallel.placement import TableSpec, place_tables
+from dlrm_hybrid.parallel.placement import Plan, plan_tables
+from dlrm_hybrid.parallel.plan_file import check_plan, load_plan
+from dlrm_hybrid.parallel.plan_report import describe
 from dlrm_hybrid.parallel.process_group import DistEnv
-from dlrm_hybrid.parallel.sharding import init_tables, shard_model
+from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
+from dlrm_hybrid.parallel.tables import table_specs
 from dlrm_hybrid.train.evaluate import evaluate
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line
 from dlrm_hybrid.train.optim import attach_embedding_optimizer, build_optimizer
 
-CPU_DEFAULT_BUDGET = 8 * 2**30
+CPU_DEFAULT_MEMORY = 8 * 2**30
 
 
 @dataclass
@@ -37,9 +40,9 @@ class TrainResult:
 def train(cfg: Config, env: DistEnv) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.is_main)
     dataset = SyntheticClicks(cfg.data)
-    dmp = build_sharded_model(cfg, dataset.spec, env, log)
+    dmp, plan = build_sharded_model(cfg, dataset.spec, env, log)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
-    log.begin(cfg)
+    log.begin(cfg, plan, applied_sharding(dmp))
 
     B, steps = cfg.data.global_batch_size, cfg.train.max_steps
     batches = train_batches(dataset, B, env.rank, env.world_size)
@@ -79,12 +82,22 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, log: MetricsLog):
     model = build_model(cfg.model, spec)
     tables = model.embedding_bags.embedding_bag_configs()
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
-    specs = [TableSpec.of(t, cfg.model.embedding_precision, cfg.optim.embedding) for t in tables]
-    placement = place_tables(specs, env.world_size, memory_budget(cfg, env))
-    log.say(placement.describe())
-    dmp = shard_model(model, placement, env.device, env.local_world_size)
+    plan = job_plan(cfg, table_specs(cfg, spec), env)
+    log.say(describe(plan))
+    dmp = shard_model(model, plan, env.device, env.local_world_size)
     init_tables(dmp, tables, cfg.train.seed)
-    return dmp
+    return dmp, plan
+
+
+def job_plan(cfg: Config, specs, env: DistEnv) -> Plan:
+    """The plan file named by `parallel.plan`, checked against the model, or a fresh plan."""
+    if cfg.parallel.plan:
+        plan = load_plan(cfg.parallel.plan)
+        check_plan(plan, cfg.parallel.plan, specs, env.world_size)
+        return plan
+    hosts = env.local_world_size if env.world_size > env.local_world_size else None
+    return plan_tables(specs, env.world_size, memory_budget(cfg, env),
+                       cfg.data.global_batch_size, cfg.parallel.strategy, hosts)
 
 
 def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog,
@@ -104,11 +117,13 @@ def global_mean(local_value: torch.Tensor, env: DistEnv) -> float:
 
 
 def memory_budget(cfg: Config, env: DistEnv) -> int:
-    """Embedding bytes each rank may hold: the config's, or 85% of the device (the rest for MLPs
-    and activations), or 8 GiB on CPU; the smallest over all ranks, so every rank plans alike."""
-    budget = parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
-    if budget is None and env.device.type == "cuda":
-        budget = int(0.85 * torch.cuda.get_device_properties(env.device).total_memory)
-    smallest = torch.tensor([budget or CPU_DEFAULT_BUDGET], dtype=torch.int64, device=env.device)
+    """Table bytes each rank may hold: its memory (the config's, or the GPU's, or 8 GiB on CPU)
+    less the reserve; the smallest over all ranks, so that every rank makes the same plan."""
+    memory = parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
+    if memory is None:
+        memory = (torch.cuda.get_device_properties(env.device).total_memory
+                  if env.device.type == "cuda" else CPU_DEFAULT_MEMORY)
+    reserve = parse_bytes(cfg.parallel.reserve_per_rank, "parallel.reserve_per_rank")
+    smallest = torch.tensor([memory - reserve], dtype=torch.int64, device=env.device)
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
     return int(smallest.item())

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from tqdm import tqdm
 
+from dlrm_hybrid.parallel.plan_file import save_plan
+
 
 class MetricsLog:
     def __init__(self, run_dir: Path, enabled: bool) -> None:
@@ -13,11 +15,14 @@ class MetricsLog:
         self.enabled = enabled
         self._file = None
 
-    def begin(self, cfg) -> None:
-        """Create the run directory with the resolved config, once the run is known to start."""
+    def begin(self, cfg, plan, applied_sharding: dict) -> None:
+        """Once the run is known to start: the run directory with the resolved config, the plan
+        (reusable as `parallel.plan`) and the sharding torchrec applied."""
         if self.enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.yaml")
+            save_plan(plan, self.run_dir / "plan.json")
+            (self.run_dir / "sharding.json").write_text(json.dumps(applied_sharding, indent=1))
             self._file = open(self.run_dir / "metrics.jsonl", "w")
 
     def record(self, event: dict) -> None:

@@ -1,0 +1,90 @@
+"""`python -m dlrm_hybrid plan`: the placement training would use, computed without a GPU or a
+process group, printed, compared across strategies, saved and plotted."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import List, Optional
+
+from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
+from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables
+from dlrm_hybrid.parallel.plan_file import save_plan
+from dlrm_hybrid.parallel.plan_report import compare, describe, plot
+from dlrm_hybrid.parallel.tables import table_specs
+
+DEFAULT_GPU_MEMORY = "80GiB"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", help="YAML config: tables, dims, hotness, optimizer, batch")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--world-size", type=int, default=8, help="ranks (default 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="ranks per host: balance hosts too and group the printout by host")
+    parser.add_argument("--gpu-memory", default=None,
+                        help="memory per rank, e.g. 80GiB (default: parallel.memory_per_rank, "
+                             f"or {DEFAULT_GPU_MEMORY} where that is auto)")
+    parser.add_argument("--cardinalities", help="text file of table row counts (comma or newline "
+                                                "separated) replacing the config's tables")
+    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
+                        help="default: parallel.strategy")
+    parser.add_argument("--compare", action="store_true", help="print every strategy side by side")
+    parser.add_argument("--out", help="write the plan as JSON (train with --set parallel.plan=FILE)")
+    parser.add_argument("--plot", help="write a bar chart of per-rank memory and all-to-all (PNG)")
+
+
+def run(args) -> None:
+    if args.world_size < 1 or (args.gpus_per_node is not None and (
+            args.gpus_per_node < 1 or args.world_size % args.gpus_per_node)):
+        raise ConfigError(f"--gpus-per-node: {args.gpus_per_node} must be positive and divide "
+                          f"--world-size {args.world_size}")
+    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    if args.cardinalities:
+        cfg.data.cardinalities = read_cardinalities(args.cardinalities)
+        cfg.data.hotness = _hotness_for(cfg.data.hotness, len(cfg.data.cardinalities))
+    memory = parse_bytes(args.gpu_memory or _config_memory(cfg), "--gpu-memory")
+    budget = memory - parse_bytes(cfg.parallel.reserve_per_rank, "parallel.reserve_per_rank")
+    if budget <= 0:
+        raise ConfigError(f"--gpu-memory: {args.gpu_memory} is not more than "
+                          f"parallel.reserve_per_rank ({cfg.parallel.reserve_per_rank})")
+    specs = table_specs(cfg, DataSpec.from_config(cfg.data))
+    strategies = STRATEGIES if args.compare else (args.strategy or cfg.parallel.strategy,)
+    plans = [plan_tables(specs, args.world_size, budget, cfg.data.global_batch_size, s,
+                         args.gpus_per_node) for s in strategies]
+    for plan in plans:
+        print(describe(plan) + "\n")
+    if args.compare:
+        print(compare(plans))
+    if args.out:
+        save_plan(plans[0], Path(args.out))
+        print(f"wrote {args.out} ({plans[0].strategy})")
+    if args.plot:
+        plot(plans, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def read_cardinalities(path: str) -> List[int]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--cardinalities: cannot read {path} ({e.strerror})")
+    tokens = [t for t in re.split(r"[,\s]+", text) if t]
+    bad = [t for t in tokens if not t.isdigit() or int(t) == 0]
+    if bad or not tokens:
+        raise ConfigError(f"--cardinalities: {path} must hold positive integers separated by "
+                          f"commas or newlines; found {bad[0] if bad else 'nothing'!r}")
+    return [int(t) for t in tokens]
+
+
+def _hotness_for(hotness: List[int], tables: int) -> List[int]:
+    if len(hotness) not in (1, tables):
+        raise ConfigError(f"data.hotness: {len(hotness)} values for {tables} tables from "
+                          f"--cardinalities; give one value or one per table")
+    return hotness
+
+
+def _config_memory(cfg) -> Optional[str]:
+    memory = cfg.parallel.memory_per_rank
+    return DEFAULT_GPU_MEMORY if memory.strip().lower() == "auto" else memory

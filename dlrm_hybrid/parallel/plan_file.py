@@ -1,0 +1,81 @@
+"""Plans as JSON: what `plan --out` writes and `train --set parallel.plan=FILE` uses unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List
+
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.parallel.placement import Plan, Shard
+from dlrm_hybrid.parallel.tables import TableSpec
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    tables = {}
+    for name, spec in plan.tables.items():
+        shards = sorted(plan.shards_of(name), key=lambda s: s.col_offset)
+        tables[name] = {
+            "sharding": plan.sharding_type(name), "ranks": [s.rank for s in shards],
+            "columns": [s.cols for s in shards], "bytes": spec.bytes, "rows": spec.rows,
+            "dim": spec.dim, "precision": spec.precision, "optimizer": spec.optimizer,
+            "hotness": spec.hotness,
+        }
+    ranks = [{"rank": r, "host": plan.host_of(r), "tables": plan.tables_on(r),
+              "bytes": int(plan.loads[0, r]), "a2a_bytes": int(plan.loads[1, r]),
+              "lookup_bytes": int(plan.loads[2, r])} for r in range(plan.world_size)]
+    return {"world_size": plan.world_size, "gpus_per_node": plan.gpus_per_node,
+            "strategy": plan.strategy, "budget_bytes": plan.budget_bytes,
+            "batch_size": plan.batch_size, "tables": tables, "ranks": ranks,
+            "imbalance": plan.imbalance()}
+
+
+def save_plan(plan: Plan, path: Path) -> None:
+    """Atomically: an interrupted write leaves no half plan."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(plan_to_dict(plan), indent=1) + "\n")
+    partial.replace(path)
+
+
+def load_plan(path: str) -> Plan:
+    try:
+        raw = json.loads(Path(path).read_text())
+        tables = {name: TableSpec(name, t["rows"], t["dim"], t["precision"], t["optimizer"],
+                                  t["hotness"]) for name, t in raw["tables"].items()}
+        shards = []
+        for name, t in raw["tables"].items():
+            offset = 0
+            for rank, cols in zip(t["ranks"], t["columns"]):
+                shards.append(Shard(name, rank, offset, cols))
+                offset += cols
+        return Plan(raw["world_size"], raw["strategy"], raw["budget_bytes"], raw["batch_size"],
+                    tables, shards, raw.get("gpus_per_node"))
+    except OSError as e:
+        raise ConfigError(f"parallel.plan: cannot read {path} ({e.strerror})")
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ConfigError(f"parallel.plan: {path} is not a plan file ({type(e).__name__}: {e}); "
+                          f"write one with `python -m dlrm_hybrid plan --out`")
+
+
+def check_plan(plan: Plan, path: str, model_tables: List[TableSpec], world_size: int) -> None:
+    """Refuse a plan made for another world size or other tables, naming the difference."""
+    if plan.world_size != world_size:
+        raise ConfigError(f"parallel.plan: {path} is for {plan.world_size} ranks, this job has "
+                          f"{world_size}; make one with `plan --world-size {world_size}`")
+    expected: Dict[str, TableSpec] = {t.name: t for t in model_tables}
+    for name in sorted(set(expected) | set(plan.tables)):
+        mine, theirs = expected.get(name), plan.tables.get(name)
+        if mine is None or theirs is None:
+            where = "the model" if mine is None else "the plan"
+            raise ConfigError(f"parallel.plan: table {name} is missing from {where} ({path}); "
+                              f"make the plan from this job's config")
+        if (mine.rows, mine.dim) != (theirs.rows, theirs.dim):
+            raise ConfigError(f"parallel.plan: table {name} is {theirs.rows}x{theirs.dim} in {path} "
+                              f"but {mine.rows}x{mine.dim} in the model; make the plan from this "
+                              f"job's config")
+    for name in plan.tables:
+        covered = sum(s.cols for s in plan.shards_of(name))
+        ranks = [s.rank for s in plan.shards_of(name)]
+        if covered != plan.tables[name].dim or not all(0 <= r < world_size for r in ranks):
+            raise ConfigError(f"parallel.plan: table {name} in {path} has shards that do not cover "
+                              f"its {plan.tables[name].dim} columns on ranks 0..{world_size - 1}")

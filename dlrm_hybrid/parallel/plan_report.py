@@ -1,0 +1,87 @@
+"""Human-readable plans: the per-rank table rank 0 prints, the side-by-side comparison of
+strategies, and a bar chart of per-rank memory and all-to-all load."""
+
+from __future__ import annotations
+
+from typing import List
+
+from dlrm_hybrid.parallel.placement import Plan, format_bytes
+from dlrm_hybrid.parallel.tables import BYTES_PER_WEIGHT
+
+
+def describe(plan: Plan) -> str:
+    hosts = f", {plan.world_size // plan.gpus_per_node} hosts x {plan.gpus_per_node}" \
+        if plan.gpus_per_node else ""
+    lines = [f"plan ({plan.strategy}): {len(plan.tables)} tables, {len(plan.shards)} shards on "
+             f"{plan.world_size} ranks{hosts}; budget {format_bytes(plan.budget_bytes)} per rank; "
+             f"traffic per step at global batch {plan.batch_size:,}",
+             f"{'host':>4} {'rank':>5} {'shards':>6} {'rows':>13} {'weights':>10} {'optimizer':>10} "
+             f"{'total':>10} {'budget':>7} {'a2a/step':>10} {'lookup/step':>11}  tables"]
+    for rank in range(plan.world_size):
+        shards = [s for s in plan.shards if s.rank == rank]
+        specs = [plan.tables[s.table] for s in shards]
+        rows = sum(t.rows for t in specs)
+        weights = sum(t.rows * s.cols * BYTES_PER_WEIGHT[t.precision] for t, s in zip(specs, shards))
+        total, a2a, lookup = plan.loads[:, rank]
+        names = ", ".join(s.table if s.cols == plan.tables[s.table].dim
+                          else f"{s.table}[{s.col_offset}:{s.col_offset + s.cols}]" for s in shards)
+        lines.append(f"{plan.host_of(rank):>4} {rank:>5} {len(shards):>6} {rows:>13,} "
+                     f"{format_bytes(weights):>10} {format_bytes(total - weights):>10} "
+                     f"{format_bytes(total):>10} {100 * total / plan.budget_bytes:>6.1f}% "
+                     f"{format_bytes(a2a):>10} {format_bytes(lookup):>11}  {names}")
+        if plan.gpus_per_node and (rank + 1) % plan.gpus_per_node == 0:
+            host = slice(rank + 1 - plan.gpus_per_node, rank + 1)
+            memory, a2a, lookup = plan.loads[:, host].sum(axis=1)
+            lines.append(f"{plan.host_of(rank):>4} {'all':>5} {'':>6} {'':>13} {'':>10} {'':>10} "
+                         f"{format_bytes(memory):>10} {'':>7} {format_bytes(a2a):>10} "
+                         f"{format_bytes(lookup):>11}  (host total)")
+    lines.append(_imbalance_line(plan))
+    return "\n".join(lines)
+
+
+def compare(plans: List[Plan]) -> str:
+    """Per-rank memory and all-to-all of several plans side by side, then their imbalances."""
+    head = f"{'rank':>5} " + " ".join(f"{p.strategy + ' memory':>16} {p.strategy + ' a2a':>14}"
+                                      for p in plans)
+    lines = [head]
+    for rank in range(plans[0].world_size):
+        lines.append(f"{rank:>5} " + " ".join(
+            f"{format_bytes(p.loads[0, rank]):>16} {format_bytes(p.loads[1, rank]):>14}"
+            for p in plans))
+    lines += [_imbalance_line(p) for p in plans]
+    return "\n".join(lines)
+
+
+def _imbalance_line(plan: Plan) -> str:
+    i = plan.imbalance()
+    return (f"imbalance {plan.strategy} (max/mean): memory {i['memory']:.3f} "
+            f"a2a {i['a2a']:.3f} lookup {i['lookup']:.3f}")
+
+
+def plot(plans: List[Plan], path: str) -> None:
+    """Bars of per-rank memory and all-to-all bytes, one group per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.35 * plans[0].world_size + 3), 6),
+                             sharex=True)
+    ranks = np.arange(plans[0].world_size)
+    width = 0.8 / len(plans)
+    for k, plan in enumerate(plans):
+        for ax, row, scale in ((axes[0], 0, 2**30), (axes[1], 1, 2**20)):
+            ax.bar(ranks + k * width, plan.loads[row] / scale, width,
+                   label=f"{plan.strategy} (max/mean {plan.imbalance()['memory' if row == 0 else 'a2a']:.2f})")
+    axes[0].axhline(plans[0].budget_bytes / 2**30, color="red", linestyle="--", label="budget")
+    axes[0].set_ylabel("tables + optimizer, GiB")
+    axes[1].set_ylabel("all-to-all per step, MiB")
+    axes[1].set_xlabel("rank")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{len(plans[0].tables)} tables on {plans[0].world_size} ranks, "
+                 f"global batch {plans[0].batch_size:,}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,62 @@
+"""What an embedding table (or a column shard of one) costs the rank that owns it.
+
+Memory: weights at their precision plus the fused optimizer's state, which fbgemm keeps in fp32
+(SGD none, row-wise Adagrad one value per row of each shard, Adagrad one per weight, Adam two).
+Traffic per training step at global batch B, forward and backward: the ids of the whole batch
+come in (int64 ids + int32 lengths), the pooled fp32 vectors go out, their gradients come back.
+Lookup: the weight bytes read by the forward and touched again by the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2}
+OPTIMIZER_STATE_PER_ROW = {  # fp32 values per row of a shard with `cols` columns
+    "sgd": lambda cols: 0,
+    "rowwise_adagrad": lambda cols: 1,
+    "adagrad": lambda cols: cols,
+    "adam": lambda cols: 2 * cols,
+}
+ID_BYTES, LENGTH_BYTES, POOLED_BYTES = 8, 4, 4
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    rows: int
+    dim: int
+    precision: str = "fp32"
+    optimizer: str = "sgd"
+    hotness: float = 1.0  # mean ids per sample
+
+    @staticmethod
+    def of(table, precision: str, optimizer: str, hotness: float = 1.0) -> "TableSpec":
+        """From a torchrec EmbeddingBagConfig."""
+        return TableSpec(table.name, table.num_embeddings, table.embedding_dim, precision,
+                         optimizer, hotness)
+
+    @property
+    def bytes(self) -> int:
+        return self.shard_bytes(self.dim)
+
+    def shard_bytes(self, cols: int) -> int:
+        """Weights and optimizer state of a shard holding `cols` of the columns, all rows."""
+        weights = self.rows * cols * BYTES_PER_WEIGHT[self.precision]
+        return weights + self.rows * OPTIMIZER_STATE_PER_ROW[self.optimizer](cols) * 4
+
+    def shard_a2a_bytes(self, cols: int, batch: int) -> float:
+        """All-to-all bytes per step (ids in, pooled out, gradients back) of a `cols` shard."""
+        return batch * (ID_BYTES * self.hotness + LENGTH_BYTES + 2 * POOLED_BYTES * cols)
+
+    def shard_lookup_bytes(self, cols: int, batch: int) -> float:
+        """Weight bytes read in the forward and updated in the backward per step."""
+        return 2 * batch * self.hotness * cols * BYTES_PER_WEIGHT[self.precision]
+
+
+def table_specs(cfg, spec) -> List[TableSpec]:
+    """The tables a config's model has over a dataset's features (`spec`: a DataSpec)."""
+    m = cfg.model
+    return [TableSpec(name, rows, m.embedding_dim, m.embedding_precision, cfg.optim.embedding, hot)
+            for name, rows, hot in zip(spec.table_names, spec.cardinalities, spec.hotness)]

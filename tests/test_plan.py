@@ -1,0 +1,118 @@
+"""`python -m dlrm_hybrid plan`: the GPU-free dry run, its plan file, and training from it."""
+
+import json
+
+import pytest
+
+from conftest import ROOT, run_cli
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.parallel.placement import plan_tables
+from dlrm_hybrid.parallel.plan_file import check_plan, load_plan, save_plan
+from dlrm_hybrid.parallel.tables import TableSpec
+
+
+def imbalances(stdout: str) -> dict:
+    """{strategy: {memory, a2a, lookup}} from the printed `imbalance ...` lines."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("imbalance "):
+            words = line.split()
+            out[words[1]] = {words[i]: float(words[i + 1]) for i in range(3, len(words), 2)}
+    return out
+
+
+def test_fl15_on_8x80gib_greedy_beats_nvidia_and_balances_all_to_all():
+    result = run_cli(["plan", "--config", "configs/criteo_1tb_fl15.yaml", "--world-size", "8",
+                      "--gpu-memory", "80GiB", "--compare"])
+    assert result.returncode == 0, result.stderr
+    found = imbalances(result.stdout)
+    assert set(found) == {"greedy", "nvidia"}
+    assert found["greedy"]["memory"] <= found["nvidia"]["memory"]
+    assert found["greedy"]["a2a"] <= 1.10
+    assert "plan (greedy)" in result.stdout and "plan (nvidia)" in result.stdout
+    assert "greedy memory" in result.stdout  # the side-by-side table
+
+
+def test_mlperf_dcnv2_fits_8x80gib_balanced_and_not_1x80gib(tmp_path):
+    out = tmp_path / "plan.json"
+    result = run_cli(["plan", "--config", "configs/mlperf_dcnv2.yaml", "--world-size", "8",
+                      "--gpu-memory", "80GiB", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(out.read_text())
+    assert plan["imbalance"]["memory"] <= 1.10
+    assert any(t["sharding"] == "column_wise" for t in plan["tables"].values())
+    one = run_cli(["plan", "--config", "configs/mlperf_dcnv2.yaml", "--world-size", "1",
+                   "--gpu-memory", "80GiB"])
+    assert one.returncode == 2
+    (line,) = one.stderr.strip().splitlines()
+    assert line.startswith("error: table t_cat_") and "38.1GiB" in line
+    assert "free in total" in line and "ranks of 76.0GiB would hold them" in line
+
+
+def test_plan_file_has_the_documented_fields(tmp_path):
+    out = tmp_path / "plan.json"
+    result = run_cli(["plan", "--config", "configs/criteo_1tb_fl15.yaml", "--world-size", "16",
+                      "--gpus-per-node", "8", "--out", str(out), "--plot", str(tmp_path / "p.png")])
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(out.read_text())
+    assert plan["world_size"] == 16 and plan["strategy"] == "greedy"
+    assert len(plan["tables"]) == 26 and len(plan["ranks"]) == 16
+    for name, table in plan["tables"].items():
+        assert table["sharding"] in ("table_wise", "column_wise")
+        assert sum(table["columns"]) == 128 and len(table["ranks"]) == len(table["columns"])
+        assert table["bytes"] > 0
+    assert [r["host"] for r in plan["ranks"]] == [0] * 8 + [1] * 8
+    assert all({"rank", "tables", "bytes", "a2a_bytes"} <= set(r) for r in plan["ranks"])
+    assert set(plan["imbalance"]) >= {"memory", "a2a"}
+    assert result.stdout.count("(host total)") == 2
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cardinalities_file_replaces_the_tables(tmp_path):
+    rows = tmp_path / "rows.txt"
+    rows.write_text("1000, 2000\n3000\n")
+    args = ["plan", "--config", "configs/demo.yaml", "--world-size", "2", "--cardinalities",
+            str(rows), "--out", str(tmp_path / "p.json")]
+    mismatch = run_cli(args)  # the demo's 8 per-table hotness values cannot fit 3 tables
+    assert mismatch.returncode == 2 and "data.hotness: 8 values for 3 tables" in mismatch.stderr
+    result = run_cli(args + ["--set", "data.hotness=[2]"])
+    assert result.returncode == 0, result.stderr
+    tables = json.loads((tmp_path / "p.json").read_text())["tables"]
+    assert [(t["rows"], t["dim"], t["hotness"]) for t in tables.values()] == [
+        (1000, 16, 2), (2000, 16, 2), (3000, 16, 2)]
+
+
+@pytest.mark.parametrize("content, needle", [("10, x, 30", "'x'"), ("", "nothing")])
+def test_bad_cardinalities_file_is_a_one_line_error(tmp_path, content, needle):
+    rows = tmp_path / "rows.txt"
+    rows.write_text(content)
+    result = run_cli(["plan", "--config", "configs/criteo_1tb_fl15.yaml",
+                      "--cardinalities", str(rows)])
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and str(rows) in result.stderr and needle in result.stderr
+
+
+def test_plan_file_round_trips(tmp_path):
+    tables = [TableSpec("a", 5000, 16, "fp32", "adagrad", 2.0), TableSpec("b", 10, 16)]
+    plan = plan_tables(tables, 3, 400_000, 512)  # table a (640 kB) must split
+    assert plan.sharding_type("a") == "column_wise"
+    save_plan(plan, tmp_path / "p.json")
+    again = load_plan(str(tmp_path / "p.json"))
+    assert sorted(again.shards, key=repr) == sorted(plan.shards, key=repr)
+    assert again.tables == plan.tables and again.imbalance() == plan.imbalance()
+
+
+def test_a_plan_for_other_ranks_or_tables_is_refused(tmp_path):
+    tables = [TableSpec("a", 100, 16), TableSpec("b", 10, 16)]
+    path = str(tmp_path / "p.json")
+    save_plan(plan_tables(tables, 2, 10**6, 512), tmp_path / "p.json")
+    plan = load_plan(path)
+    with pytest.raises(ConfigError, match="is for 2 ranks, this job has 3"):
+        check_plan(plan, path, tables, 3)
+    with pytest.raises(ConfigError, match="table a is 100x16 in .* but 200x16 in the model"):
+        check_plan(plan, path, [TableSpec("a", 200, 16), tables[1]], 2)
+    with pytest.raises(ConfigError, match="table c is missing from the plan"):
+        check_plan(plan, path, tables + [TableSpec("c", 1, 16)], 2)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is not a plan file"):
+        load_plan(str(tmp_path / "bad.json"))
