@@ -65,6 +65,9 @@ def test_plan_file_has_the_documented_fields(tmp_path):
     assert all({"rank", "tables", "bytes", "a2a_bytes"} <= set(r) for r in plan["ranks"])
     assert set(plan["imbalance"]) >= {"memory", "a2a"}
     assert result.stdout.count("(host total)") == 2
+    for key in ("bytes", "a2a_bytes"):  # hosts are balanced too
+        per_host = [sum(r[key] for r in plan["ranks"] if r["host"] == h) for h in (0, 1)]
+        assert max(per_host) / (sum(per_host) / 2) <= 1.10
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -66,3 +66,18 @@ def test_run_dir_gets_resolved_config_and_metrics(tmp_path, process_group):
     evals = [e for e in events if "val_auc" in e]
     assert [e["step"] for e in evals] == [3, 6]
     assert all({"val_auc", "val_logloss", "oracle_auc"} <= set(e) for e in evals)
+
+
+@pytest.mark.parametrize("name", ["criteo_1tb_fl15", "mlperf_dcnv2"])
+def test_large_configs_train_on_synthetic_data_of_their_shape(tmp_path, process_group, name):
+    """The shipped Criteo-scale configs, with table rows capped so they fit a CI machine:
+    dims, MLPs, interaction, multi-hot lookups and optimizers are the configs' own."""
+    full = load_config(str(ROOT / f"configs/{name}.yaml"))
+    capped = [min(rows, 2000) for rows in full.data.cardinalities]
+    cfg = load_config(str(ROOT / f"configs/{name}.yaml"), [
+        f"data.cardinalities={capped}", "data.global_batch_size=128", "data.val_samples=256",
+        "train.max_steps=3", "train.log_every=1", "train.progress_bar=false",
+        f"train.run_dir={tmp_path}"])
+    result = train(cfg, process_group)
+    assert len(result.losses) == 3 and all(0 < loss < 5 for loss in result.losses)
+    assert 0 <= result.metrics["val_auc"] <= 1
