@@ -9,11 +9,9 @@ import sys
 import warnings
 from typing import List, Optional
 
-from dlrm_hybrid.config import ConfigError, load_config
+from dlrm_hybrid.config import load_config
+from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.parallel import dry_run
-from dlrm_hybrid.parallel.placement import PlacementError
-
-USER_ERRORS = (ConfigError, PlacementError)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -25,13 +23,20 @@ def main(argv: Optional[List[str]] = None) -> None:
                        help="override a config key, e.g. --set train.max_steps=40 (repeatable)")
     plan = commands.add_parser("plan", help="print the embedding placement for a config, no GPU needed")
     dry_run.add_arguments(plan)
+    synth = commands.add_parser("synth", help="write the planted synthetic dataset as split-binary files")
+    synth.add_argument("--output", required=True, help="new dataset folder")
+    synth.add_argument("--config", help="YAML config whose data section shapes the dataset")
+    synth.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    _quiet_library_noise()
     try:
         if args.command == "train":
             run_train(args.config, args.overrides)
-        else:
+        elif args.command == "plan":
             dry_run.run(args)
-    except USER_ERRORS as e:
+        else:
+            run_synth(args.config, args.overrides, args.output)
+    except UserError as e:
         _fail(str(e))
 
 
@@ -39,7 +44,6 @@ def run_train(config_path: Optional[str], overrides: List[str]) -> None:
     from dlrm_hybrid.parallel.process_group import init_distributed, shutdown, world_size_from_env
 
     cfg = load_config(config_path, overrides, world_size=world_size_from_env())
-    _quiet_library_noise()
     from dlrm_hybrid.train.loop import train
 
     env = init_distributed(cfg.parallel.backend)
@@ -49,6 +53,14 @@ def run_train(config_path: Optional[str], overrides: List[str]) -> None:
         shutdown(finished=False)
         raise
     shutdown()
+
+
+def run_synth(config_path: Optional[str], overrides: List[str], output: str) -> None:
+    from dlrm_hybrid.data.synth_dataset import write_synthetic
+
+    cfg = load_config(config_path, overrides)
+    counts = write_synthetic(cfg.data, output)
+    print(f"wrote {output}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()))
 
 
 def _fail(message: str) -> None:

@@ -14,8 +14,10 @@ from typing import Any, List, Optional
 
 import yaml
 
+from dlrm_hybrid.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A bad configuration: the message names the key and what to do."""
 
 
@@ -33,7 +35,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"
+    path: str = ""  # a split-binary dataset folder; empty: the planted synthetic data below
+    loader: str = "torch"  # torch | dali
+    shuffle: bool = False  # seeded shuffle of the training batch order, the same on every rank
+    prefetch: int = 4  # batches the loader reads ahead
     global_batch_size: int = 1024
     seed: int = 1234  # fixes the synthetic dataset (teacher and samples), independent of train.seed
     num_dense: int = 13
@@ -100,13 +105,13 @@ class Config:
 CHOICES = {
     "model.embedding_precision": ("fp32", "fp16"),
     "model.interaction": ("dot", "cat", "dcn"),
-    "data.source": ("synthetic",),
+    "data.loader": ("torch", "dali"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.strategy": ("greedy", "nvidia"),
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
     "optim.dense": ("sgd", "adagrad", "adam"),
 }
-POSITIVE = ("data.global_batch_size", "data.num_dense", "data.train_samples", "data.val_samples",
+POSITIVE = ("data.global_batch_size", "data.prefetch", "data.num_dense", "data.train_samples", "data.val_samples",
             "model.embedding_dim", "data.teacher_dim", "train.max_steps", "train.log_every")
 
 

@@ -5,7 +5,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from dlrm_hybrid.config import DataConfig
-from dlrm_hybrid.data.slices import eval_batches, train_batches
+from dlrm_hybrid.data.loader import rank_batches
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 
 CFG = DataConfig(cardinalities=[1000, 50, 7], hotness=[1, 4, 2], train_samples=4096,
@@ -23,9 +23,9 @@ def test_same_seed_same_data_other_seed_other_data():
 
 def test_rank_slices_rebuild_the_global_batch_for_any_world_size():
     data = SyntheticClicks(CFG)
-    whole = next(train_batches(data, 512, 0, 1))
+    whole = next(rank_batches(data, "train", 512, 0, 1))
     for world in (2, 4):
-        parts = [next(train_batches(data, 512, r, world)) for r in range(world)]
+        parts = [next(rank_batches(data, "train", 512, r, world)) for r in range(world)]
         assert torch.equal(torch.cat([p.dense for p in parts]), whole.dense)
         assert torch.equal(torch.cat([p.labels for p in parts]), whole.labels)
         for key in whole.sparse.keys():
@@ -50,7 +50,7 @@ def test_category_frequencies_are_zipf_skewed():
 
 def test_validation_split_is_covered_once_with_padding_masked():
     data = SyntheticClicks(CFG)
-    batches = list(eval_batches(data, "val", 512, 1, 2))  # rank 1 of 2
+    batches = list(rank_batches(data, "val", 512, 1, 2))  # rank 1 of 2
     assert len(batches) == 2  # ceil(1000 / 512)
     assert batches[0].valid.all() and batches[1].valid.sum() == 1000 - 512 - 256
 

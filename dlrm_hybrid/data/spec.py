@@ -26,3 +26,13 @@ class DataSpec:
         hot = data_cfg.hotness
         hotness = hot * len(data_cfg.cardinalities) if len(hot) == 1 else list(hot)
         return DataSpec(data_cfg.num_dense, list(data_cfg.cardinalities), hotness)
+
+
+def data_spec(data_cfg) -> DataSpec:
+    """The configured data's shape: a dataset's feature_spec.yaml (`data.path`) or the config's
+    synthetic tables, without opening any data file."""
+    if not data_cfg.path:
+        return DataSpec.from_config(data_cfg)
+    from dlrm_hybrid.data.feature_spec import load_feature_spec  # it imports this module
+
+    return load_feature_spec(data_cfg.path).spec

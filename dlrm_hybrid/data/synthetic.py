@@ -18,7 +18,7 @@ import torch
 from dlrm_hybrid.data.batch import Batch, fixed_hotness_kjt
 from dlrm_hybrid.data.spec import DataSpec
 
-SPLIT_OFFSET = {"train": 0, "val": 1 << 40}  # disjoint sample index ranges per split
+SPLIT_OFFSET = {"train": 0, "val": 1 << 40, "test": 2 << 40}  # disjoint sample index ranges
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -60,7 +60,8 @@ class SyntheticClicks:
         self.seed = data_cfg.seed
         self.exponent = data_cfg.zipf_exponent
         self.teacher_dim = data_cfg.teacher_dim
-        self.sizes = {"train": data_cfg.train_samples, "val": data_cfg.val_samples}
+        self.sizes = {"train": data_cfg.train_samples, "val": data_cfg.val_samples,
+                      "test": data_cfg.val_samples}
         gen = torch.Generator().manual_seed(self.seed)
         self.dense_proj = torch.randn(self.spec.num_dense, self.teacher_dim, generator=gen,
                                       dtype=torch.float64) / self.spec.num_dense**0.5

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
-from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.parallel.plan_report import compare, describe, plot
@@ -42,6 +42,7 @@ def run(args) -> None:
                           f"--world-size {args.world_size}")
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     if args.cardinalities:
+        cfg.data.path = ""  # the file's tables replace the dataset's as well as the config's
         cfg.data.cardinalities = read_cardinalities(args.cardinalities)
         cfg.data.hotness = _hotness_for(cfg.data.hotness, len(cfg.data.cardinalities))
     memory = parse_bytes(args.gpu_memory or _config_memory(cfg), "--gpu-memory")
@@ -49,7 +50,7 @@ def run(args) -> None:
     if budget <= 0:
         raise ConfigError(f"--gpu-memory: {args.gpu_memory} is not more than "
                           f"parallel.reserve_per_rank ({cfg.parallel.reserve_per_rank})")
-    specs = table_specs(cfg, DataSpec.from_config(cfg.data))
+    specs = table_specs(cfg, data_spec(cfg.data))
     strategies = STRATEGIES if args.compare else (args.strategy or cfg.parallel.strategy,)
     plans = [plan_tables(specs, args.world_size, budget, cfg.data.global_batch_size, s,
                          args.gpus_per_node) for s in strategies]

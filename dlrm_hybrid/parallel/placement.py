@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dlrm_hybrid.errors import UserError
+
 from dlrm_hybrid.parallel.tables import TableSpec
 
 STRATEGIES = ("greedy", "nvidia")
@@ -29,7 +31,7 @@ BALANCED = 1.08  # greedy refines until memory and all-to-all max/mean are withi
 MAX_REFINEMENTS = 16  # greedy's rounds of splitting the largest tables on overloaded ranks
 
 
-class PlacementError(ValueError):
+class PlacementError(UserError):
     """The tables cannot be placed within the per-rank memory budget."""
 
 

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.functional import binary_cross_entropy_with_logits
 from torchmetrics.functional.classification import binary_auroc
 
-from dlrm_hybrid.data.slices import eval_batches
 
 
 @torch.no_grad()
-def evaluate(model, dataset, split: str, global_batch: int, env) -> Optional[Dict[str, float]]:
-    """AUC and log loss on rank 0 (None elsewhere); `oracle_auc` too when the data knows the
-    true click probabilities."""
+def evaluate(model, batches: Iterable, env) -> Optional[Dict[str, float]]:
+    """AUC and log loss over one pass of `batches` (this rank's slices of a split) on rank 0
+    (None elsewhere); `oracle_auc` too when the data knows the true click probabilities."""
     model.eval()
     columns = []  # per batch: [logit, label, valid, true_prob] x local batch
-    for batch in eval_batches(dataset, split, global_batch, env.rank, env.world_size):
-        batch = batch.to(env.device, non_blocking=True)
+    for batch in batches:
         logits = model(batch.dense, batch.sparse).float()
         true_prob = batch.true_prob if batch.true_prob is not None else torch.full_like(logits, -1)
         columns.append(torch.stack([logits, batch.labels, batch.valid.float(), true_prob]))

@@ -13,8 +13,7 @@ from torch.nn.functional import binary_cross_entropy_with_logits
 from tqdm import tqdm
 
 from dlrm_hybrid.config import Config, parse_bytes
-from dlrm_hybrid.data.slices import train_batches
-from dlrm_hybrid.data.synthetic import SyntheticClicks
+from dlrm_hybrid.data.source import make_loader, open_dataset
 from dlrm_hybrid.model.dlrm import build_model
 from dlrm_hybrid.parallel.placement import Plan, plan_tables
 from dlrm_hybrid.parallel.plan_file import check_plan, load_plan
@@ -39,19 +38,19 @@ class TrainResult:
 
 def train(cfg: Config, env: DistEnv) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.is_main)
-    dataset = SyntheticClicks(cfg.data)
+    dataset = open_dataset(cfg.data)
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
     log.begin(cfg, plan, applied_sharding(dmp))
 
     B, steps = cfg.data.global_batch_size, cfg.train.max_steps
-    batches = train_batches(dataset, B, env.rank, env.world_size)
+    batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed)
     losses, train_time = [], 0.0
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
     for step in tqdm(range(1, steps + 1), disable=not (env.is_main and cfg.train.progress_bar),
                      desc="train", unit="step"):
         start = time.perf_counter()
-        batch = next(batches).to(env.device, non_blocking=True)
+        batch = next(batches)
         optimizer.zero_grad()  # also hands the scheduled LR to the fused embedding optimizer
         loss = binary_cross_entropy_with_logits(dmp(batch.dense, batch.sparse), batch.labels)
         loss.backward()  # the embedding update happens here, fused into the backward
@@ -68,6 +67,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
             evaluate_and_log(dmp, dataset, cfg, env, log, step)
 
+    batches.close()
     metrics = evaluate_and_log(dmp, dataset, cfg, env, log, steps)
     samples_per_s = steps * B / train_time
     if env.is_main:
@@ -102,7 +102,9 @@ def job_plan(cfg: Config, specs, env: DistEnv) -> Plan:
 
 def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog,
                      step: int) -> Dict[str, float]:
-    metrics = evaluate(dmp, dataset, "val", cfg.data.global_batch_size, env)
+    batches = make_loader(cfg.data, dataset, "val", env)
+    metrics = evaluate(dmp, batches, env)
+    batches.close()
     if metrics is None:
         return {}
     log.record({"step": step, **metrics})

@@ -1,0 +1,130 @@
+"""`feature_spec.yaml`: NVIDIA DLRM's description of a split-binary dataset, read and written.
+
+Layout (NVIDIA-compatible): `feature_spec` (feature -> dtype, cardinality), `source_spec`
+(split -> chunks of type/features/files, paths relative to the yaml), `channel_spec`
+(categorical, numerical, label -> feature names). Two extensions, both optional, so NVIDIA's
+datasets load unchanged: a categorical feature may carry `hotness: h` (h ids per sample, stored
+row-major), and a split named `validation` besides `train` and `test`. `metadata.true_prob`
+may map a split to a file of float32 true click probabilities (planted synthetic data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+import yaml
+
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.data.spec import DataSpec
+
+SPLITS = ("train", "validation", "test")
+LABEL, NUMERICAL_FILE, LABEL_FILE = "label", "numerical.bin", "label.bin"
+
+
+def categorical_dtype(cardinality: int) -> np.dtype:
+    """The smallest of int8/int16/int32 that holds ids below `cardinality` (NVIDIA's rule)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if cardinality < np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
+@dataclass
+class SplitFiles:
+    label: Path
+    numerical: Path
+    categorical: List[Path]  # in channel order
+
+
+@dataclass
+class FeatureSpec:
+    root: Path
+    spec: DataSpec
+    categorical_dtypes: List[np.dtype]
+    splits: Dict[str, SplitFiles]
+    true_prob: Dict[str, Path]
+
+    @staticmethod
+    def default(root: Path, spec: DataSpec, splits=SPLITS) -> "FeatureSpec":
+        names = [f"cat_{i}.bin" for i in range(len(spec.cardinalities))]
+        files = {s: SplitFiles(root / s / LABEL_FILE, root / s / NUMERICAL_FILE,
+                               [root / s / n for n in names]) for s in splits}
+        return FeatureSpec(root, spec, [categorical_dtype(c) for c in spec.cardinalities], files, {})
+
+    def to_yaml(self) -> dict:
+        spec = self.spec
+        cats = [f.name for f in next(iter(self.splits.values())).categorical]
+        nums = [f"num_{i}" for i in range(spec.num_dense)]
+        features = {}
+        for name, rows, hot, dtype in zip(cats, spec.cardinalities, spec.hotness,
+                                          self.categorical_dtypes):
+            features[name] = {"dtype": dtype.name, "cardinality": int(rows)}
+            if hot != 1:
+                features[name]["hotness"] = int(hot)
+        features.update({n: {"dtype": "float16"} for n in nums})
+        features[LABEL] = {"dtype": "bool"}
+        rel = lambda p: str(p.relative_to(self.root))  # noqa: E731
+        sources = {}
+        for split, f in self.splits.items():
+            sources[split] = [{"type": "split_binary", "features": nums, "files": [rel(f.numerical)]},
+                              {"type": "split_binary", "features": [LABEL], "files": [rel(f.label)]}]
+            sources[split] += [{"type": "split_binary", "features": [c], "files": [rel(p)]}
+                               for c, p in zip(cats, f.categorical)]
+        metadata = {"true_prob": {s: rel(p) for s, p in self.true_prob.items()}} if self.true_prob else {}
+        return {"feature_spec": features, "source_spec": sources,
+                "channel_spec": {"categorical": cats, "numerical": nums, "label": [LABEL]},
+                "metadata": metadata}
+
+    def save(self) -> None:
+        (self.root / "feature_spec.yaml").write_text(yaml.safe_dump(self.to_yaml(), sort_keys=False))
+
+
+def load_feature_spec(root: str) -> FeatureSpec:
+    """Read DIR/feature_spec.yaml; any inconsistency is a ConfigError naming the file and field."""
+    path = Path(root) / "feature_spec.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"data.path: cannot read {path} ({e.strerror}); point data.path at a "
+                          f"dataset directory (preprocess writes one)")
+    except yaml.YAMLError as e:
+        raise DataError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+    try:
+        return _parse(Path(root), path, raw)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise DataError(f"{path}: malformed ({type(e).__name__}: {e}); compare with the layout "
+                          f"in the README")
+
+
+def _parse(root: Path, path: Path, raw: dict) -> FeatureSpec:
+    channels, features = raw["channel_spec"], raw["feature_spec"]
+    cats, nums, (label,) = channels["categorical"], channels["numerical"], channels["label"]
+    cardinalities = [int(features[c]["cardinality"]) for c in cats]
+    hotness = [int(features[c].get("hotness", 1)) for c in cats]
+    dtypes = [np.dtype(features[c]["dtype"]) for c in cats]
+    splits = {}
+    for split, chunks in raw["source_spec"].items():
+        files: Dict[str, Path] = {}
+        numerical: Optional[Path] = None
+        for chunk in chunks:
+            if chunk.get("type") != "split_binary" or len(chunk["files"]) != 1:
+                raise ValueError(f"source_spec.{split}: only single-file split_binary chunks are supported")
+            file = root / chunk["files"][0]
+            if chunk["features"] == nums:
+                numerical = file
+            elif len(chunk["features"]) == 1:
+                files[chunk["features"][0]] = file
+            else:
+                raise ValueError(f"source_spec.{split}: chunk {chunk['features']} mixes features")
+        missing = [f for f in [label, *cats] if f not in files] + ([] if numerical or not nums else ["numerical"])
+        if missing:
+            raise ValueError(f"source_spec.{split} has no file for {missing[0]}")
+        splits[split] = SplitFiles(files[label], numerical, [files[c] for c in cats])
+    if "train" not in splits:
+        raise ValueError("source_spec has no train split")
+    true_prob = {s: root / p for s, p in (raw.get("metadata") or {}).get("true_prob", {}).items()}
+    return FeatureSpec(root, DataSpec(len(nums), cardinalities, hotness), dtypes, splits, true_prob)

@@ -1,0 +1,71 @@
+"""The PyTorch input pipeline: this rank's slices read in a background thread, a few batches
+ahead, into pinned memory when the model is on a GPU (so copies overlap compute)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+import torch
+
+from dlrm_hybrid.data.batch import Batch
+from dlrm_hybrid.data.slices import eval_slices, train_slices
+
+_DONE = object()
+
+
+def rank_batches(dataset, split: str, global_batch: int, rank: int, world_size: int,
+                 shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
+    """This rank's batches in order: endless for "train", one pass (padded) otherwise."""
+    n, local = dataset.num_samples(split), global_batch // world_size
+    firsts = (train_slices(n, global_batch, rank, world_size, shuffle, seed) if split == "train"
+              else eval_slices(n, global_batch, rank, world_size))
+    for first in firsts:
+        yield dataset.batch(split, first, local)
+
+
+class PrefetchLoader:
+    """Iterates `batches` on a daemon thread, `depth` ahead; yields batches on `device`."""
+
+    def __init__(self, batches: Iterator[Batch], device: torch.device, depth: int = 4) -> None:
+        self.device = device
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(batches,), daemon=True)
+        self._thread.start()
+
+    def _produce(self, batches: Iterator[Batch]) -> None:
+        try:
+            for batch in batches:
+                if self.device.type == "cuda":
+                    batch = batch.pin_memory()
+                if not self._put(batch):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # surfaces in the consumer, with its traceback
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> "PrefetchLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        item = self._queue.get()
+        if item is _DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,148 @@
+"""Split-binary datasets: one folder per split, one headerless file per column group.
+
+`label.bin` (bool, 1 byte/sample), `numerical.bin` (float16, num_dense per sample, row-major),
+`cat_<i>.bin` (hotness ids per sample in the smallest int type that holds the cardinality).
+Sample counts come from file sizes. The reader memory-maps the files, so a rank touches only
+the rows of its own slices.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.data.batch import Batch, fixed_hotness_kjt
+from dlrm_hybrid.data.feature_spec import SPLITS, FeatureSpec, load_feature_spec
+from dlrm_hybrid.data.spec import DataSpec
+
+SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}  # ours -> folder names
+
+
+class SplitBinaryWriter:
+    """Appends samples to a dataset being built in a temporary folder next to `output`, and
+    moves it into place only in `finish()`: an interrupted run leaves no half dataset."""
+
+    def __init__(self, output: str, spec: DataSpec, splits: Sequence[str] = SPLITS) -> None:
+        self.output = Path(output)
+        if self.output.exists() and any(self.output.iterdir()):
+            raise ConfigError(f"--output: {output} exists and is not empty; choose a new folder")
+        self.tmp = self.output.with_name(f".{self.output.name}.partial-{os.getpid()}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.fspec = FeatureSpec.default(self.tmp, spec, splits)
+        self.counts = {s: 0 for s in splits}
+        self._files: Dict[Path, object] = {}
+        for split in splits:
+            (self.tmp / split).mkdir(parents=True)
+
+    def write(self, split: str, labels: np.ndarray, dense: np.ndarray,
+              categorical: List[np.ndarray], true_prob: Optional[np.ndarray] = None) -> None:
+        """`labels` [N], `dense` [N, num_dense], `categorical[i]` [N, hotness_i] (ids < rows_i)."""
+        files = self.fspec.splits[split]
+        self._append(files.label, labels.astype(np.bool_))
+        self._append(files.numerical, dense.astype(np.float16))
+        for path, ids, dtype in zip(files.categorical, categorical, self.fspec.categorical_dtypes):
+            self._append(path, ids.astype(dtype))
+        if true_prob is not None:
+            path = self.fspec.true_prob.setdefault(split, self.tmp / split / "true_prob.bin")
+            self._append(path, true_prob.astype(np.float32))
+        self.counts[split] += len(labels)
+
+    def _append(self, path: Path, array: np.ndarray) -> None:
+        if path not in self._files:
+            self._files[path] = open(path, "wb")
+        self._files[path].write(np.ascontiguousarray(array).tobytes())
+
+    def finish(self) -> None:
+        for f in self._files.values():
+            f.close()
+        for split in self.fspec.splits:  # splits never written still get their (empty) files
+            for path in [self.fspec.splits[split].label, self.fspec.splits[split].numerical,
+                         *self.fspec.splits[split].categorical]:
+                path.touch()
+        self.fspec.save()
+        _move_into_place(self.tmp, self.output)
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _move_into_place(tmp: Path, output: Path) -> None:
+    # feature_spec.yaml holds paths relative to itself, so the folder can move as a whole.
+    if output.exists():
+        output.rmdir()  # empty (checked at the start)
+    tmp.rename(output)
+
+
+class SplitBinaryDataset:
+    """Reads a split-binary dataset; `batch(split, first, count)` as SyntheticClicks does."""
+
+    def __init__(self, path: str) -> None:
+        self.fspec = load_feature_spec(path)
+        self.spec = self.fspec.spec
+        self._maps: Dict[str, dict] = {}
+        self.sizes = {ours: self._open(folder) for ours, folder in SPLIT_NAMES.items()
+                      if folder in self.fspec.splits}
+        if "val" not in self.sizes and "test" in self.sizes:  # NVIDIA's datasets: train and test
+            self.sizes["val"], self._maps["validation"] = self.sizes["test"], self._maps["test"]
+        if "val" not in self.sizes:
+            raise ConfigError(f"data.path: {path} has no validation or test split to evaluate on")
+        self._maps["val"] = self._maps.pop("validation")
+
+    def num_samples(self, split: str) -> int:
+        return self.sizes[split]
+
+    def _open(self, folder: str) -> int:
+        files, spec = self.fspec.splits[folder], self.spec
+        label = _memmap(files.label, np.bool_, 1)
+        n = len(label)
+        maps = {"label": label,
+                "dense": _memmap(files.numerical, np.float16, spec.num_dense, n),
+                "cats": [_memmap(p, d, h, n) for p, d, h in
+                         zip(files.categorical, self.fspec.categorical_dtypes, spec.hotness)]}
+        if folder in self.fspec.true_prob:
+            maps["true_prob"] = _memmap(self.fspec.true_prob[folder], np.float32, 1, n)
+        for path, ids, rows in zip(files.categorical, maps["cats"], spec.cardinalities):
+            if len(ids) and (ids[:1024].min() < 0 or ids[:1024].max() >= rows):
+                raise DataError(f"{path}: ids outside [0, {rows}) of its cardinality in "
+                                  f"feature_spec.yaml; the files do not match the spec")
+        self._maps[folder] = maps
+        return n
+
+    def batch(self, split: str, first: int, count: int) -> Batch:
+        """Samples [first, first + count) of `split`; indices past its end are padding (the
+        last sample repeated, marked invalid)."""
+        maps, n = self._maps[split], self.sizes[split]
+        index = np.minimum(np.arange(first, first + count), max(n - 1, 0))
+        lo, hi = int(index[0]), int(index[-1]) + 1  # contiguous: one slice read per file
+        take = lambda m: torch.from_numpy(np.ascontiguousarray(m[lo:hi][index - lo]))  # noqa: E731
+        ids = [take(m).to(torch.int64) for m in maps["cats"]]
+        true_prob = take(maps["true_prob"]).reshape(-1) if "true_prob" in maps else None
+        return Batch(take(maps["dense"]).to(torch.float32),
+                     fixed_hotness_kjt(self.spec.feature_names, ids),
+                     take(maps["label"]).reshape(-1).to(torch.float32),
+                     torch.arange(first, first + count) < n, true_prob)
+
+
+def _memmap(path: Path, dtype, width: int, expected: Optional[int] = None) -> np.ndarray:
+    size = path.stat().st_size if path.exists() else -1
+    itemsize = np.dtype(dtype).itemsize * width
+    if size < 0:
+        raise DataError(f"{path}: missing; the dataset is incomplete")
+    if size % itemsize or (expected is not None and size // itemsize != expected):
+        got = size / itemsize
+        want = f"{expected} samples like label.bin" if expected is not None else "whole samples"
+        raise DataError(f"{path}: {size} bytes is {got:g} samples of {width} x "
+                          f"{np.dtype(dtype).name}, expected {want}; the file is truncated or "
+                          f"does not match feature_spec.yaml")
+    if size == 0:
+        return np.zeros((0, width), dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r").reshape(-1, width)
