@@ -1,0 +1,161 @@
+"""Split-binary datasets and the two loaders: same batches, slices, shuffling, bad files."""
+
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT
+from dlrm_hybrid.config import ConfigError, DataConfig, load_config
+from dlrm_hybrid.data.dali_loader import DaliLoader
+from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches
+from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+from dlrm_hybrid.data.synth_dataset import write_synthetic
+from dlrm_hybrid.data.synthetic import SyntheticClicks
+from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.train.loop import train
+
+CPU = torch.device("cpu")
+DATA = DataConfig(cardinalities=[300, 40, 7], hotness=[1, 3, 2], train_samples=5000,
+                  val_samples=1000, teacher_scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "synth"
+    write_synthetic(DATA, str(path))
+    return path
+
+
+def same_batch(a, b):
+    assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+    assert torch.equal(a.valid, b.valid) and torch.equal(a.true_prob, b.true_prob)
+    assert a.sparse.keys() == b.sparse.keys()
+    for key in a.sparse.keys():
+        assert torch.equal(a.sparse[key].values(), b.sparse[key].values())
+        assert torch.equal(a.sparse[key].lengths(), b.sparse[key].lengths())
+
+
+def test_split_binary_reads_back_what_synth_wrote(dataset_dir):
+    disk, planted = SplitBinaryDataset(str(dataset_dir)), SyntheticClicks(DATA)
+    assert disk.spec == planted.spec
+    assert disk.sizes == {"train": 5000, "val": 1000, "test": 1000}
+    a, b = disk.batch("val", 900, 200), planted.batch("val", 900, 200)
+    keep = a.valid
+    assert keep.sum() == 100 and torch.equal(keep, b.valid)
+    assert torch.equal(a.labels[keep], b.labels[keep])
+    assert torch.allclose(a.dense[keep], b.dense[keep], atol=2e-3)  # stored as float16
+    assert torch.equal(a.sparse.values().reshape(-1)[:100], b.sparse.values().reshape(-1)[:100])
+
+
+@pytest.mark.parametrize("split, shuffle", [("train", True), ("train", False), ("val", False)])
+def test_torch_and_dali_loaders_yield_identical_batches(dataset_dir, split, shuffle):
+    data = SplitBinaryDataset(str(dataset_dir))
+    make = lambda: rank_batches(data, split, 512, 1, 2, shuffle=shuffle, seed=3)  # noqa: E731
+    torch_loader = PrefetchLoader(make(), CPU, depth=3)
+    dali_loader = DaliLoader(make(), data.spec.feature_names, CPU, depth=3)
+    steps = 25 if split == "train" else None  # more than one epoch of training batches
+    torch_batches = [b for _, b in zip(range(steps or 10**9), torch_loader)]
+    dali_batches = [b for _, b in zip(range(steps or 10**9), dali_loader)]
+    torch_loader.close(), dali_loader.close()
+    assert len(torch_batches) == len(dali_batches) == (steps or 2)
+    for a, b in zip(torch_batches, dali_batches):
+        same_batch(a, b)
+
+
+def test_shuffled_order_is_shared_by_ranks_and_new_each_epoch():
+    data = SyntheticClicks(DATA)
+    per_epoch = 5000 // 500
+    firsts = lambda rank: [b.dense[0] for _, b in zip(range(2 * per_epoch),  # noqa: E731
+                                                      rank_batches(data, "train", 500, rank, 2, True, 7))]
+    whole = [b.dense for _, b in zip(range(2 * per_epoch), rank_batches(data, "train", 500, 0, 1, True, 7))]
+    for step, (r0, r1) in enumerate(zip(firsts(0), firsts(1))):
+        assert torch.equal(r0, whole[step][0]) and torch.equal(r1, whole[step][250])
+    epoch = lambda e: sorted(int(round(float(w[0, 0]) * 1e4)) for w in whole[e * per_epoch:(e + 1) * per_epoch])  # noqa: E731
+    assert epoch(0) == epoch(1)  # each epoch holds every batch once ...
+    assert [w[0, 0] for w in whole[:per_epoch]] != [w[0, 0] for w in whole[per_epoch:]]  # ... reordered
+
+
+def test_evaluation_scores_every_sample_exactly_once(dataset_dir):
+    data = SplitBinaryDataset(str(dataset_dir))
+    labels = []
+    for rank in range(3):
+        for b in rank_batches(data, "val", 300, rank, 3):
+            labels.append((b.true_prob[b.valid]))
+    seen = torch.cat(labels)
+    assert len(seen) == 1000
+    whole = data.batch("val", 0, 1000).true_prob
+    assert torch.equal(seen.sort().values, whole.sort().values)
+
+
+def test_training_with_either_loader_gives_the_same_losses(dataset_dir, tmp_path, process_group):
+    losses = {}
+    for loader in ("torch", "dali"):
+        cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+            f"data.path={dataset_dir}", f"data.loader={loader}", "data.shuffle=true",
+            "data.global_batch_size=256", "train.max_steps=25", "train.log_every=1",
+            "train.progress_bar=false", f"train.run_dir={tmp_path / loader}"])
+        result = train(cfg, process_group)
+        losses[loader] = (result.losses, result.metrics)
+    assert losses["torch"] == losses["dali"]
+    assert "oracle_auc" in losses["torch"][1]  # synth keeps the planted probabilities
+
+
+def test_nvidia_layout_without_validation_or_hotness_loads(tmp_path):
+    """A dataset as NVIDIA's tools write it: train/ and test/, cat_i.bin features, no extras."""
+    root = tmp_path / "nv"
+    spec = {"channel_spec": {"categorical": ["cat_0.bin", "cat_1.bin"], "numerical": ["num_0", "num_1"],
+                             "label": ["label"]},
+            "feature_spec": {"cat_0.bin": {"dtype": "int8", "cardinality": 10},
+                             "cat_1.bin": {"dtype": "int16", "cardinality": 1000},
+                             "num_0": {"dtype": "float16"}, "num_1": {"dtype": "float16"},
+                             "label": {"dtype": "bool"}},
+            "metadata": {}, "source_spec": {}}
+    for split, n in (("train", 64), ("test", 16)):
+        (root / split).mkdir(parents=True)
+        rng = np.random.default_rng(len(split))
+        (root / split / "label.bin").write_bytes(rng.integers(0, 2, n).astype(np.bool_).tobytes())
+        (root / split / "numerical.bin").write_bytes(rng.random((n, 2)).astype(np.float16).tobytes())
+        (root / split / "cat_0.bin").write_bytes(rng.integers(0, 10, n).astype(np.int8).tobytes())
+        (root / split / "cat_1.bin").write_bytes(rng.integers(0, 1000, n).astype(np.int16).tobytes())
+        spec["source_spec"][split] = [
+            {"type": "split_binary", "features": ["num_0", "num_1"], "files": [f"{split}/numerical.bin"]},
+            {"type": "split_binary", "features": ["label"], "files": [f"{split}/label.bin"]},
+            {"type": "split_binary", "features": ["cat_0.bin"], "files": [f"{split}/cat_0.bin"]},
+            {"type": "split_binary", "features": ["cat_1.bin"], "files": [f"{split}/cat_1.bin"]}]
+    (root / "feature_spec.yaml").write_text(yaml.safe_dump(spec))
+    data = SplitBinaryDataset(str(root))
+    assert data.spec.cardinalities == [10, 1000] and data.spec.hotness == [1, 1]
+    assert data.sizes == {"train": 64, "val": 16, "test": 16}  # test doubles as validation
+    batch = data.batch("train", 0, 8)
+    expected = np.frombuffer((root / "train" / "cat_1.bin").read_bytes(), np.int16)[:8]
+    assert batch.sparse["cat_1"].values().tolist() == expected.tolist()
+
+
+def test_truncated_or_missing_files_are_one_line_errors(dataset_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(dataset_dir, broken)
+    numerical = broken / "train" / "numerical.bin"
+    whole = numerical.read_bytes()
+    numerical.write_bytes(whole[:-7])
+    with pytest.raises(DataError, match=f"{numerical}: .* truncated"):
+        SplitBinaryDataset(str(broken))
+    with pytest.raises(ConfigError, match="data.path: cannot read .*feature_spec.yaml"):
+        SplitBinaryDataset(str(tmp_path / "nothing"))
+    (broken / "train" / "cat_2.bin").unlink()
+    numerical.write_bytes(whole)
+    with pytest.raises(DataError, match="cat_2.bin: missing"):
+        SplitBinaryDataset(str(broken))
+
+
+def test_loader_errors_reach_the_training_loop():
+    def failing():
+        yield SyntheticClicks(DATA).batch("train", 0, 8)
+        raise DataError("disk gone")
+    loader = PrefetchLoader(failing(), CPU)
+    next(loader)
+    with pytest.raises(DataError, match="disk gone"):
+        next(loader)
