@@ -11,7 +11,7 @@ import yaml
 from conftest import ROOT
 from dlrm_hybrid.config import ConfigError, DataConfig, load_config
 from dlrm_hybrid.data.dali_loader import DaliLoader
-from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches
+from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.data.synthetic import SyntheticClicks
@@ -54,9 +54,9 @@ def test_split_binary_reads_back_what_synth_wrote(dataset_dir):
 @pytest.mark.parametrize("split, shuffle", [("train", True), ("train", False), ("val", False)])
 def test_torch_and_dali_loaders_yield_identical_batches(dataset_dir, split, shuffle):
     data = SplitBinaryDataset(str(dataset_dir))
-    make = lambda: rank_batches(data, split, 512, 1, 2, shuffle=shuffle, seed=3)  # noqa: E731
-    torch_loader = PrefetchLoader(make(), CPU, depth=3)
-    dali_loader = DaliLoader(make(), data.spec.feature_names, CPU, depth=3)
+    args = (data, split, 512, 1, 2, shuffle, 3)
+    torch_loader = PrefetchLoader(rank_batches(*args), CPU, depth=3)
+    dali_loader = DaliLoader(rank_columns(*args), data.spec.feature_names, CPU, depth=3)
     steps = 25 if split == "train" else None  # more than one epoch of training batches
     torch_batches = [b for _, b in zip(range(steps or 10**9), torch_loader)]
     dali_batches = [b for _, b in zip(range(steps or 10**9), dali_loader)]

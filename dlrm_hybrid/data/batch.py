@@ -1,12 +1,39 @@
-"""One rank's slice of a global batch."""
+"""One rank's slice of a global batch: as numpy columns (what datasets read) and as the
+tensors the model takes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+@dataclass
+class Columns:
+    dense: np.ndarray  # [B, num_dense] float32
+    labels: np.ndarray  # [B] float32 in {0, 1}
+    valid: np.ndarray  # [B] bool; False marks padding of the last evaluation batch
+    ids: List[np.ndarray]  # per categorical feature, [B, hotness] int64
+    true_prob: Optional[np.ndarray] = None  # [B] float32, the planted click probability
+
+
+class ClickDataset:
+    """What the loaders need of a dataset: its shape, split sizes, and columns of samples
+    [first, first + count) of a split, indices past the end being padding (valid=False)."""
+
+    spec = None  # DataSpec
+
+    def num_samples(self, split: str) -> int:
+        raise NotImplementedError
+
+    def columns(self, split: str, first: int, count: int) -> Columns:
+        raise NotImplementedError
+
+    def batch(self, split: str, first: int, count: int) -> "Batch":
+        return Batch.from_columns(self.columns(split, first, count), self.spec.feature_names)
 
 
 @dataclass
@@ -16,6 +43,13 @@ class Batch:
     labels: torch.Tensor  # [B] float32 in {0, 1}
     valid: torch.Tensor  # [B] bool; False marks padding of the last evaluation batch
     true_prob: Optional[torch.Tensor] = None  # [B] the planted click probability (synthetic data)
+
+    @staticmethod
+    def from_columns(c: Columns, feature_names: List[str]) -> "Batch":
+        tensor = torch.from_numpy
+        return Batch(tensor(c.dense), fixed_hotness_kjt(feature_names, [tensor(i) for i in c.ids]),
+                     tensor(c.labels), tensor(c.valid),
+                     None if c.true_prob is None else tensor(c.true_prob))
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731

@@ -9,20 +9,26 @@ from typing import Iterator
 
 import torch
 
-from dlrm_hybrid.data.batch import Batch
+from dlrm_hybrid.data.batch import Batch, Columns
 from dlrm_hybrid.data.slices import eval_slices, train_slices
 
 _DONE = object()
 
 
-def rank_batches(dataset, split: str, global_batch: int, rank: int, world_size: int,
-                 shuffle: bool = False, seed: int = 0) -> Iterator[Batch]:
-    """This rank's batches in order: endless for "train", one pass (padded) otherwise."""
+def rank_columns(dataset, split: str, global_batch: int, rank: int, world_size: int,
+                 shuffle: bool = False, seed: int = 0) -> Iterator[Columns]:
+    """This rank's slices in order: endless for "train", one pass (padded) otherwise."""
     n, local = dataset.num_samples(split), global_batch // world_size
     firsts = (train_slices(n, global_batch, rank, world_size, shuffle, seed) if split == "train"
               else eval_slices(n, global_batch, rank, world_size))
     for first in firsts:
-        yield dataset.batch(split, first, local)
+        yield dataset.columns(split, first, local)
+
+
+def rank_batches(dataset, *args, **kwargs) -> Iterator[Batch]:
+    """`rank_columns` as model inputs."""
+    for columns in rank_columns(dataset, *args, **kwargs):
+        yield Batch.from_columns(columns, dataset.spec.feature_names)
 
 
 class PrefetchLoader:

@@ -3,7 +3,7 @@ configured loader over one rank's slices of it."""
 
 from __future__ import annotations
 
-from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches
+from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 
@@ -14,10 +14,11 @@ def open_dataset(data_cfg):
 
 def make_loader(data_cfg, dataset, split: str, env, seed: int = 0):
     """This rank's batches of `split` on its device: endless for "train", one pass otherwise."""
-    batches = rank_batches(dataset, split, data_cfg.global_batch_size, env.rank, env.world_size,
-                           shuffle=data_cfg.shuffle and split == "train", seed=seed)
+    args = (dataset, split, data_cfg.global_batch_size, env.rank, env.world_size,
+            data_cfg.shuffle and split == "train", seed)
     if data_cfg.loader == "dali":
         from dlrm_hybrid.data.dali_loader import DaliLoader
 
-        return DaliLoader(batches, dataset.spec.feature_names, env.device, data_cfg.prefetch)
-    return PrefetchLoader(batches, env.device, data_cfg.prefetch)
+        return DaliLoader(rank_columns(*args), dataset.spec.feature_names, env.device,
+                          data_cfg.prefetch)
+    return PrefetchLoader(rank_batches(*args), env.device, data_cfg.prefetch)

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
-import torch
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.errors import DataError
-from dlrm_hybrid.data.batch import Batch, fixed_hotness_kjt
+from dlrm_hybrid.data.batch import ClickDataset, Columns
 from dlrm_hybrid.data.feature_spec import SPLITS, FeatureSpec, load_feature_spec
 from dlrm_hybrid.data.spec import DataSpec
 
@@ -82,7 +81,7 @@ def _move_into_place(tmp: Path, output: Path) -> None:
     tmp.rename(output)
 
 
-class SplitBinaryDataset:
+class SplitBinaryDataset(ClickDataset):
     """Reads a split-binary dataset; `batch(split, first, count)` as SyntheticClicks does."""
 
     def __init__(self, path: str) -> None:
@@ -117,19 +116,17 @@ class SplitBinaryDataset:
         self._maps[folder] = maps
         return n
 
-    def batch(self, split: str, first: int, count: int) -> Batch:
+    def columns(self, split: str, first: int, count: int) -> Columns:
         """Samples [first, first + count) of `split`; indices past its end are padding (the
         last sample repeated, marked invalid)."""
         maps, n = self._maps[split], self.sizes[split]
         index = np.minimum(np.arange(first, first + count), max(n - 1, 0))
         lo, hi = int(index[0]), int(index[-1]) + 1  # contiguous: one slice read per file
-        take = lambda m: torch.from_numpy(np.ascontiguousarray(m[lo:hi][index - lo]))  # noqa: E731
-        ids = [take(m).to(torch.int64) for m in maps["cats"]]
-        true_prob = take(maps["true_prob"]).reshape(-1) if "true_prob" in maps else None
-        return Batch(take(maps["dense"]).to(torch.float32),
-                     fixed_hotness_kjt(self.spec.feature_names, ids),
-                     take(maps["label"]).reshape(-1).to(torch.float32),
-                     torch.arange(first, first + count) < n, true_prob)
+        take = lambda m, dtype: m[lo:hi][index - lo].astype(dtype)  # noqa: E731
+        true_prob = take(maps["true_prob"], np.float32).reshape(-1) if "true_prob" in maps else None
+        return Columns(take(maps["dense"], np.float32), take(maps["label"], np.float32).reshape(-1),
+                       np.arange(first, first + count) < n,
+                       [take(m, np.int64) for m in maps["cats"]], true_prob)
 
 
 def _memmap(path: Path, dtype, width: int, expected: Optional[int] = None) -> np.ndarray:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dlrm_hybrid.data.batch import Batch, fixed_hotness_kjt
+from dlrm_hybrid.data.batch import ClickDataset, Columns
 from dlrm_hybrid.data.spec import DataSpec
 
 SPLIT_OFFSET = {"train": 0, "val": 1 << 40, "test": 2 << 40}  # disjoint sample index ranges
@@ -50,7 +50,7 @@ def zipf_ids(u: np.ndarray, rows: int, exponent: float) -> np.ndarray:
     return np.minimum(x.astype(np.int64) - 1, rows - 1)
 
 
-class SyntheticClicks:
+class SyntheticClicks(ClickDataset):
     """The planted-teacher dataset described by a `DataConfig`."""
 
     STREAM_DENSE, STREAM_LABEL, STREAM_IDS, STREAM_LATENT = 0, 1, 2, 3
@@ -75,17 +75,16 @@ class SyntheticClicks:
     def num_samples(self, split: str) -> int:
         return self.sizes[split]
 
-    def batch(self, split: str, first: int, count: int) -> Batch:
+    def columns(self, split: str, first: int, count: int) -> Columns:
         """Samples [first, first + count) of `split`; indices past its end are padding."""
         index = np.arange(first, first + count, dtype=np.uint64) + np.uint64(SPLIT_OFFSET[split])
         dense = self._dense(index)
         ids = self._ids(index)
-        prob = torch.sigmoid(self._teacher_logit(dense, ids))
-        u = torch.from_numpy(counter_uniform(self.seed, self.STREAM_LABEL, index))
-        labels = (u < prob).to(torch.float32)
-        valid = torch.arange(first, first + count) < self.sizes[split]
-        sparse = fixed_hotness_kjt(self.spec.feature_names, [torch.from_numpy(t) for t in ids])
-        return Batch(dense.to(torch.float32), sparse, labels, valid, prob.to(torch.float32))
+        prob = torch.sigmoid(self._teacher_logit(dense, ids)).numpy()
+        labels = counter_uniform(self.seed, self.STREAM_LABEL, index) < prob
+        valid = np.arange(first, first + count) < self.sizes[split]
+        return Columns(dense.numpy().astype(np.float32), labels.astype(np.float32), valid, ids,
+                       prob.astype(np.float32))
 
     def _dense(self, index: np.ndarray) -> torch.Tensor:
         n = self.spec.num_dense
