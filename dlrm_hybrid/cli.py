@@ -10,34 +10,49 @@ import warnings
 from typing import List, Optional
 
 from dlrm_hybrid.config import load_config
+from dlrm_hybrid.data import criteo_tsv, npy_days
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.parallel import dry_run
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="dlrm-hybrid", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a DLRM (launch with torchrun for several ranks)")
-    train.add_argument("--config", help="YAML config; defaults apply to keys it leaves out")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set train.max_steps=40 (repeatable)")
-    plan = commands.add_parser("plan", help="print the embedding placement for a config, no GPU needed")
-    dry_run.add_arguments(plan)
-    synth = commands.add_parser("synth", help="write the planted synthetic dataset as split-binary files")
-    synth.add_argument("--output", required=True, help="new dataset folder")
-    synth.add_argument("--config", help="YAML config whose data section shapes the dataset")
-    synth.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     _quiet_library_noise()
     try:
         if args.command == "train":
             run_train(args.config, args.overrides)
         elif args.command == "plan":
             dry_run.run(args)
-        else:
+        elif args.command == "synth":
             run_synth(args.config, args.overrides, args.output)
+        else:
+            (criteo_tsv if args.format == "criteo" else npy_days).run(args)
     except UserError as e:
         _fail(str(e))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dlrm-hybrid", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _config_arguments(commands.add_parser(
+        "train", help="train a DLRM (launch with torchrun for several ranks)"))
+    dry_run.add_arguments(_config_arguments(commands.add_parser(
+        "plan", help="print the embedding placement for a config, no GPU needed")))
+    synth = _config_arguments(commands.add_parser(
+        "synth", help="write the planted synthetic dataset (the config's data section) to files"))
+    synth.add_argument("--output", required=True, help="new dataset folder")
+    formats = commands.add_parser("preprocess", help="raw click logs -> split-binary dataset"
+                                  ).add_subparsers(dest="format", required=True)
+    criteo_tsv.add_arguments(formats.add_parser("criteo", help="Criteo TSV (Kaggle or 1TB, .gz ok)"))
+    npy_days.add_arguments(formats.add_parser("npy", help="torchrec/MLPerf day_N_*.npy files"))
+    return parser
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", help="YAML config; defaults apply to keys it leaves out")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.max_steps=40 (repeatable)")
+    return parser
 
 
 def run_train(config_path: Optional[str], overrides: List[str]) -> None:

@@ -3,7 +3,8 @@ with the true click probabilities of every split (so training on it still report
 
 from __future__ import annotations
 
-from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryWriter
+from dlrm_hybrid.data.split_binary import SPLIT_NAMES
+from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 
 CHUNK = 65536

@@ -18,8 +18,7 @@ DEFAULT_GPU_MEMORY = "80GiB"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", help="YAML config: tables, dims, hotness, optimizer, batch")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    """The plan options (the CLI adds --config and --set: tables, dims, optimizer, batch)."""
     parser.add_argument("--world-size", type=int, default=8, help="ranks (default 8)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="ranks per host: balance hosts too and group the printout by host")

@@ -1,0 +1,169 @@
+"""`python -m dlrm_hybrid preprocess npy`: torchrec/MLPerf Criteo day files (.npy) into the
+split-binary layout.
+
+Input folder: `day_N_dense.npy` (float [N, 13]), `day_N_sparse.npy` (integer [N, 26], ids
+already made contiguous, e.g. by torchrec's `sparse_to_contiguous` or MLPerf's modulo) and
+`day_N_labels.npy` ([N] or [N, 1], 0/1).
+- Dense: torchrec's `BinaryCriteoUtils.tsv_to_npys` already stores log(x + 3) as float32, so the
+  default `--dense-transform none` only casts to float16; `log` applies the TSV preprocessing's
+  log(max(x, 0) + 3) to files of raw counts. Values not finite in float16 (torchrec does not
+  clamp, so x = -3 gives log(0); raw counts above 65504 with `none`) are written as 0 and counted.
+- Splits as for the TSV day files: day 23's first half of rows -> test, its second half ->
+  validation, every other day -> train.
+- Cardinality of a feature = 1 + its largest id over all days: one pass over the memory-mapped
+  sparse files finds the maxima, a second writes; both go CHUNK_ROWS rows at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List
+
+import numpy as np
+
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.data.criteo_tsv import (NUM_CATEGORICAL, NUM_NUMERICAL, REPORT, Progress,
+                                         check_new_output, day_rule, one_hot_columns,
+                                         speed_report, split_codes, summary_line)
+from dlrm_hybrid.data.feature_spec import SPLITS
+from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
+from dlrm_hybrid.errors import DataError
+
+DAY_FILE = re.compile(r"day_(\d+)_(dense|sparse|labels)\.npy")
+PARTS = ("dense", "sparse", "labels")
+TRANSFORMS = ("none", "log")
+CHUNK_ROWS = 1 << 20
+
+
+@dataclass
+class Day:
+    """One day's three arrays, memory-mapped."""
+    number: int
+    folder: Path
+    dense: np.ndarray  # [N, 13]
+    sparse: np.ndarray  # [N, 26]
+    labels: np.ndarray  # [N]
+
+    def path(self, part: str) -> Path:
+        return self.folder / f"day_{self.number}_{part}.npy"
+
+
+def find_days(folder: Path) -> List[Day]:
+    """The days in `folder`, in order, memory-mapped and shape-checked."""
+    try:
+        names = os.listdir(folder)
+    except OSError as e:
+        raise ConfigError(f"--input: cannot read the folder {folder} ({e.strerror})") from None
+    days = sorted({int(m.group(1)) for m in map(DAY_FILE.fullmatch, names) if m})
+    if not days:
+        raise DataError(f"{folder}: no day_N_dense/sparse/labels.npy files; point --input at "
+                        f"torchrec's .npy folder")
+    return [_open_day(folder, day) for day in days]
+
+
+def _open_day(folder: Path, day: int) -> Day:
+    arrays = {}
+    for part in PARTS:
+        path = folder / f"day_{day}_{part}.npy"
+        try:
+            arrays[part] = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot read as .npy ({e}); every day needs dense, sparse "
+                            f"and labels files") from None
+    rows = len(arrays["labels"])
+    shapes = {"dense": (rows, NUM_NUMERICAL), "sparse": (rows, NUM_CATEGORICAL)}
+    for part, shape in shapes.items():
+        if arrays[part].shape != shape:
+            raise DataError(f"{folder}/day_{day}_{part}.npy: shape {arrays[part].shape}, "
+                            f"expected {shape} to match day_{day}_labels.npy")
+    integer_ids = arrays["sparse"].dtype.kind in "iu"
+    if arrays["labels"].shape not in ((rows,), (rows, 1)) or not integer_ids:
+        raise DataError(f"{folder}: day_{day} needs labels of shape [N] or [N, 1] and integer "
+                        f"sparse ids")
+    return Day(day, folder, arrays["dense"], arrays["sparse"], arrays["labels"].reshape(-1))
+
+
+def cardinalities(days: List[Day]) -> List[int]:
+    """1 + the largest id of each feature over all days."""
+    top = np.full(NUM_CATEGORICAL, -1, np.int64)
+    for day in days:
+        for lo in range(0, len(day.sparse), CHUNK_ROWS):
+            chunk = np.asarray(day.sparse[lo:lo + CHUNK_ROWS])
+            if chunk.min() < 0:
+                raise DataError(f"{day.path('sparse')}: negative ids in rows from {lo}; ids must "
+                                f"be 0.. (make them contiguous first)")
+            top = np.maximum(top, chunk.max(axis=0))
+    return (top + 1).clip(min=1).tolist()
+
+
+def _write_day(writer: SplitBinaryWriter, day: Day, transform: str, progress: Progress) -> int:
+    """Append one day to its splits; returns how many dense values were not finite."""
+    rule, nonfinite = day_rule(day.number, len(day.labels)), 0
+    for lo in range(0, len(day.labels), CHUNK_ROWS):
+        hi = min(lo + CHUNK_ROWS, len(day.labels))
+        labels = np.asarray(day.labels[lo:hi])
+        if ((labels != 0) & (labels != 1)).any():
+            raise DataError(f"{day.path('labels')}: a label other than 0 or 1 in rows "
+                            f"{lo}..{hi - 1}")
+        dense = np.asarray(day.dense[lo:hi], np.float32)
+        if transform == "log":
+            dense = np.log(np.maximum(dense, 0) + np.float32(3))
+        dense = dense.astype(np.float16)
+        bad = ~np.isfinite(dense)
+        dense[bad], nonfinite = 0, nonfinite + int(bad.sum())
+        sparse, codes = np.asarray(day.sparse[lo:hi]), split_codes(rule, np.arange(lo, hi))
+        for code, split in enumerate(SPLITS):
+            keep = codes == code
+            writer.write(split, labels[keep], dense[keep], one_hot_columns(sparse[keep]))
+        progress.add(hi - lo)
+    return nonfinite
+
+
+def convert_npy_days(input_dir, output, dense_transform: str = "none") -> dict:
+    """Day .npy files in `input_dir` -> split-binary dataset at `output`; returns the report it
+    also writes to `output/preprocess_report.json`."""
+    if dense_transform not in TRANSFORMS:
+        raise ConfigError(f"--dense-transform: {dense_transform!r} is not one of "
+                          f"{', '.join(TRANSFORMS)}")
+    check_new_output(output)
+    start = time.perf_counter()
+    days = find_days(Path(input_dir))
+    spec = DataSpec(NUM_NUMERICAL, cardinalities(days), [1] * NUM_CATEGORICAL)
+    writer = SplitBinaryWriter(str(output), spec)
+    try:
+        progress = Progress("write")
+        nonfinite = sum(_write_day(writer, day, dense_transform, progress) for day in days)
+        progress.done()
+        report = {"input": str(input_dir), "days": [d.number for d in days],
+                  **speed_report(start, writer.counts), "cardinalities": spec.cardinalities,
+                  "dense_transform": dense_transform, "nonfinite_dense": nonfinite}
+        (writer.tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    except BaseException:
+        writer.abort()
+        raise
+    writer.finish()
+    return report
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--input", required=True, metavar="DIR",
+                        help="folder of day_N_dense.npy, day_N_sparse.npy, day_N_labels.npy")
+    parser.add_argument("--output", required=True, metavar="DIR", help="new dataset folder")
+    parser.add_argument("--dense-transform", choices=TRANSFORMS, default="none",
+                        help="none: dense is torchrec's log(x + 3) already (default); "
+                             "log: raw counts, apply log(max(x, 0) + 3)")
+
+
+def run(args) -> None:
+    report = convert_npy_days(args.input, args.output, args.dense_transform)
+    if report["nonfinite_dense"]:
+        print(f"warning: {report['nonfinite_dense']} dense values were not finite in float16 and "
+              f"were written as 0 (raw counts need --dense-transform log)")
+    print(f"wrote {args.output} (report: {REPORT})")
+    print(summary_line(report))

@@ -1,0 +1,299 @@
+"""Criteo TSV and torchrec .npy preprocessing into split-binary datasets."""
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.data import criteo_tsv, npy_days
+from dlrm_hybrid.data.criteo_tsv import preprocess_criteo
+from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
+from dlrm_hybrid.errors import DataError
+
+PLANTED = {"wrong_field_count": 3, "bad_label": 4, "bad_numeric": 5, "bad_category": 6,
+           "crlf": 7, "blank_line": 2}
+
+
+@pytest.fixture
+def small_tasks(monkeypatch):
+    """Many tasks per file and several blocks per task, so workers and carries are exercised."""
+    monkeypatch.setattr(criteo_tsv, "TASK_BYTES", 40_000)
+    monkeypatch.setattr(criteo_tsv, "CHUNK_BYTES", 7_000)
+
+
+def make_rows(n, seed=0):
+    """Criteo rows as lists of 40 strings: some missing values, negatives, Zipf-like categories."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, n)
+    ints, int_missing = rng.integers(-3, 1000, (n, 13)), rng.random((n, 13)) < 0.2
+    ranks = np.exp(rng.random((n, 26)) * np.log(500)).astype(np.int64)  # log-uniform ranks
+    cats = (ranks * 2654435761 + np.arange(26) * 7919) % 2**32
+    cat_missing = rng.random((n, 26)) < 0.1
+    return [[str(labels[r]), *("" if int_missing[r, j] else str(ints[r, j]) for j in range(13)),
+             *("" if cat_missing[r, j] else f"{cats[r, j]:08x}" for j in range(26))]
+            for r in range(n)]
+
+
+BREAKERS = {  # kind -> ways to break a row, used in turn
+    "wrong_field_count": [lambda r: r[:-1], lambda r: r + ["00000001"], lambda r: ["x"]],
+    "bad_label": [lambda r, v=v: [v, *r[1:]] for v in ("2", "", "01", "-1")],
+    "bad_numeric": [lambda r, v=v: r[:4] + [v] + r[5:]
+                    for v in ("1.5", "+3", "-", "12a", "1" * 19)],
+    "bad_category": [lambda r, v=v: r[:20] + [v] + r[21:]
+                     for v in ("abcdefgz", "abc", "123456789", "abcd ef1", "-1234567", " 1234567")],
+}
+
+
+def plant(rows, seed=0):
+    """Lines of `rows` with PLANTED bad lines of each kind at random places (crlf rows are kept),
+    and the 1-based number of the first planted line."""
+    rng = np.random.default_rng(seed)
+    lines, planted = ["\t".join(r) + "\n" for r in rows], []
+    for kind, count in PLANTED.items():
+        for i in range(count):
+            row = make_rows(1, seed=len(planted))[0]
+            if kind == "crlf":
+                planted.append("\t".join(row) + "\r\n")
+            elif kind == "blank_line":
+                planted.append("\n")
+            else:
+                planted.append("\t".join(BREAKERS[kind][i % len(BREAKERS[kind])](row)) + "\n")
+            lines.insert(int(rng.integers(len(lines))), planted[-1])
+    first = min(i for i, line in enumerate(lines) if any(line is p for p in planted))
+    return lines, first + 1
+
+
+def read_split(out, split):
+    """(labels, dense, [ids per feature]) of one split of a written dataset."""
+    fspec = load_feature_spec(str(out))
+    files = fspec.splits[split]
+    labels = np.fromfile(files.label, np.bool_)
+    dense = np.fromfile(files.numerical, np.float16).reshape(len(labels), -1)
+    cats = [np.fromfile(p, d) for p, d in zip(files.categorical, fspec.categorical_dtypes)]
+    return labels, dense, cats
+
+
+def dataset_files(out):
+    return {p.relative_to(out): p.read_bytes() for p in sorted(Path(out).rglob("*"))
+            if p.is_file() and p.name != criteo_tsv.REPORT}
+
+
+def test_bad_rows_are_counted_by_kind_and_skipped(tmp_path, small_tasks):
+    rows = make_rows(3000)
+    lines, first_bad = plant(rows)
+    (tmp_path / "train.txt").write_text("".join(lines), newline="")
+    report = preprocess_criteo([tmp_path / "train.txt"], tmp_path / "out", workers=2)
+    assert report["bad_rows"] == PLANTED
+    assert report["first_problem"].startswith(f"{tmp_path / 'train.txt'}:{first_bad}: ")
+    assert report["rows_written"]["total"] == len(rows) + PLANTED["crlf"]
+    saved = json.loads((tmp_path / "out" / criteo_tsv.REPORT).read_text())
+    assert saved["bad_rows"] == PLANTED and saved["peak_rss_bytes"] > 0
+    assert set(saved) >= {"rows_written", "rows_per_s", "seconds", "cardinalities"}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("kind", ["bad_category", "crlf"])
+def test_strict_stops_at_the_first_problem_with_file_and_line(tmp_path, small_tasks, workers, kind):
+    lines = ["\t".join(r) + "\n" for r in make_rows(2000)]
+    fields = lines[1500][:-1].split("\t")
+    fields[14] = "xyz" if kind == "bad_category" else fields[14]
+    lines[1500] = "\t".join(fields) + ("\r\n" if kind == "crlf" else "\n")
+    path = tmp_path / "day_0"
+    path.write_text("".join(lines), newline="")
+    with pytest.raises(DataError, match=f"^{path}:1501: .*\\({kind}\\)") as error:
+        preprocess_criteo([path], tmp_path / "out", workers=workers, strict=True)
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def write_day(path, c1_values, extra=None):
+    """A day file whose rows differ only in C1 (hex of each value, None for missing)."""
+    rows = make_rows(1)[0]
+    lines = ["\t".join(rows[:14] + ["" if v is None else f"{v:08x}"] + rows[15:]) + "\n"
+             for v in c1_values]
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt", newline="") as f:
+            f.write("".join(lines))
+    else:
+        path.write_text("".join(lines), newline="")
+    return path
+
+
+def test_ids_by_descending_frequency_with_threshold_and_table_size(tmp_path):
+    a, b, c, d = 0xAAAA0000, 0x000000FF, 0x00000010, 0x12345678  # c < b: c wins their tie
+    values = [b, a, c, None, a, b, d, a, c, a, None, b, c, a]  # a 5, b 3, c 3, d 1
+    path = write_day(tmp_path / "day_0", values)
+    expect = {a: 1, c: 2, b: 3, d: 0, None: 0}
+    report = preprocess_criteo([path], tmp_path / "t2", frequency_threshold=2, workers=1)
+    assert report["cardinalities"][0] == 4 and report["cardinalities"][1] == 2  # C2 is one value
+    assert read_split(tmp_path / "t2", "train")[2][0].tolist() == [expect[v] for v in values]
+    report = preprocess_criteo([path], tmp_path / "m3", max_table_size=3, workers=1)
+    assert report["cardinalities"][0] == 3
+    expect = {**expect, b: 0}
+    assert read_split(tmp_path / "m3", "train")[2][0].tolist() == [expect[v] for v in values]
+    report = preprocess_criteo([path], tmp_path / "all", workers=1)
+    assert report["cardinalities"][0] == 5  # threshold 0 keeps d
+
+
+def test_numericals_missing_clamped_and_log_transformed(tmp_path):
+    row = make_rows(1)[0]
+    row[1:14] = ["", "-5", "0", "7", "123456", "-0", "", "1", "2", "3", "4", "5", "00012"]
+    (tmp_path / "day_3").write_text("\t".join(row) + "\n")
+    preprocess_criteo([tmp_path / "day_3"], tmp_path / "out", workers=1)
+    dense = read_split(tmp_path / "out", "train")[1][0]
+    want = [np.log(max(int(v), 0) + 3) if v else 0.0 for v in row[1:14]]
+    np.testing.assert_array_equal(dense, np.array(want, np.float64).astype(np.float16))
+
+
+def test_criteo_1tb_days_split_day_23_into_test_and_validation_halves(tmp_path):
+    day0 = write_day(tmp_path / "day_0", range(100))
+    day23 = write_day(tmp_path / "day_23.gz", range(100, 151))
+    report = preprocess_criteo([day0, day23], tmp_path / "out", workers=2)
+    assert report["rows_written"] == {"total": 151, "train": 100, "validation": 26, "test": 25}
+    ids = {s: read_split(tmp_path / "out", s)[2][0].tolist()
+           for s in ("train", "test", "validation")}
+    # every value is seen once: ids follow the values, so they show which rows went where
+    assert ids == {"train": list(range(1, 101)), "test": list(range(101, 126)),
+                   "validation": list(range(126, 152))}
+
+
+def test_seeded_split_proportions_and_determinism(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text("".join("\t".join(r) + "\n" for r in make_rows(6000)))
+    first = preprocess_criteo([path], tmp_path / "a", workers=2, split_seed=5)["rows_written"]
+    assert 0.88 < first["train"] / 6000 < 0.92
+    assert 0.035 < first["validation"] / 6000 < 0.065 and 0.035 < first["test"] / 6000 < 0.065
+    preprocess_criteo([path], tmp_path / "b", workers=1, split_seed=5)
+    preprocess_criteo([path], tmp_path / "c", workers=1, split_seed=6)
+    assert dataset_files(tmp_path / "a") == dataset_files(tmp_path / "b")
+    assert dataset_files(tmp_path / "a") != dataset_files(tmp_path / "c")
+
+
+def test_output_is_identical_for_any_worker_count_and_task_size(tmp_path, monkeypatch):
+    (tmp_path / "part_a.txt").write_text("".join(plant(make_rows(2500, seed=1), 1)[0]), newline="")
+    with gzip.open(tmp_path / "part_b.gz", "wt", newline="") as f:
+        f.write("".join(plant(make_rows(1500, seed=2), 2)[0]))
+    inputs = [tmp_path / "part_a.txt", tmp_path / "part_b.gz"]
+    preprocess_criteo(inputs, tmp_path / "one", frequency_threshold=2, workers=1)
+    monkeypatch.setattr(criteo_tsv, "TASK_BYTES", 30_000)
+    monkeypatch.setattr(criteo_tsv, "CHUNK_BYTES", 5_000)
+    preprocess_criteo(inputs, tmp_path / "two", frequency_threshold=2, workers=2)
+    assert dataset_files(tmp_path / "one") == dataset_files(tmp_path / "two")
+
+
+def test_unreadable_inputs_are_one_line_errors_naming_the_file(tmp_path):
+    whole = gzip.compress("".join("\t".join(r) + "\n" for r in make_rows(500)).encode())
+    (tmp_path / "day_1.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=f"^{tmp_path / 'day_1.gz'}: truncated or corrupt gzip"):
+        preprocess_criteo([tmp_path / "day_1.gz"], tmp_path / "out", workers=2)
+    with pytest.raises(DataError, match=f"^{tmp_path / 'nope.txt'}: cannot read"):
+        preprocess_criteo([tmp_path / "nope.txt"], tmp_path / "out", workers=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day_1.gz"]
+
+
+@pytest.mark.parametrize("exception", [RuntimeError, KeyboardInterrupt])
+def test_a_failure_midway_leaves_no_output_and_no_temp_folder(tmp_path, small_tasks, monkeypatch,
+                                                              exception):
+    (tmp_path / "train.txt").write_text("".join("\t".join(r) + "\n" for r in make_rows(2000)))
+    real_write, calls = SplitBinaryWriter.write, []
+
+    def write_then_fail(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise exception("interrupted")
+        real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(SplitBinaryWriter, "write", write_then_fail)
+    with pytest.raises(exception):
+        preprocess_criteo([tmp_path / "train.txt"], tmp_path / "out", workers=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.txt"]
+
+
+def test_dataset_reads_back_with_the_written_counts_and_rows(tmp_path):
+    rows = make_rows(3000, seed=3)
+    (tmp_path / "train.txt").write_text("".join("\t".join(r) + "\n" for r in rows))
+    report = preprocess_criteo([tmp_path / "train.txt"], tmp_path / "out", workers=2)
+    data = SplitBinaryDataset(str(tmp_path / "out"))
+    written = report["rows_written"]
+    assert [data.num_samples(s) for s in ("train", "val", "test")] == \
+        [written["train"], written["validation"], written["test"]]
+    labels, dense, cats = read_split(tmp_path / "out", "train")
+    batch = data.batch("train", 10, 32)
+    assert batch.dense.shape == (32, 13) and batch.valid.all()
+    np.testing.assert_array_equal(batch.labels.numpy(), labels[10:42])
+    np.testing.assert_array_equal(batch.dense.numpy(), dense[10:42].astype(np.float32))
+    np.testing.assert_array_equal(batch.sparse["cat_5"].values().numpy(), cats[5][10:42])
+    assert data.spec.cardinalities == report["cardinalities"]
+
+
+def test_command_line_runs_and_rejects_bad_arguments(tmp_path, capsys):
+    path = write_day(tmp_path / "day_0", range(50))
+    parser = argparse.ArgumentParser()
+    criteo_tsv.add_arguments(parser)
+    criteo_tsv.run(parser.parse_args(["--input", str(path), "--output", str(tmp_path / "out"),
+                                      "--workers", "2", "--frequency-threshold", "1"]))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("done: rows=50 train=50 validation=0 test=0 wrong_field_count=0")
+    for flags, key in ((["--frequency-threshold", "-1"], "--frequency-threshold"),
+                       (["--max-table-size", "0"], "--max-table-size"), ([], "--output")):
+        args = parser.parse_args(["--input", str(path), "--output", str(tmp_path / "out"), *flags])
+        with pytest.raises(ConfigError, match=f"^{key}"):
+            criteo_tsv.run(args)
+
+
+def write_npy_day(folder, day, n, rng, flat_labels):
+    dense = rng.integers(0, 50, (n, 13)).astype(np.float32)
+    sparse = rng.integers(0, 40, (n, 26)).astype(np.int32)
+    labels = rng.integers(0, 2, n if flat_labels else (n, 1)).astype(np.int32)
+    for name, array in (("dense", dense), ("sparse", sparse), ("labels", labels)):
+        np.save(folder / f"day_{day}_{name}.npy", array)
+    return dense, sparse, labels.reshape(-1)
+
+
+@pytest.mark.parametrize("transform", ["none", "log"])
+def test_npy_days_round_trip(tmp_path, transform, monkeypatch):
+    monkeypatch.setattr(npy_days, "CHUNK_ROWS", 64)
+    rng = np.random.default_rng(0)
+    (tmp_path / "npy").mkdir()
+    d0, s0, l0 = write_npy_day(tmp_path / "npy", 0, 300, rng, flat_labels=False)
+    d23, s23, l23 = write_npy_day(tmp_path / "npy", 23, 201, rng, flat_labels=True)
+    report = npy_days.convert_npy_days(tmp_path / "npy", tmp_path / "out", transform)
+    assert report["cardinalities"] == (np.maximum(s0.max(0), s23.max(0)) + 1).tolist()
+    assert report["rows_written"] == {"total": 501, "train": 300, "validation": 101, "test": 100}
+    fix = (lambda d: d) if transform == "none" else (lambda d: np.log(d + 3))
+    expected = {"train": (d0, s0, l0), "test": (d23[:100], s23[:100], l23[:100]),
+                "validation": (d23[100:], s23[100:], l23[100:])}
+    for split, (dense, sparse, labels) in expected.items():
+        got_labels, got_dense, got_cats = read_split(tmp_path / "out", split)
+        np.testing.assert_array_equal(got_labels, labels.astype(bool))
+        np.testing.assert_array_equal(got_dense, fix(dense).astype(np.float16))
+        np.testing.assert_array_equal(np.stack(got_cats, 1), sparse)
+
+
+def test_npy_days_missing_file_is_a_data_error(tmp_path):
+    rng = np.random.default_rng(0)
+    write_npy_day(tmp_path, 0, 10, rng, flat_labels=True)
+    (tmp_path / "day_0_sparse.npy").unlink()
+    with pytest.raises(DataError, match="day_0_sparse.npy"):
+        npy_days.convert_npy_days(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+
+def test_npy_days_command_writes_nonfinite_dense_as_zero(tmp_path, capsys):
+    dense, _, _ = write_npy_day(tmp_path, 0, 20, np.random.default_rng(1), flat_labels=True)
+    dense[3, 1] = -np.inf  # torchrec's log(x + 3) for x = -3
+    np.save(tmp_path / "day_0_dense.npy", dense)
+    parser = argparse.ArgumentParser()
+    npy_days.add_arguments(parser)
+    npy_days.run(parser.parse_args(["--input", str(tmp_path), "--output", str(tmp_path / "out")]))
+    assert "warning: 1 dense values" in capsys.readouterr().out
+    assert read_split(tmp_path / "out", "train")[1][3, 1] == 0
+    assert json.loads((tmp_path / "out" / criteo_tsv.REPORT).read_text())["nonfinite_dense"] == 1
