@@ -46,6 +46,21 @@ def done_fields(stdout: str) -> dict:
     return {k: float(v) for k, v in (item.split("=") for item in last.split()[1:])}
 
 
+def train_with_each_loader(data_path, run_root: Path, env, batch: int, steps: int) -> dict:
+    """{loader: TrainResult} of the demo model trained on `data_path`, shuffled, same seeds."""
+    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.train.loop import train
+
+    results = {}
+    for loader in ("torch", "dali"):
+        cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+            f"data.path={data_path}", f"data.loader={loader}", "data.shuffle=true",
+            f"data.global_batch_size={batch}", f"train.max_steps={steps}", "train.log_every=1",
+            "train.progress_bar=false", f"train.run_dir={run_root / loader}"])
+        results[loader] = train(cfg, env)
+    return results
+
+
 @pytest.fixture(scope="module")
 def process_group():
     """A gloo group of one process, for tests that shard a model in-process."""

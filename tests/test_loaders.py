@@ -1,22 +1,20 @@
 """Split-binary datasets and the two loaders: same batches, slices, shuffling, bad files."""
 
 import shutil
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from conftest import ROOT
-from dlrm_hybrid.config import ConfigError, DataConfig, load_config
+from conftest import train_with_each_loader
+from dlrm_hybrid.config import ConfigError, DataConfig
 from dlrm_hybrid.data.dali_loader import DaliLoader
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.errors import DataError
-from dlrm_hybrid.train.loop import train
 
 CPU = torch.device("cpu")
 DATA = DataConfig(cardinalities=[300, 40, 7], hotness=[1, 3, 2], train_samples=5000,
@@ -92,16 +90,10 @@ def test_evaluation_scores_every_sample_exactly_once(dataset_dir):
 
 
 def test_training_with_either_loader_gives_the_same_losses(dataset_dir, tmp_path, process_group):
-    losses = {}
-    for loader in ("torch", "dali"):
-        cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-            f"data.path={dataset_dir}", f"data.loader={loader}", "data.shuffle=true",
-            "data.global_batch_size=256", "train.max_steps=25", "train.log_every=1",
-            "train.progress_bar=false", f"train.run_dir={tmp_path / loader}"])
-        result = train(cfg, process_group)
-        losses[loader] = (result.losses, result.metrics)
-    assert losses["torch"] == losses["dali"]
-    assert "oracle_auc" in losses["torch"][1]  # synth keeps the planted probabilities
+    runs = train_with_each_loader(dataset_dir, tmp_path, process_group, batch=256, steps=25)
+    assert runs["torch"].losses == runs["dali"].losses
+    assert runs["torch"].metrics == runs["dali"].metrics
+    assert "oracle_auc" in runs["torch"].metrics  # synth keeps the planted probabilities
 
 
 def test_nvidia_layout_without_validation_or_hotness_loads(tmp_path):

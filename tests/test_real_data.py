@@ -6,9 +6,7 @@ import random
 
 import pytest
 
-from conftest import ROOT, run_cli
-from dlrm_hybrid.config import load_config
-from dlrm_hybrid.train.loop import train
+from conftest import run_cli, train_with_each_loader
 
 PLANTED = {"wrong_field_count": 3, "bad_label": 2, "bad_category": 4, "bad_numeric": 5,
            "crlf": 6, "blank_line": 7}
@@ -79,14 +77,8 @@ def test_strict_mode_names_the_first_bad_line(raw_tsv, tmp_path):
 def test_train_and_evaluate_with_either_loader_gives_the_same_losses(preprocessed, tmp_path,
                                                                      process_group):
     out, _ = preprocessed
-    results = {}
-    for loader in ("torch", "dali"):
-        cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-            f"data.path={out}", f"data.loader={loader}", "data.shuffle=true",
-            "data.global_batch_size=128", "train.max_steps=30", "train.log_every=1",
-            "train.progress_bar=false", f"train.run_dir={tmp_path / loader}"])
-        results[loader] = train(cfg, process_group)
-    torch_run, dali_run = results["torch"], results["dali"]
+    runs = train_with_each_loader(out, tmp_path, process_group, batch=128, steps=30)
+    torch_run, dali_run = runs["torch"], runs["dali"]
     assert len(torch_run.losses) == 30 and torch_run.losses[-1] < torch_run.losses[0]
     assert 0.5 < torch_run.metrics["val_auc"] <= 1 and "oracle_auc" not in torch_run.metrics
     assert dali_run.losses == torch_run.losses and dali_run.metrics == torch_run.metrics

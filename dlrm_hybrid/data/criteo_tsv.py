@@ -546,18 +546,13 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
                         f"expected Criteo TSV lines of {NUM_FIELDS} tab-separated fields")
     tables = [build_table(v, c, frequency_threshold, max_table_size) for v, c in survey.tables]
     spec = DataSpec(NUM_NUMERICAL, [1 + len(keys) for keys, _ in tables], [1] * NUM_CATEGORICAL)
-    writer = SplitBinaryWriter(output, spec)
-    try:
+    with SplitBinaryWriter(output, spec) as writer:
         jobs = _split_jobs(inputs, tasks, survey.task_rows, split_seed)
         _write_pass(tasks, jobs, tables, workers, writer)
         report = {"inputs": inputs, **speed_report(start, writer.counts), "bad_rows": survey.bad,
                   "first_problem": survey.first_problem, "cardinalities": spec.cardinalities,
                   "frequency_threshold": frequency_threshold, "max_table_size": max_table_size}
-        (writer.tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    except BaseException:
-        writer.abort()
-        raise
-    writer.finish()
+        writer.add_file(REPORT, json.dumps(report, indent=2) + "\n")
     return report
 
 

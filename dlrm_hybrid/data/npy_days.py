@@ -135,19 +135,14 @@ def convert_npy_days(input_dir, output, dense_transform: str = "none") -> dict:
     start = time.perf_counter()
     days = find_days(Path(input_dir))
     spec = DataSpec(NUM_NUMERICAL, cardinalities(days), [1] * NUM_CATEGORICAL)
-    writer = SplitBinaryWriter(str(output), spec)
-    try:
+    with SplitBinaryWriter(str(output), spec) as writer:
         progress = Progress("write")
         nonfinite = sum(_write_day(writer, day, dense_transform, progress) for day in days)
         progress.done()
         report = {"input": str(input_dir), "days": [d.number for d in days],
                   **speed_report(start, writer.counts), "cardinalities": spec.cardinalities,
                   "dense_transform": dense_transform, "nonfinite_dense": nonfinite}
-        (writer.tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    except BaseException:
-        writer.abort()
-        raise
-    writer.finish()
+        writer.add_file(REPORT, json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -16,7 +16,8 @@ from dlrm_hybrid.data.spec import DataSpec
 
 class SplitBinaryWriter:
     """Appends samples to a dataset being built in a temporary folder next to `output`, and
-    moves it into place only in `finish()`: an interrupted run leaves no half dataset."""
+    moves it into place only in `finish()` (or at the end of a `with` block that raised
+    nothing): an interrupted run leaves no half dataset."""
 
     def __init__(self, output: str, spec: DataSpec, splits: Sequence[str] = SPLITS) -> None:
         self.output = Path(output)
@@ -47,6 +48,20 @@ class SplitBinaryWriter:
         if path not in self._files:
             self._files[path] = open(path, "wb")
         self._files[path].write(np.ascontiguousarray(array).tobytes())
+
+    def __enter__(self) -> "SplitBinaryWriter":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        """Finish after a clean block; after any exception (Ctrl-C too) leave nothing behind."""
+        if error_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+    def add_file(self, name: str, text: str) -> None:
+        """A file (a report, say) that moves into place with the dataset."""
+        (self.tmp / name).write_text(text)
 
     def finish(self) -> None:
         for f in self._files.values():

@@ -13,17 +13,10 @@ CHUNK = 65536
 def write_synthetic(data_cfg, output: str) -> dict:
     """Write train, validation and test splits; returns the sample count of each."""
     data = SyntheticClicks(data_cfg)
-    writer = SplitBinaryWriter(output, data.spec)
-    try:
+    with SplitBinaryWriter(output, data.spec) as writer:
         for ours, folder in SPLIT_NAMES.items():
             total = data.num_samples(ours)
             for first in range(0, total, CHUNK):
-                b = data.batch(ours, first, min(CHUNK, total - first))
-                cats = [b.sparse[k].values().reshape(len(b.labels), -1).numpy()
-                        for k in data.spec.feature_names]
-                writer.write(folder, b.labels.numpy(), b.dense.numpy(), cats, b.true_prob.numpy())
-    except BaseException:
-        writer.abort()
-        raise
-    writer.finish()
+                c = data.columns(ours, first, min(CHUNK, total - first))
+                writer.write(folder, c.labels, c.dense, c.ids, c.true_prob)
     return writer.counts
