@@ -76,3 +76,15 @@ def test_readme_documents_every_config_key():
     missing = [f"{section}.{key}" for section, keys in cfg.items() for key in keys
                if f"`{section}.{key}`" not in readme]
     assert not missing, f"README config reference lacks {missing}"
+
+
+def test_forcing_nccl_without_gpus_is_a_one_line_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    result = run_cli(["train", "--set", "parallel.backend=nccl", "--set", f"train.run_dir={tmp_path}"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: parallel.backend: nccl needs one GPU per local rank, "
+                                     "found 0 GPUs for 1 ranks; use fewer ranks or "
+                                     "parallel.backend=gloo")
