@@ -141,3 +141,16 @@ def test_cli_oversize_table_exits_2_and_writes_no_run_dir(tmp_path):
     assert "error: table t_cat_0 (6.3GiB" in result.stderr
     assert "even split column-wise as far as it goes, a shard needs 1.9GiB" in result.stderr
     assert not run_dir.exists()
+
+
+def test_greedy_splits_tables_that_fit_whole_but_cannot_be_packed_whole():
+    """Five tables just under half a rank's budget on four ranks: two on one rank overflow it,
+    so only column shards pack (as MLPerf DCNv2's 40M-row tables on 4 x 80 GiB)."""
+    table = TableSpec("t", rows=10_000, dim=128)  # 5,120,000 bytes
+    tables = [TableSpec(f"t{i}", 10_000, 128) for i in range(5)]
+    budget = 2 * table.bytes - 1
+    with pytest.raises(PlacementError):
+        plan_tables(tables, 4, budget, BATCH, "nvidia")
+    plan = plan_tables(tables, 4, budget, BATCH, "greedy")
+    assert max(plan.loads[0]) <= budget
+    assert any(plan.sharding_type(t.name) == "column_wise" for t in tables)

@@ -89,11 +89,22 @@ def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
         if narrowest > budget_bytes:
             raise PlacementError(f"{e}; even split column-wise as far as it goes, a shard needs "
                                  f"{format_bytes(narrowest)}: raise parallel.memory_per_rank") from None
-        world = max(world_size + 1, math.ceil(sum(t.bytes for t in tables) / budget_bytes))
-        while world < 1 << 16 and not _fits(tables, world, budget_bytes, batch_size, strategy):
-            world += 1
+        world = _ranks_needed(tables, world_size, budget_bytes, batch_size, strategy)
         raise PlacementError(f"{e}; {world} ranks of {format_bytes(budget_bytes)} would hold them "
                              f"(or raise parallel.memory_per_rank)") from None
+
+
+def _ranks_needed(tables, failed_at: int, budget: int, batch: int, strategy: str) -> int:
+    """The fewest ranks (found by doubling, then bisection) on which the tables fit."""
+    fits = lambda world: _fits(tables, world, budget, batch, strategy)  # noqa: E731
+    low = max(failed_at, math.ceil(sum(t.bytes for t in tables) / budget) - 1)  # does not fit
+    high = low + 1
+    while not fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
 
 
 def _fits(tables, world, budget, batch, strategy) -> bool:
@@ -114,25 +125,39 @@ def _plan(tables: Sequence[TableSpec], world_size: int, budget_bytes: int, batch
                                {t.name: t for t in tables}, shards, gpus_per_node)
     if strategy == "nvidia":
         return make(_place_nvidia(_split(ordered, counts, world_size), world_size, budget_bytes))
-    best = None
+    best, error = None, None
     for _ in range(MAX_REFINEMENTS):
         pieces = _split(ordered, counts, world_size)
         try:
             plan = make(_place_min_max(pieces, world_size, budget_bytes, batch_size, gpus_per_node))
-        except PlacementError:
-            if best is None:
-                raise
-            break
+        except PlacementError as e:
+            error = error or e
+            if best is not None or not _split_largest(ordered, counts, world_size):
+                break
+            continue  # a tighter packing may need smaller shards
         if best is None or _worst(plan) < _worst(best):
             best = plan
         if _worst(plan) <= BALANCED or not _split_overloaded(plan, counts):
             break
+    if best is None:
+        raise error
     return best
 
 
 def _worst(plan: Plan) -> float:
     i = plan.imbalance()
     return max(i["memory"], i["a2a"])
+
+
+def _split_largest(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int) -> bool:
+    """Cut the table with the largest shards into more of them. False when none can be."""
+    splittable = [(t.bytes / counts[t.name], t.name, more) for t in ordered
+                  if (more := len(_column_widths(t.dim, counts[t.name] + 1, world))) > counts[t.name]]
+    if not splittable:
+        return False
+    _, name, more = max(splittable)
+    counts[name] = more
+    return True
 
 
 def _split_overloaded(plan: Plan, counts: Dict[str, int]) -> bool:
