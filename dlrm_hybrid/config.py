@@ -82,6 +82,7 @@ class TrainConfig:
     run_dir: str = "runs/default"
     seed: int = 0  # model initialisation
     progress_bar: bool = True
+    rank_logs: bool = False  # every rank also writes run_dir/rank_<r>.jsonl (its shards, losses, time)
 
 
 @dataclass

@@ -51,7 +51,7 @@ def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
     """`plan --out` then `train --set parallel.plan=...`: torchrec applies that very placement."""
     sets = ["data.cardinalities=[4000,100,100]", "data.hotness=[1]", "optim.embedding=sgd",
             "data.global_batch_size=256", "data.val_samples=2048", "train.max_steps=5",
-            "train.progress_bar=false"]
+            "train.log_every=2", "train.progress_bar=false"]
     args = [arg for s in sets for arg in ("--set", s)]
     plan_path, run_dir = tmp_path / "plan.json", tmp_path / "run"
     made = run_cli(["plan", "--config", "configs/demo.yaml", "--world-size", "2",
@@ -62,11 +62,18 @@ def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
     assert planned["t_cat_0"][0] == "column_wise"  # the dominant table is split to balance
 
     result = run_cli(["train", "--config", "configs/demo.yaml", *args, "--set",
-                      f"parallel.plan={plan_path}", "--set", f"train.run_dir={run_dir}"], nproc=2)
+                      f"parallel.plan={plan_path}", "--set", f"train.run_dir={run_dir}",
+                      "--set", "train.rank_logs=true"], nproc=2)
     assert result.returncode == 0, failure(result)
     applied = json.loads((run_dir / "sharding.json").read_text())
     assert {name: (a["sharding"], a["ranks"]) for name, a in applied.items()} == planned
     done_fields(result.stdout)
+    for rank in (0, 1):  # each rank's own log names the shards the plan gave it
+        first, *steps = [json.loads(line) for line in (run_dir / f"rank_{rank}.jsonl").open()]
+        owned = {s.split("[")[0] for s in first["shards"]}
+        assert owned == {name for name, (_, ranks) in planned.items() if rank in ranks}
+        assert [e["step"] for e in steps] == [2, 4, 5]
+        assert all(0 < e["local_loss"] < 2 and e["train_seconds"] > 0 for e in steps)
 
     wrong = run_cli(["train", "--config", "configs/demo.yaml", *args, "--set",
                      f"parallel.plan={plan_path}", "--set", f"train.run_dir={tmp_path / 'x'}"])

@@ -37,7 +37,7 @@ class TrainResult:
 
 
 def train(cfg: Config, env: DistEnv) -> TrainResult:
-    log = MetricsLog(Path(cfg.train.run_dir), env.is_main)
+    log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
     dataset = open_dataset(cfg.data)
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
@@ -58,12 +58,14 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
         schedule.step()
         loss_sum += loss.detach()
         window += 1
+        train_time += time.perf_counter() - start
         if step % cfg.train.log_every == 0 or step == steps:
+            log.record_rank({"step": step, "local_loss": loss_sum.item() / window,
+                             "train_seconds": train_time})
             losses.append(global_mean(loss_sum, env) / window)
             log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1]})
             loss_sum.zero_()
             window = 0
-        train_time += time.perf_counter() - start
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
             evaluate_and_log(dmp, dataset, cfg, env, log, step)
 

@@ -1,34 +1,47 @@
-"""Rank 0's record of a run: `metrics.jsonl` (one JSON object per event) and printed lines."""
+"""The record of a run: rank 0's `metrics.jsonl` (one JSON object per event) and printed
+lines, and, on request (`train.rank_logs`), every rank's own `rank_<r>.jsonl`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
 from tqdm import tqdm
 
 from dlrm_hybrid.parallel.plan_file import save_plan
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, rank: int, rank_logs: bool = False) -> None:
         self.run_dir = run_dir
-        self.enabled = enabled
-        self._file = None
+        self.rank = rank
+        self.enabled = rank == 0
+        self.rank_logs = rank_logs
+        self._file = self._rank_file = None
 
     def begin(self, cfg, plan, applied_sharding: dict) -> None:
         """Once the run is known to start: the run directory with the resolved config, the plan
         (reusable as `parallel.plan`) and the sharding torchrec applied."""
-        if self.enabled:
+        if self.enabled or self.rank_logs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.enabled:
             cfg.save(self.run_dir / "config.yaml")
             save_plan(plan, self.run_dir / "plan.json")
             (self.run_dir / "sharding.json").write_text(json.dumps(applied_sharding, indent=1))
             self._file = open(self.run_dir / "metrics.jsonl", "w")
+        if self.rank_logs:
+            self._rank_file = open(self.run_dir / f"rank_{self.rank}.jsonl", "w")
+            shards = [f"{s.table}[{s.col_offset}:{s.col_offset + s.cols}]"
+                      for s in plan.shards if s.rank == self.rank]
+            self.record_rank({"rank": self.rank, "shards": shards})
 
     def record(self, event: dict) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(event) + "\n")
-            self._file.flush()
+        """An event of the whole job (rank 0 writes it)."""
+        _write(self._file, event)
+
+    def record_rank(self, event: dict) -> None:
+        """An event of this rank alone, kept only when rank logs were asked for."""
+        _write(self._rank_file, event)
 
     def say(self, line: str) -> None:
         """Print on rank 0 without breaking the progress bar."""
@@ -36,8 +49,15 @@ class MetricsLog:
             tqdm.write(line)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        for f in (self._file, self._rank_file):
+            if f is not None:
+                f.close()
+
+
+def _write(file, event: dict) -> None:
+    if file is not None:
+        file.write(json.dumps(event) + "\n")
+        file.flush()
 
 
 def done_line(steps: int, train_loss: float, metrics: dict, samples_per_s: float) -> str:
