@@ -87,4 +87,5 @@ def _fail(message: str) -> None:
 def _quiet_library_noise() -> None:
     """torchrec/torch notices that say nothing to a user of this tool."""
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

@@ -86,12 +86,21 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints (0: only at the end)
+    dir: str = ""  # empty: <train.run_dir>/checkpoints
+    keep: int = 2  # newest complete checkpoints kept
+    resume: str = "auto"  # auto (newest complete one, if any) | none | a checkpoint folder
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -112,7 +121,7 @@ CHOICES = {
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
     "optim.dense": ("sgd", "adagrad", "adam"),
 }
-POSITIVE = ("data.global_batch_size", "data.prefetch", "data.num_dense", "data.train_samples", "data.val_samples",
+POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.num_dense", "data.train_samples", "data.val_samples",
             "model.embedding_dim", "data.teacher_dim", "train.max_steps", "train.log_every")
 
 
@@ -176,6 +185,11 @@ def _check_type(key: str, hint: Any, value: Any) -> Any:
         return [_check_type(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
@@ -209,8 +223,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if len(d.hotness) not in (1, len(d.cardinalities)) or min(d.hotness) <= 0:
         raise ConfigError(
             f"data.hotness: give one positive value or one per table ({len(d.cardinalities)})")
-    if cfg.train.eval_every < 0:
-        raise ConfigError(f"train.eval_every: must be >= 0, got {cfg.train.eval_every}")
+    for key in ("train.eval_every", "checkpoint.every"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
     memory = parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
     reserve = parse_bytes(cfg.parallel.reserve_per_rank, "parallel.reserve_per_rank")
     if memory is not None and reserve >= memory:

@@ -7,3 +7,7 @@ class UserError(ValueError):
 
 class DataError(UserError):
     """Unreadable, truncated or malformed data files."""
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN or infinite."""

@@ -20,6 +20,7 @@ def test_overrides_are_typed_and_nested():
     assert cfg.train.max_steps == 40
     assert cfg.data.cardinalities == [7, 8]
     assert cfg.optim.dense_lr == 1.0 and isinstance(cfg.optim.dense_lr, float)
+    assert load_config(None, ["optim.eps=1e-6"]).optim.eps == 1e-6  # a string to YAML 1.1
 
 
 @pytest.mark.parametrize("override, world, needle", [

@@ -3,6 +3,7 @@ ahead, into pinned memory when the model is on a GPU (so copies overlap compute)
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from typing import Iterator
@@ -16,12 +17,13 @@ _DONE = object()
 
 
 def rank_columns(dataset, split: str, global_batch: int, rank: int, world_size: int,
-                 shuffle: bool = False, seed: int = 0) -> Iterator[Columns]:
-    """This rank's slices in order: endless for "train", one pass (padded) otherwise."""
+                 shuffle: bool = False, seed: int = 0, start_step: int = 0) -> Iterator[Columns]:
+    """This rank's slices in order: endless for "train" (from `start_step` on: resuming reads
+    no skipped data), one pass (padded) otherwise."""
     n, local = dataset.num_samples(split), global_batch // world_size
     firsts = (train_slices(n, global_batch, rank, world_size, shuffle, seed) if split == "train"
               else eval_slices(n, global_batch, rank, world_size))
-    for first in firsts:
+    for first in itertools.islice(firsts, start_step, None):
         yield dataset.columns(split, first, local)
 
 

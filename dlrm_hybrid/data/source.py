@@ -12,10 +12,11 @@ def open_dataset(data_cfg):
     return SplitBinaryDataset(data_cfg.path) if data_cfg.path else SyntheticClicks(data_cfg)
 
 
-def make_loader(data_cfg, dataset, split: str, env, seed: int = 0):
-    """This rank's batches of `split` on its device: endless for "train", one pass otherwise."""
+def make_loader(data_cfg, dataset, split: str, env, seed: int = 0, start_step: int = 0):
+    """This rank's batches of `split` on its device: endless for "train" (from `start_step`),
+    one pass otherwise."""
     args = (dataset, split, data_cfg.global_batch_size, env.rank, env.world_size,
-            data_cfg.shuffle and split == "train", seed)
+            data_cfg.shuffle and split == "train", seed, start_step)
     if data_cfg.loader == "dali":
         from dlrm_hybrid.data.dali_loader import DaliLoader
 

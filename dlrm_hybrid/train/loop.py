@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from torch.nn.functional import binary_cross_entropy_with_logits
 from tqdm import tqdm
 
 from dlrm_hybrid.config import Config, parse_bytes
+from dlrm_hybrid.errors import TrainingDiverged
 from dlrm_hybrid.data.source import make_loader, open_dataset
 from dlrm_hybrid.model.dlrm import build_model
 from dlrm_hybrid.parallel.placement import Plan, plan_tables
@@ -23,7 +25,9 @@ from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_m
 from dlrm_hybrid.parallel.tables import table_specs
 from dlrm_hybrid.train.evaluate import evaluate
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line
-from dlrm_hybrid.train.optim import attach_embedding_optimizer, build_optimizer
+from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
+                                          complete_checkpoints, load_checkpoint, save_checkpoint)
+from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
 
 CPU_DEFAULT_MEMORY = 8 * 2**30
 
@@ -41,14 +45,15 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     dataset = open_dataset(cfg.data)
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
-    log.begin(cfg, plan, applied_sharding(dmp))
+    first = resume(cfg, dmp, optimizer, schedule, log)
+    log.begin(cfg, plan, applied_sharding(dmp), resumed=first > 0)
 
     B, steps = cfg.data.global_batch_size, cfg.train.max_steps
-    batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed)
+    batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first)
     losses, train_time = [], 0.0
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
-    for step in tqdm(range(1, steps + 1), disable=not (env.is_main and cfg.train.progress_bar),
-                     desc="train", unit="step"):
+    for step in tqdm(range(first + 1, steps + 1), initial=first, total=steps, desc="train",
+                     unit="step", disable=not (env.is_main and cfg.train.progress_bar)):
         start = time.perf_counter()
         batch = next(batches)
         optimizer.zero_grad()  # also hands the scheduled LR to the fused embedding optimizer
@@ -63,19 +68,44 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
             log.record_rank({"step": step, "local_loss": loss_sum.item() / window,
                              "train_seconds": train_time})
             losses.append(global_mean(loss_sum, env) / window)
+            check_finite(losses[-1], step, window, cfg)
             log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1]})
             loss_sum.zero_()
             window = 0
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
+            save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg.checkpoint.keep)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
             evaluate_and_log(dmp, dataset, cfg, env, log, step)
 
     batches.close()
+    if first < steps:
+        path = save_checkpoint(checkpoint_root(cfg), steps, dmp, optimizer, env, cfg.checkpoint.keep)
+        log.say(f"checkpoint: {path}")
     metrics = evaluate_and_log(dmp, dataset, cfg, env, log, steps)
-    samples_per_s = steps * B / train_time
+    samples_per_s = (steps - first) * B / train_time if train_time else 0.0
     if env.is_main:
-        log.say(done_line(steps, losses[-1], metrics, samples_per_s))
+        log.say(done_line(steps, losses[-1] if losses else float("nan"), metrics, samples_per_s))
     log.close()
     return TrainResult(steps, losses, metrics, samples_per_s)
+
+
+def resume(cfg: Config, dmp, optimizer, schedule, log: MetricsLog) -> int:
+    """The step to continue after: that of the checkpoint `checkpoint.resume` names, or 0."""
+    path = checkpoint_to_resume(cfg)
+    if path is None:
+        return 0
+    step = load_checkpoint(path, dmp, optimizer)
+    advance_schedule(schedule, step)
+    log.say(f"resumed from {path} (step {step})")
+    return step
+
+
+def check_finite(loss: float, step: int, window: int, cfg: Config) -> None:
+    if not math.isfinite(loss):
+        found = complete_checkpoints(checkpoint_root(cfg))
+        last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was written"
+        raise TrainingDiverged(f"the loss became {loss} between steps {step - window + 1} and "
+                               f"{step}; {last}: lower the learning rates and resume from it")
 
 
 def build_sharded_model(cfg: Config, spec, env: DistEnv, log: MetricsLog):

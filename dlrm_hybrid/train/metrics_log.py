@@ -19,18 +19,20 @@ class MetricsLog:
         self.rank_logs = rank_logs
         self._file = self._rank_file = None
 
-    def begin(self, cfg, plan, applied_sharding: dict) -> None:
+    def begin(self, cfg, plan, applied_sharding: dict, resumed: bool = False) -> None:
         """Once the run is known to start: the run directory with the resolved config, the plan
-        (reusable as `parallel.plan`) and the sharding torchrec applied."""
+        (reusable as `parallel.plan`) and the sharding torchrec applied. A resumed run appends
+        to the event files it finds."""
+        mode = "a" if resumed else "w"
         if self.enabled or self.rank_logs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.enabled:
             cfg.save(self.run_dir / "config.yaml")
             save_plan(plan, self.run_dir / "plan.json")
             (self.run_dir / "sharding.json").write_text(json.dumps(applied_sharding, indent=1))
-            self._file = open(self.run_dir / "metrics.jsonl", "w")
+            self._file = open(self.run_dir / "metrics.jsonl", mode)
         if self.rank_logs:
-            self._rank_file = open(self.run_dir / f"rank_{self.rank}.jsonl", "w")
+            self._rank_file = open(self.run_dir / f"rank_{self.rank}.jsonl", mode)
             shards = [f"{s.table}[{s.col_offset}:{s.col_offset + s.cols}]"
                       for s in plan.shards if s.rank == self.rank]
             self.record_rank({"rank": self.rank, "shards": shards})

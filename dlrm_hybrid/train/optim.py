@@ -3,6 +3,7 @@ MLPs, one LR schedule (linear warmup, then polynomial decay) driving both."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Tuple
 
 import torch
@@ -53,6 +54,15 @@ def build_optimizer(dmp, optim_cfg) -> Tuple[CombinedOptimizer, LambdaLR]:
                                   lambda params: dense_cls(params, **dense_kwargs))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     return optimizer, LambdaLR(optimizer, lambda step: lr_factor(step, optim_cfg))
+
+
+def advance_schedule(schedule: LambdaLR, step: int) -> None:
+    """Put a fresh schedule at `step` (after resuming from a checkpoint taken there)."""
+    if step:
+        schedule.last_epoch = step - 1
+        with warnings.catch_warnings():  # "step() before optimizer.step()": intended here
+            warnings.simplefilter("ignore", UserWarning)
+            schedule.step()
 
 
 def lr_factor(step: int, optim_cfg) -> float:

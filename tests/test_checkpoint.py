@@ -1,0 +1,126 @@
+"""Checkpoints: exact resume after a killed rank (torchrun restarts it), resharding onto other
+world sizes, atomic publication, the NaN guard and corrupt checkpoints."""
+
+import json
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TORCHRUN, failure, run_cli
+from dlrm_hybrid.config import load_config
+from dlrm_hybrid.data.synth_dataset import write_synthetic
+from dlrm_hybrid.errors import DataError, TrainingDiverged
+from dlrm_hybrid.train.loop import train
+
+COMMON = ["checkpoint.resume=auto", "data.global_batch_size=768", "data.val_samples=2048",
+          "train.log_every=1",
+          "train.progress_bar=false", "optim.embedding=adagrad", "optim.embedding_lr=0.1"]
+
+
+def sets(*overrides):
+    return [arg for o in (*COMMON, *overrides) for arg in ("--set", o)]
+
+
+def step_losses(run_dir):
+    """{step: loss}, the last record of each step winning (a resumed run appends)."""
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {e["step"]: e["loss"] for e in events if "loss" in e}
+
+
+def assert_same_losses(got, expected, steps):
+    for step in steps:
+        assert abs(got[step] - expected[step]) <= 1e-4 * abs(expected[step]), step
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path):
+    full = tmp_path / "full"
+    result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+        "train.max_steps=12", "checkpoint.every=6", f"train.run_dir={full}")], nproc=2)
+    assert result.returncode == 0, failure(result)
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_12", "step_6"]
+    expected = step_losses(full)
+    for nproc in (1, 3):
+        run_dir = tmp_path / f"on{nproc}"
+        result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+            "train.max_steps=12", f"checkpoint.resume={full / 'checkpoints' / 'step_6'}",
+            f"train.run_dir={run_dir}")], nproc=nproc)
+        assert result.returncode == 0, failure(result)
+        assert f"resumed from {full / 'checkpoints' / 'step_6'} (step 6)" in result.stdout
+        assert sorted(step_losses(run_dir)) == list(range(7, 13))
+        assert_same_losses(step_losses(run_dir), expected, range(7, 13))
+
+
+def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path):
+    steps = ["train.max_steps=300", "checkpoint.every=25"]
+    clean = tmp_path / "clean"
+    result = run_cli(["train", "--config", "configs/demo.yaml",
+                      *sets(*steps, f"train.run_dir={clean}")], nproc=2)
+    assert result.returncode == 0, failure(result)
+
+    killed = tmp_path / "killed"
+    job = subprocess.Popen(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
+         "dlrm_hybrid", "train", "--config", "configs/demo.yaml",
+         *sets(*steps, f"train.run_dir={killed}")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # torchrun's rendezvous store, shared with the workers by default, keeps the previous
+        # attempt's gloo addresses: restarted workers then cannot connect (pytorch#135712).
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    deadline = time.time() + 120
+    while not (killed / "checkpoints" / "step_25").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(job.pid)], capture_output=True,
+                             text=True).stdout.split()
+    assert workers, "no worker processes to kill"
+    subprocess.run(["kill", "-9", workers[-1]])
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    assert "resumed from" in out and out.strip().splitlines()[-1].startswith("done: steps=300")
+    resumed_at = int(out.split("resumed from")[1].split("(step ")[1].split(")")[0])
+    assert resumed_at >= 25
+    assert_same_losses(step_losses(killed), step_losses(clean), range(resumed_at + 1, 301))
+
+
+def test_only_complete_checkpoints_are_resumed(tmp_path, process_group):
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        *COMMON, "train.max_steps=4", "checkpoint.every=2", "checkpoint.resume=auto",
+        f"train.run_dir={tmp_path}"])
+    train(cfg, process_group)
+    root = tmp_path / "checkpoints"
+    (root / ".step_6.partial").mkdir()  # a write that was interrupted
+    (root / "step_8").mkdir()  # ... or never published
+    cfg.train.max_steps = 5
+    assert train(cfg, process_group).losses == pytest.approx(
+        [step_losses(tmp_path)[5]])  # resumed from step_4: only step 5 trained
+
+
+def test_a_corrupt_checkpoint_is_a_one_line_error_naming_it(tmp_path, process_group):
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        *COMMON, "train.max_steps=2", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"])
+    train(cfg, process_group)
+    step = tmp_path / "checkpoints" / "step_2"
+    for shard in step.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    cfg.train.max_steps = 3
+    with pytest.raises(DataError, match=f"{step}: cannot load checkpoint"):
+        train(cfg, process_group)
+
+
+def test_a_diverging_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path, process_group):
+    data = tmp_path / "data"
+    write_synthetic(load_config(None, ["data.train_samples=20000", "data.val_samples=1000"]).data,
+                    str(data))
+    numerical = np.memmap(data / "train" / "numerical.bin", dtype=np.float16, mode="r+")
+    numerical[768 * 13 * 4:] = np.nan  # from the 5th global batch of 768 on
+    numerical.flush()
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        *COMMON, f"data.path={data}", "train.max_steps=10", "checkpoint.every=2",
+        "train.log_every=2", f"train.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(TrainingDiverged) as info:
+        train(cfg, process_group)
+    assert str(info.value) == (
+        f"the loss became nan between steps 5 and 6; the last good checkpoint is "
+        f"{tmp_path / 'run' / 'checkpoints' / 'step_4'}: lower the learning rates and resume from it")
