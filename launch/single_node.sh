@@ -8,4 +8,5 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 nproc=${NPROC:-$([ "${gpus:-0}" -gt 0 ] && echo "$gpus" || echo 2)}
 # Restarted workers must not reuse the rendezvous store of the attempt before (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-exec torchrun --standalone --nproc_per_node="$nproc" -m dlrm_hybrid train --config "$config" "$@"
+exec "${TORCHRUN:-torchrun}" --standalone --nproc_per_node="$nproc" \
+    -m dlrm_hybrid train --config "$config" "$@"

@@ -1,11 +1,14 @@
 """Real multi-process runs under torchrun with gloo: what `make demo` and users rely on."""
 
 import json
+import os
+import socket
+import subprocess
 
 import pytest
 import yaml
 
-from conftest import done_fields, failure, read_metrics, run_cli
+from conftest import ROOT, TORCHRUN, done_fields, failure, read_metrics, run_cli
 
 EQUIVALENCE = ["train.max_steps=20", "train.log_every=1", "train.eval_every=0",
                "data.val_samples=8192", "train.progress_bar=false"]
@@ -80,3 +83,21 @@ def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
     assert wrong.returncode == 2
     assert wrong.stderr.strip() == (f"error: parallel.plan: {plan_path} is for 2 ranks, this job "
                                     f"has 1; make one with `plan --world-size 1`")
+
+
+def test_two_hosts_join_through_c10d_rendezvous(tmp_path):
+    """Two torchrun agents on 127.0.0.1 (one process each), as launch/multi_node.sh starts them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "NNODES": "2", "NPROC": "1", "ENDPOINT": f"127.0.0.1:{port}",
+           "JOB_ID": "two-hosts", "TORCHRUN": str(TORCHRUN), "OMP_NUM_THREADS": "1"}
+    cmd = ["bash", "launch/multi_node.sh", "configs/demo.yaml", "--set", "train.max_steps=20",
+           "--set", "train.progress_bar=false", "--set", f"train.run_dir={tmp_path}"]
+    hosts = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [host.communicate(timeout=300) for host in hosts]
+    assert [host.returncode for host in hosts] == [0, 0], [err[-2000:] for _, err in outputs]
+    printed = "".join(out for out, _ in outputs)
+    assert "on 2 ranks, 2 hosts x 1" in printed  # one job of two ranks, planned per host
+    assert printed.count("done: steps=20") == 1  # rank 0 alone reports
