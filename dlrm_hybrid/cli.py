@@ -25,6 +25,14 @@ def main(argv: Optional[List[str]] = None) -> None:
             dry_run.run(args)
         elif args.command == "synth":
             run_synth(args.config, args.overrides, args.output)
+        elif args.command == "eval":
+            run_distributed(_evaluate(args))
+        elif args.command == "export":
+            from dlrm_hybrid.train.inference import export_checkpoint
+
+            count = export_checkpoint(args.checkpoint, args.out)
+            print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it "
+                  f"with weights_only=True into dlrm_hybrid.model.dlrm.build_model(...))")
         else:
             (criteo_tsv if args.format == "criteo" else npy_days).run(args)
     except UserError as e:
@@ -41,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     synth = _config_arguments(commands.add_parser(
         "synth", help="write the planted synthetic dataset (the config's data section) to files"))
     synth.add_argument("--output", required=True, help="new dataset folder")
+    evaluate = _config_arguments(commands.add_parser(
+        "eval", help="AUC and log loss of a checkpoint on a split (default: test)"))
+    evaluate.add_argument("--checkpoint", required=True, help="a step_<n> checkpoint folder")
+    evaluate.add_argument("--split", default="test", choices=("test", "val"))
+    export = commands.add_parser("export", help="a checkpoint's model as one unsharded file")
+    export.add_argument("--checkpoint", required=True, help="a step_<n> checkpoint folder")
+    export.add_argument("--out", required=True, help="file to write (torch.save format)")
     formats = commands.add_parser("preprocess", help="raw click logs -> split-binary dataset"
                                   ).add_subparsers(dest="format", required=True)
     criteo_tsv.add_arguments(formats.add_parser("criteo", help="Criteo TSV (Kaggle or 1TB, .gz ok)"))
@@ -56,14 +71,27 @@ def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def run_train(config_path: Optional[str], overrides: List[str]) -> None:
-    from dlrm_hybrid.parallel.process_group import init_distributed, shutdown, world_size_from_env
-
-    cfg = load_config(config_path, overrides, world_size=world_size_from_env())
+    from dlrm_hybrid.parallel.process_group import world_size_from_env
     from dlrm_hybrid.train.loop import train
 
-    env = init_distributed(cfg.parallel.backend)
+    cfg = load_config(config_path, overrides, world_size=world_size_from_env())
+    run_distributed(lambda env: train(cfg, env), cfg.parallel.backend)
+
+
+def _evaluate(args):
+    from dlrm_hybrid.train.inference import evaluate_checkpoint
+
+    return lambda env: evaluate_checkpoint(args.checkpoint, args.config, args.overrides, env,
+                                           args.split)
+
+
+def run_distributed(job, backend: str = "auto") -> None:
+    """Run `job(env)` in the process group torchrun started (or a one-process group)."""
+    from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
+
+    env = init_distributed(backend)
     try:
-        train(cfg, env)
+        job(env)
     except BaseException:
         shutdown(finished=False)
         raise

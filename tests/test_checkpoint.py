@@ -124,3 +124,35 @@ def test_a_diverging_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path
     assert str(info.value) == (
         f"the loss became nan between steps 5 and 6; the last good checkpoint is "
         f"{tmp_path / 'run' / 'checkpoints' / 'step_4'}: lower the learning rates and resume from it")
+
+
+def test_eval_and_export_reproduce_the_training_run(tmp_path, process_group):
+    """`eval` scores a checkpoint like the run's own final evaluation; `export` gives one file
+    that an unsharded model on one process loads strictly and scores the same."""
+    import torch
+    from torchmetrics.functional.classification import binary_auroc
+
+    from dlrm_hybrid.data.synthetic import SyntheticClicks
+    from dlrm_hybrid.model.dlrm import build_model
+
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        *COMMON, "train.max_steps=30", f"train.run_dir={tmp_path}"])
+    final = train(cfg, process_group).metrics
+    step = tmp_path / "checkpoints" / "step_30"
+    result = run_cli(["eval", "--checkpoint", str(step), "--split", "val"])
+    assert result.returncode == 0, failure(result)
+    assert f"val_auc={final['val_auc']:.5f}" in result.stdout.strip().splitlines()[-1]
+
+    result = run_cli(["export", "--checkpoint", str(step), "--out", str(tmp_path / "model.pt")])
+    assert result.returncode == 0, failure(result)
+    data = SyntheticClicks(cfg.data)
+    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    batch = data.batch("val", 0, cfg.data.val_samples)
+    with torch.no_grad():
+        auc = binary_auroc(torch.sigmoid(model(batch.dense, batch.sparse)), batch.labels.long())
+    assert abs(auc.item() - final["val_auc"]) < 1e-5
+
+    bad = run_cli(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x.pt")])
+    assert bad.returncode == 2 and "is not a complete checkpoint" in bad.stderr
+    assert not (tmp_path / "x.pt").exists()

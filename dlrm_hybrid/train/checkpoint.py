@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.errors import DataError
 
-META = "meta.json"
+META, CONFIG = "meta.json", "config.yaml"
 NAME = re.compile(r"step_(\d+)$")
 
 
@@ -31,8 +31,9 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
 
 
-def save_checkpoint(root: Path, step: int, dmp, optimizer, env, keep: int) -> Path:
-    """Collective: every rank writes its shards; rank 0 publishes and prunes."""
+def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg) -> Path:
+    """Collective: every rank writes its shards; rank 0 adds the resolved config (so eval and
+    export need nothing else), publishes and prunes."""
     final, partial = root / f"step_{step}", root / f".step_{step}.partial"
     if env.is_main:
         shutil.rmtree(partial, ignore_errors=True)
@@ -41,10 +42,11 @@ def save_checkpoint(root: Path, step: int, dmp, optimizer, env, keep: int) -> Pa
     dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=partial)
     dist.barrier()
     if env.is_main:
+        cfg.save(partial / CONFIG)
         (partial / META).write_text(json.dumps({"step": step, "world_size": env.world_size}))
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        for old in complete_checkpoints(root)[:-keep]:
+        for old in complete_checkpoints(root)[:-cfg.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
@@ -70,16 +72,28 @@ def checkpoint_to_resume(cfg) -> Optional[Path]:
     return path
 
 
-def load_checkpoint(path: Path, dmp, optimizer) -> int:
-    """Load into the (already sharded) model and optimizer; returns the step it was taken at."""
+def load_checkpoint(path: Path, dmp, optimizer=None) -> int:
+    """Load into the (already sharded) model, and the optimizer if given; returns the step it
+    was taken at."""
     try:
         step = int(json.loads((path / META).read_text())["step"])
-        state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+        state = {"model": dmp.state_dict()}
+        if optimizer is not None:
+            state["optim"] = optimizer.state_dict()
         dcp.load(state, checkpoint_id=path)
     except (OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
         raise DataError(f"{path}: cannot load checkpoint ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); it is truncated or corrupt, "
                         f"resume from an older one or checkpoint.resume=none") from None
     dmp.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optim"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optim"])
     return step
+
+
+def checkpoint_config_path(path: Path) -> Path:
+    """The resolved config a checkpoint was written with."""
+    if not (path / META).exists():
+        raise ConfigError(f"--checkpoint: {path} is not a complete checkpoint (no {META}); give a "
+                          f"step_<n> folder")
+    return path / CONFIG

@@ -12,9 +12,10 @@ from torchmetrics.functional.classification import binary_auroc
 
 
 @torch.no_grad()
-def evaluate(model, batches: Iterable, env) -> Optional[Dict[str, float]]:
-    """AUC and log loss over one pass of `batches` (this rank's slices of a split) on rank 0
-    (None elsewhere); `oracle_auc` too when the data knows the true click probabilities."""
+def evaluate(model, batches: Iterable, env, prefix: str = "val_") -> Optional[Dict[str, float]]:
+    """`<prefix>auc` and `<prefix>logloss` over one pass of `batches` (this rank's slices of a
+    split) on rank 0 (None elsewhere); `oracle_auc` too when the data knows the true click
+    probabilities."""
     model.eval()
     columns = []  # per batch: [logit, label, valid, true_prob] x local batch
     for batch in batches:
@@ -31,8 +32,9 @@ def evaluate(model, batches: Iterable, env) -> Optional[Dict[str, float]]:
     keep = valid > 0.5
     logits, labels, true_prob = logits[keep].cpu(), labels[keep].cpu(), true_prob[keep].cpu()
     result = {
-        "val_auc": binary_auroc(torch.sigmoid(logits), labels.long()).item(),
-        "val_logloss": binary_cross_entropy_with_logits(logits, labels).item(),
+        f"{prefix}auc": binary_auroc(torch.sigmoid(logits), labels.long()).item(),
+        f"{prefix}logloss": binary_cross_entropy_with_logits(logits, labels).item(),
+        "samples": int(keep.sum()),
     }
     if (true_prob >= 0).all():
         result["oracle_auc"] = binary_auroc(true_prob, labels.long()).item()

@@ -24,7 +24,7 @@ from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
 from dlrm_hybrid.parallel.tables import table_specs
 from dlrm_hybrid.train.evaluate import evaluate
-from dlrm_hybrid.train.metrics_log import MetricsLog, done_line
+from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
                                           complete_checkpoints, load_checkpoint, save_checkpoint)
 from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
@@ -73,13 +73,13 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
             loss_sum.zero_()
             window = 0
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
-            save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg.checkpoint.keep)
+            save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
             evaluate_and_log(dmp, dataset, cfg, env, log, step)
 
     batches.close()
     if first < steps:
-        path = save_checkpoint(checkpoint_root(cfg), steps, dmp, optimizer, env, cfg.checkpoint.keep)
+        path = save_checkpoint(checkpoint_root(cfg), steps, dmp, optimizer, env, cfg)
         log.say(f"checkpoint: {path}")
     metrics = evaluate_and_log(dmp, dataset, cfg, env, log, steps)
     samples_per_s = (steps - first) * B / train_time if train_time else 0.0
@@ -140,7 +140,7 @@ def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog,
     if metrics is None:
         return {}
     log.record({"step": step, **metrics})
-    log.say(f"eval step {step}: " + " ".join(f"{k}={v:.5f}" for k, v in metrics.items()))
+    log.say(f"eval step {step}: {metrics_text(metrics)}")
     return metrics
 
 

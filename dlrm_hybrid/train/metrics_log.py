@@ -70,3 +70,8 @@ def done_line(steps: int, train_loss: float, metrics: dict, samples_per_s: float
         parts.append(f"oracle_auc={metrics['oracle_auc']:.5f}")
     parts.append(f"samples_per_s={samples_per_s:.0f}")
     return " ".join(parts)
+
+
+def metrics_text(metrics: dict) -> str:
+    return " ".join(f"{k}={v:.5f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in metrics.items())

@@ -1,0 +1,56 @@
+"""Using a checkpoint outside training: `eval` (AUC and log loss on a split, sharded like
+training, under torchrun or in one process) and `export` (one unsharded state-dict file)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+from dlrm_hybrid.config import load_config
+from dlrm_hybrid.data.source import make_loader, open_dataset
+from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.train.checkpoint import checkpoint_config_path, load_checkpoint
+from dlrm_hybrid.train.evaluate import evaluate
+from dlrm_hybrid.train.loop import build_sharded_model
+from dlrm_hybrid.train.metrics_log import MetricsLog, metrics_text
+
+
+def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[str], env,
+                        split: str = "test") -> Optional[dict]:
+    """Metrics of `split` on rank 0 (None elsewhere), printed there as `eval: ...`. The config
+    defaults to the one the checkpoint was written with."""
+    path = Path(checkpoint)
+    cfg = load_config(config or str(checkpoint_config_path(path)), overrides, env.world_size)
+    log = MetricsLog(Path(cfg.train.run_dir), env.rank)
+    dataset = open_dataset(cfg.data)
+    dmp, _ = build_sharded_model(cfg, dataset.spec, env, log)
+    step = load_checkpoint(path, dmp)
+    batches = make_loader(cfg.data, dataset, split, env)
+    metrics = evaluate(dmp, batches, env, prefix=f"{split}_")
+    batches.close()
+    if metrics is not None:
+        log.say(f"eval: checkpoint={path} step={step} split={split} {metrics_text(metrics)}")
+    return metrics
+
+
+def export_checkpoint(checkpoint: str, out: str) -> int:
+    """Write the model's full (unsharded) state dict to `out`, atomically; returns its tensor
+    count. Loads the model entries only (the optimizer state can be twice the model's size)."""
+    path = Path(checkpoint)
+    checkpoint_config_path(path)  # a complete checkpoint, or a one-line error
+    try:
+        with warnings.catch_warnings():  # "no process group: loading in one process" (intended)
+            warnings.simplefilter("ignore", UserWarning)
+            state = _load_state_dict_from_keys(keys={"model"}, checkpoint_id=str(path))["model"]
+    except Exception as e:  # DCP wraps I/O and format errors in several exception types
+        raise DataError(f"{path}: cannot read checkpoint ({type(e).__name__}); it is truncated "
+                        f"or corrupt") from None
+    target = Path(out)
+    partial = target.with_name(target.name + ".partial")
+    torch.save(dict(state), partial)
+    partial.replace(target)
+    return len(state)
