@@ -18,23 +18,10 @@ from dlrm_hybrid.parallel import dry_run
 def main(argv: Optional[List[str]] = None) -> None:
     args = _parser().parse_args(argv)
     _quiet_library_noise()
+    commands = {"train": run_train, "plan": dry_run.run, "synth": run_synth, "eval": run_eval,
+                "export": run_export, "preprocess": run_preprocess}
     try:
-        if args.command == "train":
-            run_train(args.config, args.overrides)
-        elif args.command == "plan":
-            dry_run.run(args)
-        elif args.command == "synth":
-            run_synth(args.config, args.overrides, args.output)
-        elif args.command == "eval":
-            run_distributed(_evaluate(args))
-        elif args.command == "export":
-            from dlrm_hybrid.train.inference import export_checkpoint
-
-            count = export_checkpoint(args.checkpoint, args.out)
-            print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it "
-                  f"with weights_only=True into dlrm_hybrid.model.dlrm.build_model(...))")
-        else:
-            (criteo_tsv if args.format == "criteo" else npy_days).run(args)
+        commands[args.command](args)
     except UserError as e:
         _fail(str(e))
 
@@ -70,19 +57,38 @@ def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-def run_train(config_path: Optional[str], overrides: List[str]) -> None:
+def run_train(args) -> None:
     from dlrm_hybrid.parallel.process_group import world_size_from_env
     from dlrm_hybrid.train.loop import train
 
-    cfg = load_config(config_path, overrides, world_size=world_size_from_env())
+    cfg = load_config(args.config, args.overrides, world_size=world_size_from_env())
     run_distributed(lambda env: train(cfg, env), cfg.parallel.backend)
 
 
-def _evaluate(args):
+def run_eval(args) -> None:
     from dlrm_hybrid.train.inference import evaluate_checkpoint
 
-    return lambda env: evaluate_checkpoint(args.checkpoint, args.config, args.overrides, env,
-                                           args.split)
+    run_distributed(lambda env: evaluate_checkpoint(args.checkpoint, args.config, args.overrides,
+                                                    env, args.split))
+
+
+def run_export(args) -> None:
+    from dlrm_hybrid.train.inference import export_checkpoint
+
+    count = export_checkpoint(args.checkpoint, args.out)
+    print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it with "
+          f"weights_only=True into dlrm_hybrid.model.dlrm.build_model(...))")
+
+
+def run_synth(args) -> None:
+    from dlrm_hybrid.data.synth_dataset import write_synthetic
+
+    counts = write_synthetic(load_config(args.config, args.overrides).data, args.output)
+    print(f"wrote {args.output}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()))
+
+
+def run_preprocess(args) -> None:
+    (criteo_tsv if args.format == "criteo" else npy_days).run(args)
 
 
 def run_distributed(job, backend: str = "auto") -> None:
@@ -96,14 +102,6 @@ def run_distributed(job, backend: str = "auto") -> None:
         shutdown(finished=False)
         raise
     shutdown()
-
-
-def run_synth(config_path: Optional[str], overrides: List[str], output: str) -> None:
-    from dlrm_hybrid.data.synth_dataset import write_synthetic
-
-    cfg = load_config(config_path, overrides)
-    counts = write_synthetic(cfg.data, output)
-    print(f"wrote {output}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()))
 
 
 def _fail(message: str) -> None:
