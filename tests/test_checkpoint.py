@@ -3,6 +3,7 @@ world sizes, atomic publication, the NaN guard and corrupt checkpoints."""
 
 import json
 import os
+import shutil
 import subprocess
 import time
 
@@ -84,17 +85,32 @@ def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path):
     assert_same_losses(step_losses(killed), step_losses(clean), range(resumed_at + 1, 301))
 
 
-def test_only_complete_checkpoints_are_resumed(tmp_path, process_group):
-    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        *COMMON, "train.max_steps=4", "checkpoint.every=2", "checkpoint.resume=auto",
-        f"train.run_dir={tmp_path}"])
-    train(cfg, process_group)
+def test_a_run_interrupted_while_writing_a_checkpoint_resumes_from_the_one_before(
+        tmp_path, process_group, monkeypatch):
+    import dlrm_hybrid.train.checkpoint as checkpoint
+
+    def run(steps):
+        cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+            *COMMON, f"train.max_steps={steps}", "checkpoint.every=2", f"train.run_dir={tmp_path}"])
+        return train(cfg, process_group)
+
+    clean = run(6).losses
+    shutil.rmtree(tmp_path)
+    real_save = checkpoint.dcp.save
+
+    def dies_writing_step_4(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)  # shards on disk, not yet published
+        if checkpoint_id.name == ".step_4.partial":
+            raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", dies_writing_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        run(6)
+    monkeypatch.undo()
     root = tmp_path / "checkpoints"
-    (root / ".step_6.partial").mkdir()  # a write that was interrupted
-    (root / "step_8").mkdir()  # ... or never published
-    cfg.train.max_steps = 5
-    assert train(cfg, process_group).losses == pytest.approx(
-        [step_losses(tmp_path)[5]])  # resumed from step_4: only step 5 trained
+    assert sorted(p.name for p in root.iterdir()) == [".step_4.partial", "step_2"]
+    resumed = run(6)  # resume=auto: the newest complete checkpoint, step 2
+    assert resumed.losses == clean[2:]
 
 
 def test_a_corrupt_checkpoint_is_a_one_line_error_naming_it(tmp_path, process_group):
