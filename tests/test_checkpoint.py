@@ -36,18 +36,21 @@ def assert_same_losses(got, expected, steps):
         assert abs(got[step] - expected[step]) <= 1e-4 * abs(expected[step]), step
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path):
+@pytest.mark.parametrize("embedding", ["adagrad", "sgd"])
+def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path, embedding):
     full = tmp_path / "full"
     result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
-        "train.max_steps=12", "checkpoint.every=6", f"train.run_dir={full}")], nproc=2)
+        f"optim.embedding={embedding}", "train.max_steps=12", "checkpoint.every=6",
+        f"train.run_dir={full}")], nproc=2)
     assert result.returncode == 0, failure(result)
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_12", "step_6"]
     expected = step_losses(full)
     for nproc in (1, 3):
         run_dir = tmp_path / f"on{nproc}"
         result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
-            "train.max_steps=12", f"checkpoint.resume={full / 'checkpoints' / 'step_6'}",
-            f"train.run_dir={run_dir}")], nproc=nproc)
+            f"optim.embedding={embedding}", "train.max_steps=12",
+            f"checkpoint.resume={full / 'checkpoints' / 'step_6'}", f"train.run_dir={run_dir}")],
+            nproc=nproc)
         assert result.returncode == 0, failure(result)
         assert f"resumed from {full / 'checkpoints' / 'step_6'} (step 6)" in result.stdout
         assert sorted(step_losses(run_dir)) == list(range(7, 13))

@@ -19,6 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.errors import DataError
@@ -78,9 +79,13 @@ def load_checkpoint(path: Path, dmp, optimizer=None) -> int:
     try:
         step = int(json.loads((path / META).read_text())["step"])
         state = {"model": dmp.state_dict()}
-        if optimizer is not None:
-            state["optim"] = optimizer.state_dict()
         dcp.load(state, checkpoint_id=path)
+        if optimizer is not None:
+            # Partial: fused SGD keeps empty state entries for column-wise shards that a
+            # table-wise table has not, so resharding meets keys the checkpoint never had.
+            state["optim"] = optimizer.state_dict()
+            dcp.load({"optim": state["optim"]}, checkpoint_id=path,
+                     planner=DefaultLoadPlanner(allow_partial_load=True))
     except (OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
         raise DataError(f"{path}: cannot load checkpoint ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); it is truncated or corrupt, "
