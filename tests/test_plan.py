@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import run_cli
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.parallel.placement import plan_tables
 from dlrm_hybrid.parallel.plan_file import check_plan, load_plan, save_plan

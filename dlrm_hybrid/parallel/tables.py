@@ -31,12 +31,6 @@ class TableSpec:
     optimizer: str = "sgd"
     hotness: float = 1.0  # mean ids per sample
 
-    @staticmethod
-    def of(table, precision: str, optimizer: str, hotness: float = 1.0) -> "TableSpec":
-        """From a torchrec EmbeddingBagConfig."""
-        return TableSpec(table.name, table.num_embeddings, table.embedding_dim, precision,
-                         optimizer, hotness)
-
     @property
     def bytes(self) -> int:
         return self.shard_bytes(self.dim)

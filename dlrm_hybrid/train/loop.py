@@ -13,24 +13,20 @@ import torch.distributed as dist
 from torch.nn.functional import binary_cross_entropy_with_logits
 from tqdm import tqdm
 
-from dlrm_hybrid.config import Config, parse_bytes
-from dlrm_hybrid.errors import TrainingDiverged
+from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import make_loader, open_dataset
+from dlrm_hybrid.errors import TrainingDiverged
 from dlrm_hybrid.model.dlrm import build_model
-from dlrm_hybrid.parallel.placement import Plan, plan_tables
-from dlrm_hybrid.parallel.plan_file import check_plan, load_plan
+from dlrm_hybrid.parallel.job_plan import job_plan
 from dlrm_hybrid.parallel.plan_report import describe
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
 from dlrm_hybrid.parallel.tables import table_specs
 from dlrm_hybrid.train.evaluate import evaluate
-from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
                                           complete_checkpoints, load_checkpoint, save_checkpoint)
+from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
-
-CPU_DEFAULT_MEMORY = 8 * 2**30
-
 
 @dataclass
 class TrainResult:
@@ -121,17 +117,6 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, log: MetricsLog):
     return dmp, plan
 
 
-def job_plan(cfg: Config, specs, env: DistEnv) -> Plan:
-    """The plan file named by `parallel.plan`, checked against the model, or a fresh plan."""
-    if cfg.parallel.plan:
-        plan = load_plan(cfg.parallel.plan)
-        check_plan(plan, cfg.parallel.plan, specs, env.world_size)
-        return plan
-    hosts = env.local_world_size if env.world_size > env.local_world_size else None
-    return plan_tables(specs, env.world_size, memory_budget(cfg, env),
-                       cfg.data.global_batch_size, cfg.parallel.strategy, hosts)
-
-
 def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog,
                      step: int) -> Dict[str, float]:
     batches = make_loader(cfg.data, dataset, "val", env)
@@ -148,16 +133,3 @@ def global_mean(local_value: torch.Tensor, env: DistEnv) -> float:
     total = local_value.detach().clone()
     dist.all_reduce(total)
     return total.item() / env.world_size
-
-
-def memory_budget(cfg: Config, env: DistEnv) -> int:
-    """Table bytes each rank may hold: its memory (the config's, or the GPU's, or 8 GiB on CPU)
-    less the reserve; the smallest over all ranks, so that every rank makes the same plan."""
-    memory = parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
-    if memory is None:
-        memory = (torch.cuda.get_device_properties(env.device).total_memory
-                  if env.device.type == "cuda" else CPU_DEFAULT_MEMORY)
-    reserve = parse_bytes(cfg.parallel.reserve_per_rank, "parallel.reserve_per_rank")
-    smallest = torch.tensor([memory - reserve], dtype=torch.int64, device=env.device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    return int(smallest.item())
