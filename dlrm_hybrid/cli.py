@@ -19,7 +19,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = _parser().parse_args(argv)
     _quiet_library_noise()
     commands = {"train": run_train, "plan": dry_run.run, "synth": run_synth, "eval": run_eval,
-                "export": run_export, "preprocess": run_preprocess}
+                "export": run_export, "preprocess": run_preprocess, "bench": run_bench}
     try:
         commands[args.command](args)
     except UserError as e:
@@ -43,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="a checkpoint's model as one unsharded file")
     export.add_argument("--checkpoint", required=True, help="a step_<n> checkpoint folder")
     export.add_argument("--out", required=True, help="file to write (torch.save format)")
+    bench = _config_arguments(commands.add_parser(
+        "bench", help="training speed in one process vs a reference-style baseline"))
+    bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     formats = commands.add_parser("preprocess", help="raw click logs -> split-binary dataset"
                                   ).add_subparsers(dest="format", required=True)
     criteo_tsv.add_arguments(formats.add_parser("criteo", help="Criteo TSV (Kaggle or 1TB, .gz ok)"))
@@ -91,10 +95,25 @@ def run_preprocess(args) -> None:
     (criteo_tsv if args.format == "criteo" else npy_days).run(args)
 
 
+def run_bench(args) -> None:
+    from dlrm_hybrid.bench.run import ROUNDS, bench
+    from dlrm_hybrid.parallel.process_group import world_size_from_env
+
+    if world_size_from_env() > 1:
+        raise UserError("bench: runs in one process (ours and the baseline side by side); for "
+                        "several ranks use benchmarks/train_throughput.py")
+    if args.steps < ROUNDS or args.warmup < 1:
+        raise UserError(f"bench: --steps must be at least {ROUNDS} and --warmup at least 1")
+    cfg = load_config(args.config, args.overrides)
+    run_distributed(lambda env: bench(cfg, env, args.steps, args.warmup), cfg.parallel.backend)
+
+
 def run_distributed(job, backend: str = "auto") -> None:
     """Run `job(env)` in the process group torchrun started (or a one-process group)."""
+    from dlrm_hybrid.parallel.host_memory import keep_freed_memory
     from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
 
+    keep_freed_memory()
     env = init_distributed(backend)
     try:
         job(env)

@@ -44,6 +44,7 @@ class DataConfig:
     num_dense: int = 13
     cardinalities: List[int] = field(default_factory=lambda: [1000, 100, 10])
     hotness: List[int] = field(default_factory=lambda: [1])  # ids per sample; one value or one per table
+    hotness_distribution: str = "fixed"  # fixed: every lookup has `hotness` ids | uniform: 1..hotness
     train_samples: int = 1_000_000
     val_samples: int = 65_536
     zipf_exponent: float = 1.1  # category frequency skew, as in click logs
@@ -58,6 +59,7 @@ class ParallelConfig:
     reserve_per_rank: str = "2GiB"  # kept free of tables, for dense parameters and activations
     strategy: str = "greedy"  # greedy | nvidia
     plan: str = ""  # a plan file from `dlrm_hybrid plan --out`, used as it is
+    comm_precision: str = "fp32"  # fp32 | fp16 | bf16: pooled embeddings and their gradients in the all-to-all
 
 
 @dataclass
@@ -83,6 +85,9 @@ class TrainConfig:
     seed: int = 0  # model initialisation
     progress_bar: bool = True
     rank_logs: bool = False  # every rank also writes run_dir/rank_<r>.jsonl (its shards, losses, time)
+    precision: str = "fp32"  # fp32 | tf32 | bf16 | fp16 (autocast; fp16 with a loss scaler)
+    cuda_graphs: bool = False  # replay the dense part of each step as a CUDA graph (GPU only)
+    pipeline: str = "auto"  # auto (enabled with CUDA) | enabled | disabled: overlap batch i+1's copy and id exchange with step i
 
 
 @dataclass
@@ -116,8 +121,12 @@ CHOICES = {
     "model.embedding_precision": ("fp32", "fp16"),
     "model.interaction": ("dot", "cat", "dcn"),
     "data.loader": ("torch", "dali"),
+    "data.hotness_distribution": ("fixed", "uniform"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.strategy": ("greedy", "nvidia"),
+    "parallel.comm_precision": ("fp32", "fp16", "bf16"),
+    "train.precision": ("fp32", "tf32", "bf16", "fp16"),
+    "train.pipeline": ("auto", "enabled", "disabled"),
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
     "optim.dense": ("sgd", "adagrad", "adam"),
 }

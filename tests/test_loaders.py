@@ -1,5 +1,6 @@
 """Split-binary datasets and the two loaders: same batches, slices, shuffling, bad files."""
 
+import math
 import shutil
 
 import numpy as np
@@ -7,18 +8,20 @@ import pytest
 import torch
 import yaml
 
-from conftest import train_with_each_loader
-from dlrm_hybrid.config import ConfigError, DataConfig
+from conftest import ROOT, train_with_each_loader
+from dlrm_hybrid.config import ConfigError, DataConfig, load_config
 from dlrm_hybrid.data.dali_loader import DaliLoader
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.train.loop import train
 
 CPU = torch.device("cpu")
 DATA = DataConfig(cardinalities=[300, 40, 7], hotness=[1, 3, 2], train_samples=5000,
                   val_samples=1000, teacher_scale=1.5)
+UNIFORM = DataConfig(**{**DATA.__dict__, "hotness": [2, 5, 1], "hotness_distribution": "uniform"})
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +65,38 @@ def test_torch_and_dali_loaders_yield_identical_batches(dataset_dir, split, shuf
     assert len(torch_batches) == len(dali_batches) == (steps or 2)
     for a, b in zip(torch_batches, dali_batches):
         same_batch(a, b)
+
+
+def test_torch_and_dali_loaders_agree_on_uniform_hotness():
+    data = SyntheticClicks(UNIFORM)
+    args = (data, "train", 512, 1, 2, True, 3)
+    torch_loader = PrefetchLoader(rank_batches(*args), CPU, depth=3)
+    dali_loader = DaliLoader(rank_columns(*args), data.spec.feature_names, CPU, depth=3)
+    pairs = [pair for _, pair in zip(range(12), zip(torch_loader, dali_loader))]
+    torch_loader.close(), dali_loader.close()
+    assert len(pairs) == 12
+    assert not torch.all(pairs[0][0].sparse["cat_1"].lengths() == 5)  # jagged, not full
+    for a, b in pairs:
+        same_batch(a, b)
+
+
+def test_training_on_uniform_hotness_is_the_same_with_either_loader(tmp_path, process_group):
+    runs = {}
+    for loader in ("torch", "dali"):
+        cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+            "data.hotness_distribution=uniform", "data.hotness=[4]", f"data.loader={loader}",
+            "data.global_batch_size=256", "data.val_samples=1024", "train.max_steps=8",
+            "train.log_every=1", "train.progress_bar=false", f"train.run_dir={tmp_path / loader}"])
+        runs[loader] = train(cfg, process_group)
+    assert runs["torch"].losses == runs["dali"].losses and len(runs["torch"].losses) == 8
+    assert runs["torch"].metrics == runs["dali"].metrics
+    assert all(math.isfinite(loss) for loss in runs["torch"].losses)
+
+
+def test_synth_output_refuses_uniform_hotness(tmp_path):
+    with pytest.raises(ConfigError, match="data.hotness_distribution: 'uniform' .* fixed"):
+        write_synthetic(UNIFORM, str(tmp_path / "out"))
+    assert not list(tmp_path.iterdir())
 
 
 def test_shuffled_order_is_shared_by_ranks_and_new_each_epoch():

@@ -1,15 +1,18 @@
 """The planted-teacher dataset: deterministic, sliceable by rank, skewed like click logs."""
 
 import numpy as np
+import pytest
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from dlrm_hybrid.config import DataConfig
 from dlrm_hybrid.data.loader import rank_batches
+from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 
 CFG = DataConfig(cardinalities=[1000, 50, 7], hotness=[1, 4, 2], train_samples=4096,
                  val_samples=1000, teacher_scale=1.5)
+UNIFORM = DataConfig(**{**CFG.__dict__, "hotness": [10, 1, 3], "hotness_distribution": "uniform"})
 
 
 def test_same_seed_same_data_other_seed_other_data():
@@ -21,16 +24,19 @@ def test_same_seed_same_data_other_seed_other_data():
     assert not torch.equal(a.dense, c.dense)
 
 
-def test_rank_slices_rebuild_the_global_batch_for_any_world_size():
-    data = SyntheticClicks(CFG)
+@pytest.mark.parametrize("cfg", [CFG, UNIFORM], ids=["fixed", "uniform"])
+def test_rank_slices_rebuild_the_global_batch_for_any_world_size(cfg):
+    data = SyntheticClicks(cfg)
     whole = next(rank_batches(data, "train", 512, 0, 1))
     for world in (2, 4):
         parts = [next(rank_batches(data, "train", 512, r, world)) for r in range(world)]
         assert torch.equal(torch.cat([p.dense for p in parts]), whole.dense)
         assert torch.equal(torch.cat([p.labels for p in parts]), whole.labels)
         for key in whole.sparse.keys():
-            joined = torch.cat([p.sparse[key].values() for p in parts])
-            assert torch.equal(joined, whole.sparse[key].values())
+            for part in ("values", "lengths"):
+                joined = torch.cat([getattr(p.sparse[key], part)() for p in parts])
+                assert torch.equal(joined, getattr(whole.sparse[key], part)())
+        assert torch.equal(torch.cat([p.true_prob for p in parts]), whole.true_prob)
 
 
 def test_multi_hot_lengths_and_id_ranges():
@@ -39,6 +45,35 @@ def test_multi_hot_lengths_and_id_ranges():
         jagged = batch.sparse[key]
         assert torch.all(jagged.lengths() == hot)
         assert jagged.values().min() >= 0 and jagged.values().max() < rows
+
+
+def test_uniform_hotness_lengths_are_1_to_h_and_the_kjt_holds_the_used_ids():
+    data = SyntheticClicks(UNIFORM)
+    columns = data.columns("train", 0, 4096)
+    batch = data.batch("train", 0, 4096)
+    for key, ids, lengths, hot in zip(batch.sparse.keys(), columns.ids, columns.lengths,
+                                      UNIFORM.hotness):
+        assert lengths.min() == 1 and lengths.max() == hot
+        assert abs(lengths.mean() - (hot + 1) / 2) < 0.1 * hot  # 4096 draws: sd ~0.05 * hot
+        if hot > 1:
+            assert (np.bincount(lengths)[1:] > 0.5 * len(lengths) / hot).all()  # every size occurs
+        jagged = batch.sparse[key]
+        assert jagged.lengths().tolist() == lengths.tolist()
+        assert jagged.values().tolist() == [i for row, n in zip(ids, lengths) for i in row[:n]]
+    assert data.spec.mean_hotness == [5.5, 1.0, 2.0] and DataSpec.from_config(CFG).mean_hotness == [1, 4, 2]
+
+
+def test_uniform_hotness_teacher_pools_only_the_used_ids():
+    """The ids are the fixed-hotness ones; a sample using all of them gets the fixed-hotness
+    probability, the others another one (their unused ids left out of the teacher's pooling)."""
+    fixed_cfg = DataConfig(**{**UNIFORM.__dict__, "hotness_distribution": "fixed"})
+    a = SyntheticClicks(fixed_cfg).columns("train", 0, 512)
+    b = SyntheticClicks(UNIFORM).columns("train", 0, 512)
+    assert all(np.array_equal(ids_a, ids_b) for ids_a, ids_b in zip(a.ids, b.ids))
+    full = np.logical_and.reduce([n == h for n, h in zip(b.lengths, UNIFORM.hotness)])
+    assert 0 < full.sum() < 512
+    assert np.allclose(a.true_prob[full], b.true_prob[full], rtol=1e-6, atol=0)
+    assert not np.isclose(a.true_prob[~full], b.true_prob[~full]).any()
 
 
 def test_category_frequencies_are_zipf_skewed():

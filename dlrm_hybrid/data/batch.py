@@ -3,12 +3,15 @@ tensors the model takes."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
 import torch
+from torch.fx._symbolic_trace import PHWithMeta
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
 
 @dataclass
@@ -18,6 +21,7 @@ class Columns:
     valid: np.ndarray  # [B] bool; False marks padding of the last evaluation batch
     ids: List[np.ndarray]  # per categorical feature, [B, hotness] int64
     true_prob: Optional[np.ndarray] = None  # [B] float32, the planted click probability
+    lengths: Optional[List[np.ndarray]] = None  # per feature, [B] int32: ids used, a row's first; None: all
 
 
 class ClickDataset:
@@ -37,7 +41,10 @@ class ClickDataset:
 
 
 @dataclass
-class Batch:
+class Batch(Pipelineable):
+    """torchrec's train pipeline moves it to the device on its own stream (`to`,
+    `record_stream`) and traces which model arguments it feeds (`to_proxy_tuple`)."""
+
     dense: torch.Tensor  # [B, num_dense] float32
     sparse: KeyedJaggedTensor  # one key per categorical feature, B bags each
     labels: torch.Tensor  # [B] float32 in {0, 1}
@@ -47,14 +54,27 @@ class Batch:
     @staticmethod
     def from_columns(c: Columns, feature_names: List[str]) -> "Batch":
         tensor = torch.from_numpy
-        return Batch(tensor(c.dense), fixed_hotness_kjt(feature_names, [tensor(i) for i in c.ids]),
-                     tensor(c.labels), tensor(c.valid),
+        ids = [tensor(i) for i in c.ids]
+        sparse = (fixed_hotness_kjt(feature_names, ids) if c.lengths is None
+                  else jagged_kjt(feature_names, ids, [tensor(n) for n in c.lengths]))
+        return Batch(tensor(c.dense), sparse, tensor(c.labels), tensor(c.valid),
                      None if c.true_prob is None else tensor(c.true_prob))
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return Batch(move(self.dense), self.sparse.to(device, non_blocking=non_blocking),
                      move(self.labels), move(self.valid), move(self.true_prob))
+
+    def record_stream(self, stream) -> None:
+        for t in (self.dense, self.labels, self.valid, self.true_prob):
+            if t is not None:
+                t.record_stream(stream)
+        self.sparse.record_stream(stream)
+
+    def to_proxy_tuple(self, model) -> dict:
+        """The model's forward arguments are this batch's fields of the same names."""
+        names = inspect.signature(model.forward).parameters
+        return {name: PHWithMeta(name) for name in names}
 
     def pin_memory(self) -> "Batch":
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
@@ -69,3 +89,13 @@ def fixed_hotness_kjt(keys: List[str], ids: List[torch.Tensor]) -> KeyedJaggedTe
                          for t in ids])
     values = torch.cat([t.reshape(-1) for t in ids])
     return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
+
+
+def jagged_kjt(keys: List[str], ids: List[torch.Tensor], lengths: List[torch.Tensor]
+               ) -> KeyedJaggedTensor:
+    """KJT from one [B, hotness] id tensor per feature of which row b uses its first lengths[b]
+    ids: one mask per feature instead of a loop over samples (this runs every step)."""
+    used = [torch.arange(t.shape[1], device=t.device) < n[:, None] for t, n in zip(ids, lengths)]
+    values = torch.cat([torch.masked_select(t, mask) for t, mask in zip(ids, used)])
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values,
+                                               lengths=torch.cat(lengths).int())

@@ -16,7 +16,7 @@ from typing import Iterator, List
 import numpy as np
 import torch
 
-from dlrm_hybrid.data.batch import Batch, Columns, fixed_hotness_kjt
+from dlrm_hybrid.data.batch import Batch, Columns, fixed_hotness_kjt, jagged_kjt
 
 GROUP_ROWS = 8192
 
@@ -36,6 +36,7 @@ class DaliLoader:
         self._group = max(1, math.ceil(GROUP_ROWS / self._batch))
         self._has_true_prob = first.true_prob is not None
         self._hotness = [ids.shape[1] for ids in first.ids]
+        self._variable = first.lengths is not None
         self._ready: List[Batch] = []
         gpu = device.type == "cuda"
 
@@ -51,8 +52,9 @@ class DaliLoader:
 
     def _pack(self):
         """Up to `group` batches, each one DALI sample of two arrays: [label, valid, true_prob,
-        dense...] float32 rows and all features' ids side by side as int64. StopIteration once
-        an evaluation pass is over."""
+        dense...] float32 rows and all features' ids side by side as int64, followed by each
+        feature's lengths with variable hotness (a third output would cost more). StopIteration
+        once an evaluation pass is over."""
         group = self._first + list(itertools.islice(self._columns, self._group - len(self._first)))
         self._first = []
         if not group:
@@ -62,7 +64,8 @@ class DaliLoader:
             floats[k, :, 0], floats[k, :, 1] = c.labels, c.valid
             floats[k, :, 2] = c.true_prob if self._has_true_prob else 0.0
             floats[k, :, 3:] = c.dense
-        ids = np.stack([np.concatenate(c.ids, axis=1) for c in group])
+        lengths = lambda c: [] if c.lengths is None else [np.stack(c.lengths, axis=1)]  # noqa: E731
+        ids = np.stack([np.concatenate(c.ids + lengths(c), axis=1) for c in group])
         return floats, ids
 
     def __iter__(self) -> "DaliLoader":
@@ -75,7 +78,11 @@ class DaliLoader:
         return self._ready.pop()
 
     def _unpack(self, floats: torch.Tensor, ids: torch.Tensor) -> Batch:
-        sparse = fixed_hotness_kjt(self.keys, list(ids.split(self._hotness, dim=1)))
+        if self._variable:
+            *per_feature, lengths = ids.split(self._hotness + [len(self.keys)], dim=1)
+            sparse = jagged_kjt(self.keys, per_feature, list(lengths.t()))
+        else:
+            sparse = fixed_hotness_kjt(self.keys, list(ids.split(self._hotness, dim=1)))
         return Batch(floats[:, 3:], sparse, floats[:, 0], floats[:, 1].bool(),
                      floats[:, 2] if self._has_true_prob else None)
 

@@ -34,10 +34,13 @@ def rank_batches(dataset, *args, **kwargs) -> Iterator[Batch]:
 
 
 class PrefetchLoader:
-    """Iterates `batches` on a daemon thread, `depth` ahead; yields batches on `device`."""
+    """Iterates `batches` on a daemon thread, `depth` ahead; yields batches on `device`
+    (`on_device`), or pinned on the host for a consumer that copies them on its own stream."""
 
-    def __init__(self, batches: Iterator[Batch], device: torch.device, depth: int = 4) -> None:
-        self.device = device
+    def __init__(self, batches: Iterator[Batch], device: torch.device, depth: int = 4,
+                 on_device: bool = True) -> None:
+        self.device = device if on_device else torch.device("cpu")
+        self._pin = device.type == "cuda"
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, args=(batches,), daemon=True)
@@ -46,7 +49,7 @@ class PrefetchLoader:
     def _produce(self, batches: Iterator[Batch]) -> None:
         try:
             for batch in batches:
-                if self.device.type == "cuda":
+                if self._pin:
                     batch = batch.pin_memory()
                 if not self._put(batch):
                     return

@@ -12,9 +12,10 @@ def open_dataset(data_cfg):
     return SplitBinaryDataset(data_cfg.path) if data_cfg.path else SyntheticClicks(data_cfg)
 
 
-def make_loader(data_cfg, dataset, split: str, env, seed: int = 0, start_step: int = 0):
-    """This rank's batches of `split` on its device: endless for "train" (from `start_step`),
-    one pass otherwise."""
+def make_loader(data_cfg, dataset, split: str, env, seed: int = 0, start_step: int = 0,
+                on_device: bool = True):
+    """This rank's batches of `split` on its device (or pinned on the host, for a consumer that
+    copies them itself): endless for "train" (from `start_step`), one pass otherwise."""
     args = (dataset, split, data_cfg.global_batch_size, env.rank, env.world_size,
             data_cfg.shuffle and split == "train", seed, start_step)
     if data_cfg.loader == "dali":
@@ -22,4 +23,4 @@ def make_loader(data_cfg, dataset, split: str, env, seed: int = 0, start_step: i
 
         return DaliLoader(rank_columns(*args), dataset.spec.feature_names, env.device,
                           data_cfg.prefetch)
-    return PrefetchLoader(rank_batches(*args), env.device, data_cfg.prefetch)
+    return PrefetchLoader(rank_batches(*args), env.device, data_cfg.prefetch, on_device)

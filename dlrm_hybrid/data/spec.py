@@ -10,7 +10,13 @@ from typing import List
 class DataSpec:
     num_dense: int
     cardinalities: List[int]  # rows of each categorical feature's table
-    hotness: List[int]  # ids per sample of each categorical feature
+    hotness: List[int]  # ids per sample of each categorical feature (the most, if variable)
+    variable_hotness: bool = False  # each lookup has 1..hotness ids, drawn uniformly
+
+    @property
+    def mean_hotness(self) -> List[float]:
+        """Mean ids per lookup of each feature: what lookup and all-to-all costs scale with."""
+        return [(h + 1) / 2 if self.variable_hotness else h for h in self.hotness]
 
     @property
     def feature_names(self) -> List[str]:
@@ -25,7 +31,8 @@ class DataSpec:
     def from_config(data_cfg) -> "DataSpec":
         hot = data_cfg.hotness
         hotness = hot * len(data_cfg.cardinalities) if len(hot) == 1 else list(hot)
-        return DataSpec(data_cfg.num_dense, list(data_cfg.cardinalities), hotness)
+        return DataSpec(data_cfg.num_dense, list(data_cfg.cardinalities), hotness,
+                        data_cfg.hotness_distribution == "uniform")
 
 
 def data_spec(data_cfg) -> DataSpec:

@@ -12,6 +12,8 @@ Teacher latent vectors are hashed from their row index too, so a 40M-row table c
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -53,7 +55,7 @@ def zipf_ids(u: np.ndarray, rows: int, exponent: float) -> np.ndarray:
 class SyntheticClicks(ClickDataset):
     """The planted-teacher dataset described by a `DataConfig`."""
 
-    STREAM_DENSE, STREAM_LABEL, STREAM_IDS, STREAM_LATENT = 0, 1, 2, 3
+    STREAM_DENSE, STREAM_LABEL, STREAM_IDS, STREAM_LATENT, STREAM_LENGTHS = 0, 1, 2, 3, 4
 
     def __init__(self, data_cfg) -> None:
         self.spec = DataSpec.from_config(data_cfg)
@@ -80,11 +82,12 @@ class SyntheticClicks(ClickDataset):
         index = np.arange(first, first + count, dtype=np.uint64) + np.uint64(SPLIT_OFFSET[split])
         dense = self._dense(index)
         ids = self._ids(index)
-        prob = torch.sigmoid(self._teacher_logit(dense, ids)).numpy()
+        lengths = self._lengths(index) if self.spec.variable_hotness else None
+        prob = torch.sigmoid(self._teacher_logit(dense, ids, lengths)).numpy()
         labels = counter_uniform(self.seed, self.STREAM_LABEL, index) < prob
         valid = np.arange(first, first + count) < self.sizes[split]
         return Columns(dense.numpy().astype(np.float32), labels.astype(np.float32), valid, ids,
-                       prob.astype(np.float32))
+                       prob.astype(np.float32), lengths)
 
     def _dense(self, index: np.ndarray) -> torch.Tensor:
         n = self.spec.num_dense
@@ -99,16 +102,32 @@ class SyntheticClicks(ClickDataset):
             out.append(zipf_ids(u, rows, self.exponent).reshape(len(index), hot))
         return out
 
-    def _latents(self, table: int, ids: np.ndarray) -> torch.Tensor:
-        """The teacher's latent vectors of `ids` ([B, hot]) in `table`, mean-pooled: [B, d]."""
+    def _lengths(self, index: np.ndarray) -> list:
+        """Ids used by each sample's lookup of each feature, uniform in 1..hotness: [B] int32."""
+        out = []
+        for table, hot in enumerate(self.spec.hotness):
+            u = counter_uniform(self.seed, self.STREAM_LENGTHS + 16 * table, index)
+            out.append(np.minimum((u * hot).astype(np.int32), hot - 1) + 1)  # u may round to 1.0
+        return out
+
+    def _latents(self, table: int, ids: np.ndarray, lengths: Optional[np.ndarray]) -> torch.Tensor:
+        """The teacher's latent vectors of `ids` ([B, hot]) in `table`, mean-pooled over each
+        row's first `lengths` ids (all if None): [B, d]."""
         d = self.teacher_dim
         flat = (ids.astype(np.uint64)[..., None] * np.uint64(d) + np.arange(d, dtype=np.uint64))
         vec = counter_normal(self.seed, self.STREAM_LATENT + 16 * table, flat.reshape(-1))
-        return vec.reshape(*ids.shape, d).mean(dim=1) / d**0.5
+        vec = vec.reshape(*ids.shape, d)
+        if lengths is None:
+            return vec.mean(dim=1) / d**0.5
+        n = torch.from_numpy(lengths)[:, None]
+        used = torch.arange(ids.shape[1]) < n
+        return (vec * used[..., None]).sum(dim=1) / n / d**0.5
 
-    def _teacher_logit(self, dense: torch.Tensor, ids: list) -> torch.Tensor:
+    def _teacher_logit(self, dense: torch.Tensor, ids: list,
+                       lengths: Optional[list]) -> torch.Tensor:
         vectors = [dense @ self.dense_proj / self.teacher_dim**0.5]
-        vectors += [self._latents(t, table_ids) for t, table_ids in enumerate(ids)]
+        vectors += [self._latents(t, table_ids, None if lengths is None else lengths[t])
+                    for t, table_ids in enumerate(ids)]
         z = torch.stack(vectors, dim=1)  # [B, F + 1, d]
         dots = torch.bmm(z, z.transpose(1, 2))
         upper = torch.triu_indices(z.shape[1], z.shape[1], offset=1)

@@ -3,10 +3,12 @@ interaction, and a top MLP giving the click logit."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Optional
 
 import torch
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+from torch.nn.functional import binary_cross_entropy_with_logits
 from torchrec.models.dlrm import DenseArch, OverArch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -31,14 +33,43 @@ class DLRM(nn.Module):
             interaction, len(self.feature_names), bottom_mlp[-1], tables[0].embedding_dim,
             self_interaction, dcn_layers, dcn_low_rank)
         self.over_arch = OverArch(width, top_mlp)
+        # Set by the training step: fp16 loss scaling unscales the embeddings' gradient here, and
+        # CUDA Graphs replace `dense_loss` by its captured version.
+        self.embedding_grad_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self._feature_order: Optional[torch.Tensor] = None
+        self._pooled_keys: Optional[List[str]] = None
 
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """Click logits, [B]."""
-        dense_out = self.dense_arch(dense)
-        # A sharded collection returns its features grouped by owner rank: reorder by name.
-        pooled = self.embedding_bags(sparse).to_dict()
-        sparse_out = torch.stack([pooled[f] for f in self.feature_names], dim=1)
-        return self.over_arch(self.interaction(dense_out, sparse_out)).squeeze(1)
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Click logits [B]; given `labels`, the step's mean log loss instead (training)."""
+        if is_fx_symbolic_tracing():  # torchrec's train pipeline: it looks for the lookup's input
+            return self.embedding_bags(sparse)
+        pooled = self.pooled_embeddings(sparse)
+        if labels is None:
+            return self.logits(dense, pooled)
+        if self.embedding_grad_transform is not None and pooled.requires_grad:
+            pooled = self.embedding_grad_transform(pooled)
+        return self.dense_loss(dense, pooled, labels)
+
+    def pooled_embeddings(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """[B, F, D] in feature order. A sharded collection returns features grouped by owner
+        rank: one gather puts them back (none when the order already matches)."""
+        pooled = self.embedding_bags(sparse)
+        values = pooled.values().view(pooled.values().shape[0], len(self.feature_names), -1)
+        if pooled.keys() != self._pooled_keys:
+            self._pooled_keys = list(pooled.keys())
+            order = [self._pooled_keys.index(f) for f in self.feature_names]
+            self._feature_order = (None if order == sorted(order)
+                                   else torch.tensor(order, device=values.device))
+        return values if self._feature_order is None else values.index_select(1, self._feature_order)
+
+    def logits(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.over_arch(self.interaction(self.dense_arch(dense), pooled)).squeeze(1)
+
+    def dense_loss(self, dense: torch.Tensor, pooled: torch.Tensor,
+                   labels: torch.Tensor) -> torch.Tensor:
+        """The dense part of a training step: the part CUDA Graphs capture."""
+        return binary_cross_entropy_with_logits(self.logits(dense, pooled).float(), labels)
 
 
 def build_model(model_cfg, spec, embedding_device: torch.device = torch.device("meta")) -> DLRM:

@@ -7,11 +7,14 @@ what makes a 1-rank and an 8-rank run start from the same weights.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fbgemm_qcomm_codec import (CommType, QCommsConfig,
+                                                     get_qcomm_codecs_registry)
 from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
                                                 table_wise)
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -36,12 +39,25 @@ def sharding_plan(model: DLRM, plan: Plan, local_world_size: int,
     return ShardingPlan({"embedding_bags": module_plan})
 
 
-def shard_model(model: DLRM, plan: Plan, device: torch.device,
-                local_world_size: int) -> DistributedModelParallel:
+def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size: int,
+                comm_precision: str = "fp32") -> DistributedModelParallel:
     """Shard the embeddings by `plan`; the rest becomes data-parallel (DDP)."""
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    return DistributedModelParallel(model, env=env, device=device,
+    sharder = EmbeddingBagCollectionSharder(
+        qcomm_codecs_registry=comm_codecs(comm_precision, device))
+    return DistributedModelParallel(model, env=env, device=device, sharders=[sharder],
                                     plan=sharding_plan(model, plan, local_world_size, device.type))
+
+
+def comm_codecs(precision: str, device: torch.device) -> Optional[dict]:
+    """torchrec's quantized-comms codecs: the pooled embeddings travel in `precision`, their
+    gradients in bf16 (fp16 gradients underflow); gloo has no bf16 and uses fp16 for both."""
+    if precision == "fp32":
+        return None
+    forward = CommType.FP16 if precision == "fp16" or device.type == "cpu" else CommType.BF16
+    backward = CommType.FP16 if device.type == "cpu" else CommType.BF16
+    return get_qcomm_codecs_registry(QCommsConfig(forward_precision=forward,
+                                                  backward_precision=backward), device=device)
 
 
 def init_tables(dmp: DistributedModelParallel, tables: List[EmbeddingBagConfig], seed: int) -> None:

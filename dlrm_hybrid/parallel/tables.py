@@ -53,4 +53,4 @@ def table_specs(cfg, spec) -> List[TableSpec]:
     """The tables a config's model has over a dataset's features (`spec`: a DataSpec)."""
     m = cfg.model
     return [TableSpec(name, rows, m.embedding_dim, m.embedding_precision, cfg.optim.embedding, hot)
-            for name, rows, hot in zip(spec.table_names, spec.cardinalities, spec.hotness)]
+            for name, rows, hot in zip(spec.table_names, spec.cardinalities, spec.mean_hotness)]

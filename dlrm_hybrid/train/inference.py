@@ -27,7 +27,7 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     cfg = load_config(config or str(checkpoint_config_path(path)), overrides, env.world_size)
     log = MetricsLog(Path(cfg.train.run_dir), env.rank)
     dataset = open_dataset(cfg.data)
-    dmp, _ = build_sharded_model(cfg, dataset.spec, env, log)
+    dmp, _ = build_sharded_model(cfg, dataset.spec, env, log.say)
     step = load_checkpoint(path, dmp)
     batches = make_loader(cfg.data, dataset, split, env)
     metrics = evaluate(dmp, batches, env, prefix=f"{split}_")

@@ -6,11 +6,10 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-from torch.nn.functional import binary_cross_entropy_with_logits
 from tqdm import tqdm
 
 from dlrm_hybrid.config import Config
@@ -27,6 +26,7 @@ from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
                                           complete_checkpoints, load_checkpoint, save_checkpoint)
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
+from dlrm_hybrid.train.step import TrainStep
 
 @dataclass
 class TrainResult:
@@ -39,25 +39,21 @@ class TrainResult:
 def train(cfg: Config, env: DistEnv) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
     dataset = open_dataset(cfg.data)
-    dmp, plan = build_sharded_model(cfg, dataset.spec, env, log)
+    dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
     first = resume(cfg, dmp, optimizer, schedule, log)
+    train_step = TrainStep(dmp, optimizer, schedule, cfg.train, env.device)
     log.begin(cfg, plan, applied_sharding(dmp), resumed=first > 0)
 
     B, steps = cfg.data.global_batch_size, cfg.train.max_steps
-    batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first)
+    batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
+                          on_device=train_step.pipeline is None)  # else the pipeline copies
     losses, train_time = [], 0.0
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
     for step in tqdm(range(first + 1, steps + 1), initial=first, total=steps, desc="train",
                      unit="step", disable=not (env.is_main and cfg.train.progress_bar)):
         start = time.perf_counter()
-        batch = next(batches)
-        optimizer.zero_grad()  # also hands the scheduled LR to the fused embedding optimizer
-        loss = binary_cross_entropy_with_logits(dmp(batch.dense, batch.sparse), batch.labels)
-        loss.backward()  # the embedding update happens here, fused into the backward
-        optimizer.step()
-        schedule.step()
-        loss_sum += loss.detach()
+        loss_sum += train_step(batches)
         window += 1
         train_time += time.perf_counter() - start
         if step % cfg.train.log_every == 0 or step == steps:
@@ -65,15 +61,18 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
                              "train_seconds": train_time})
             losses.append(global_mean(loss_sum, env) / window)
             check_finite(losses[-1], step, window, cfg)
-            log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1]})
+            log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1],
+                        **skipped_steps(train_step)})
             loss_sum.zero_()
             window = 0
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
             save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
+            train_step.pause()
             evaluate_and_log(dmp, dataset, cfg, env, log, step)
 
     batches.close()
+    train_step.pause()
     if first < steps:
         path = save_checkpoint(checkpoint_root(cfg), steps, dmp, optimizer, env, cfg)
         log.say(f"checkpoint: {path}")
@@ -96,6 +95,12 @@ def resume(cfg: Config, dmp, optimizer, schedule, log: MetricsLog) -> int:
     return step
 
 
+def skipped_steps(train_step: TrainStep) -> Dict[str, int]:
+    """fp16: the optimizer steps the loss scaler has skipped so far (inf/NaN gradients)."""
+    scaler = train_step.precision.scaler
+    return {} if scaler is None else {"skipped_steps": train_step.precision.skipped_steps()}
+
+
 def check_finite(loss: float, step: int, window: int, cfg: Config) -> None:
     if not math.isfinite(loss):
         found = complete_checkpoints(checkpoint_root(cfg))
@@ -104,15 +109,15 @@ def check_finite(loss: float, step: int, window: int, cfg: Config) -> None:
                                f"{step}; {last}: lower the learning rates and resume from it")
 
 
-def build_sharded_model(cfg: Config, spec, env: DistEnv, log: MetricsLog):
+def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], None]):
     """The DLRM with its tables placed, sharded and initialised, the MLPs wrapped in DDP."""
     torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
     model = build_model(cfg.model, spec)
     tables = model.embedding_bags.embedding_bag_configs()
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
     plan = job_plan(cfg, table_specs(cfg, spec), env)
-    log.say(describe(plan))
-    dmp = shard_model(model, plan, env.device, env.local_world_size)
+    say(describe(plan))
+    dmp = shard_model(model, plan, env.device, env.local_world_size, cfg.parallel.comm_precision)
     init_tables(dmp, tables, cfg.train.seed)
     return dmp, plan
 

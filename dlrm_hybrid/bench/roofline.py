@@ -1,0 +1,75 @@
+"""The speed a model could reach on this device: embedding bytes moved per sample over the
+memory bandwidth, dense FLOPs per sample over the matmul rate, both peaks measured here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+OPTIMIZER_STATE_BYTES = {"sgd": lambda dim: 0, "rowwise_adagrad": lambda dim: 4,
+                         "adagrad": lambda dim: 4 * dim, "adam": lambda dim: 8 * dim}
+WEIGHT_BYTES = {"fp32": 4, "fp16": 2}
+ID_BYTES, POOLED_BYTES = 8, 4
+
+
+@dataclass(frozen=True)
+class Roofline:
+    embedding_bytes: float  # per sample and training step
+    dense_flops: float  # per sample and training step (forward and backward)
+    bandwidth: float  # bytes/s, measured
+    flops_per_s: float  # measured
+
+    @property
+    def samples_per_s(self) -> float:
+        """Upper bound: the slower of the two resources, with perfect overlap."""
+        return 1.0 / max(self.embedding_bytes / self.bandwidth, self.dense_flops / self.flops_per_s)
+
+    @property
+    def bound_by(self) -> str:
+        memory = self.embedding_bytes / self.bandwidth
+        return "memory" if memory >= self.dense_flops / self.flops_per_s else "compute"
+
+
+def embedding_bytes_per_sample(spec, dim: int, weight: str, optimizer: str) -> float:
+    """Every id's row read in the forward, read and written by the fused update, its optimizer
+    state read and written; pooled vectors and their gradients; the ids. No cache reuse."""
+    row, state = dim * WEIGHT_BYTES[weight], OPTIMIZER_STATE_BYTES[optimizer](dim)
+    ids = sum(spec.mean_hotness)
+    return ids * (3 * row + 2 * state + 2 * ID_BYTES) + len(spec.cardinalities) * 2 * dim * POOLED_BYTES
+
+
+def dense_flops_per_sample(model, interaction: str, num_vectors: int, dim: int) -> float:
+    """Forward and backward (3x the forward). Each dense weight takes one multiply-add per
+    sample in the MLPs and the low-rank cross net; `dot` adds the batched Gram matrix."""
+    weights = sum(p.numel() for name, p in model.named_parameters()
+                  if "embedding" not in name and not name.endswith("bias"))
+    gram = 2 * num_vectors * num_vectors * dim if interaction == "dot" else 0
+    return 3 * (2 * weights + gram)
+
+
+def measure_peaks(device: torch.device, dtype: torch.dtype) -> tuple:
+    """(bytes/s of a large copy, FLOP/s of a large matmul in `dtype`), best of a few runs."""
+    src = torch.empty(64 * 2**20, device=device)  # 256 MiB
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), device)
+    n = 4096 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, device=device).to(dtype)
+    flops = 2 * n**3 / _best_time(lambda: a @ a, device)
+    return bandwidth, flops
+
+
+def _best_time(work: Callable, device: torch.device, runs: int = 5) -> float:
+    work()
+    best = float("inf")
+    for _ in range(runs):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best

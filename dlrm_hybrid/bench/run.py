@@ -1,0 +1,133 @@
+"""`python -m dlrm_hybrid bench`: steady-state training speed of a config in one process,
+where the step's time goes, how close it is to the device's roofline, and the ratio to the
+reference-style baseline trained in the same process on the same batches."""
+
+from __future__ import annotations
+
+import itertools
+import resource
+import time
+from typing import Callable, List
+
+import torch
+
+from dlrm_hybrid.bench.baseline import ReferenceBatch, reference_step
+from dlrm_hybrid.bench.roofline import (Roofline, dense_flops_per_sample,
+                                        embedding_bytes_per_sample, measure_peaks)
+from dlrm_hybrid.bench.step_split import PARTS, step_split
+from dlrm_hybrid.config import Config
+from dlrm_hybrid.data.source import open_dataset
+from dlrm_hybrid.parallel.process_group import DistEnv
+from dlrm_hybrid.train.cuda_graphs import WARMUP_STEPS
+from dlrm_hybrid.train.loop import build_sharded_model
+from dlrm_hybrid.train.optim import build_optimizer
+from dlrm_hybrid.train.step import TrainStep
+
+DISTINCT_BATCHES = 16  # cycled; generated before timing, so both sides see only training work
+ROUNDS = 3  # ours and the baseline alternate, so a load change on the machine hits both
+SPLIT_STEPS = 5
+MATMUL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
+    device, B = env.device, cfg.data.global_batch_size
+    dataset = open_dataset(cfg.data)
+    start = time.perf_counter()
+    host = [dataset.batch("train", i * B, B) for i in range(min(DISTINCT_BATCHES, steps + warmup))]
+    data_ms = (time.perf_counter() - start) / len(host) * 1e3
+    batches = [b.to(device) for b in host]
+
+    dmp, _ = build_sharded_model(cfg, dataset.spec, env, lambda line: None)
+    ours = TrainStep(dmp, *build_optimizer(dmp, cfg.optim), cfg.train, device)
+    if cfg.train.cuda_graphs:
+        warmup = max(warmup, WARMUP_STEPS + 2)
+    ours_run = _Timed(ours, batches, device)
+    ours_run.warm_up(warmup)
+    rounds = [steps // ROUNDS + (r < steps % ROUNDS) for r in range(ROUNDS)]
+    ours_run.timed(rounds[0])
+    peak_gib = _peak_memory_gib(device)
+
+    ours.pause()
+    reference = reference_step(cfg.model, dataset.spec, cfg.optim.dense_lr, device)
+    ref_run = _Timed(reference, [ReferenceBatch.of(b) for b in batches], device)
+    ref_run.warm_up(warmup)
+    ref_run.timed(rounds[0])
+    for n in rounds[1:]:
+        ours_run.timed(n)
+        ref_run.timed(n)
+
+    split = step_split(ours_run.one_step, SPLIT_STEPS, device)
+    precision = cfg.train.precision
+    bandwidth, flops = measure_peaks(device, MATMUL_DTYPES.get(precision, torch.float32))
+    spec, dim = dataset.spec, cfg.model.embedding_dim
+    roof = Roofline(embedding_bytes_per_sample(spec, dim, cfg.model.embedding_precision,
+                                               cfg.optim.embedding),
+                    dense_flops_per_sample(dmp.module, cfg.model.interaction,
+                                           len(spec.cardinalities) + 1, dim),
+                    bandwidth, flops)
+    x, y = ours_run.samples_per_s(B), ref_run.samples_per_s(B)
+    print(_report(cfg, device, steps, x, y, data_ms, split, roof, peak_gib))
+    print(f"bench: precision={precision} samples_per_s={x:.0f} baseline_samples_per_s={y:.0f} "
+          f"ratio={x / y:.2f} peak_mem_gib={peak_gib:.2f}", flush=True)
+
+
+class _Timed:
+    """A step function over cycled batches, timing only the steps asked to be timed."""
+
+    def __init__(self, step: Callable, batches: List, device: torch.device) -> None:
+        self.step, self.batches, self.device = step, itertools.cycle(batches), device
+        self.steps, self.seconds = 0, 0.0
+
+    def one_step(self) -> torch.Tensor:
+        return self.step(self.batches)
+
+    def warm_up(self, n: int) -> None:
+        for _ in range(n):
+            self.one_step()
+        _sync(self.device)
+
+    def timed(self, n: int) -> None:
+        start = time.perf_counter()
+        for _ in range(n):
+            loss = self.one_step()
+        loss.item()
+        _sync(self.device)
+        self.seconds += time.perf_counter() - start
+        self.steps += n
+
+    def samples_per_s(self, batch: int) -> float:
+        return self.steps * batch / self.seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS, KiB
+
+
+def _report(cfg: Config, device: torch.device, steps: int, ours: float, ref: float,
+            data_ms: float, split: dict, roof: Roofline, peak_gib: float) -> str:
+    B = cfg.data.global_batch_size
+    memory = "peak allocated" if device.type == "cuda" else "process peak RSS"
+    step_ms = sum(split.values())
+    parts = " | ".join(f"{p} {split[p]:.1f} ({split[p] / step_ms:.0%})" for p in PARTS)
+    return "\n".join([
+        f"bench on {device.type}, batch {B}, {steps} timed steps after warm-up, "
+        f"{torch.get_num_threads()} threads",
+        f"  dlrm_hybrid ({cfg.train.precision}): {ours:,.0f} samples/s, {B / ours * 1e3:.1f} ms/step",
+        f"  reference (nn.EmbeddingBag sparse + SGD, fp32): {ref:,.0f} samples/s, "
+        f"{B / ref * 1e3:.1f} ms/step",
+        f"  step split, ms/step (profiled over {SPLIT_STEPS} steps): {parts}; "
+        f"data (loader, outside the step) {data_ms:.1f}",
+        f"  roofline: embeddings {roof.embedding_bytes / 1024:.1f} KiB/sample at "
+        f"{roof.bandwidth / 1e9:.1f} GB/s (measured copy), dense "
+        f"{roof.dense_flops / 1e6:.2f} MFLOP/sample at {roof.flops_per_s / 1e9:.0f} GFLOP/s "
+        f"(measured matmul): bound {roof.samples_per_s:,.0f} samples/s ({roof.bound_by}); "
+        f"achieved {ours / roof.samples_per_s:.2f} of it",
+        f"  memory: {memory} {peak_gib:.2f} GiB",
+    ])

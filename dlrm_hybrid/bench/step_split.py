@@ -1,0 +1,54 @@
+"""Where a training step's time goes, from a profile of a few steps: every op's own time is
+charged to the first part its name, or the name of an op it runs inside, points to."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Dict, List
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+PARTS = ("embedding_fwd", "embedding_bwd", "exchange", "dense", "optimizer")
+# (part, name fragments), first match wins; names are torchrec's record_function labels,
+# fbgemm's kernels and autograd's backward nodes. Everything else is the dense part.
+RULES = (
+    ("optimizer", ("Optimizer.",)),
+    ("embedding_bwd", ("split_embedding_backward", "SplitLookupFunction", "embedding_backward",
+                       "EmbeddingBagBackward")),
+    ("embedding_fwd", ("[lookup]", "split_embedding_codegen_forward", "bounds_check_indices")),
+    ("exchange", ("_dist]", "all_to_all", "alltoall", "All2All", "AllToAll", "ncclDevKernel_SendRecv")),
+)
+
+
+def part_of(names: List[str]) -> str:
+    """The part of an op whose name and enclosing ops' names (innermost first) are `names`."""
+    for name in names:
+        for part, fragments in RULES:
+            if any(f in name for f in fragments):
+                return part
+    return "dense"
+
+
+def step_split(step: Callable[[], object], steps: int, device: torch.device) -> Dict[str, float]:
+    """Milliseconds per step of each part, profiling `steps` calls of `step`."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    totals: Counter = Counter({part: 0.0 for part in PARTS})
+    for event in prof.events():
+        own = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if own > 0:
+            totals[part_of(_names(event))] += own / 1000 / steps
+    return dict(totals)
+
+
+def _names(event) -> List[str]:
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names

@@ -1,0 +1,74 @@
+"""One training step, as the training loop and the benchmark run it."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from dlrm_hybrid.data.batch import Batch
+from dlrm_hybrid.train.cuda_graphs import DenseGraph
+from dlrm_hybrid.train.precision import Precision
+
+
+class TrainStep:
+    """Forward under the configured precision, backward (the embedding update is fused into
+    it), the dense optimizer step, and the LR schedule.
+
+    Pipelined (`train.pipeline`), torchrec's TrainPipelineSparseDist runs it: batch i+1's
+    host-to-device copy and id all-to-all overlap batch i's compute on their own CUDA streams.
+    """
+
+    def __init__(self, dmp, optimizer, schedule, train_cfg, device: torch.device) -> None:
+        self.dmp, self.optimizer, self.schedule = dmp, optimizer, schedule
+        self.precision = Precision(train_cfg.precision, device, train_cfg.cuda_graphs)
+        model = dmp.module
+        if self.precision.scaler is not None:
+            model.embedding_grad_transform = self.precision.unscale_embedding_grads
+        self.graph = DenseGraph(model, device) if train_cfg.cuda_graphs else None
+        pipelined = train_cfg.pipeline == "enabled" or (train_cfg.pipeline == "auto"
+                                                   and device.type == "cuda")
+        self.pipeline = _Pipeline(self, device) if pipelined else None
+
+    def __call__(self, batches: Iterator[Batch]) -> torch.Tensor:
+        """Train on the next batch; its mean loss (detached: reading it waits for the device)."""
+        if self.pipeline is not None:
+            loss = self.pipeline.progress(batches)
+        else:
+            self.optimizer.zero_grad()  # also hands the scheduled LR to the fused embedding optimizer
+            loss = self.forward(next(batches))
+            self.precision.backward(loss)
+            self.precision.step(self.optimizer)
+        self.schedule.step()
+        return loss.detach()
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        with self.precision.autocast():
+            return self.dmp(batch.dense, batch.sparse, batch.labels)
+
+    def pause(self) -> None:
+        """Before using the model for anything else (evaluation): the pipeline gives back the
+        sharded forward it took over; the next step takes it again."""
+        if self.pipeline is not None:
+            self.pipeline.detach()
+
+
+class _Pipeline(TrainPipelineSparseDist):
+    """torchrec's pipeline with this project's step: autocast forward, backward and optimizer
+    step through the fp16 loss scaler. It calls `optimizer.zero_grad()` itself."""
+
+    def __init__(self, step: TrainStep, device: torch.device) -> None:
+        super().__init__(step.dmp, step.optimizer, device, execute_all_batches=True,
+                         custom_model_fwd=lambda batch: _loss_and_output(step.forward(batch)))
+        self.precision = step.precision
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        self.precision.backward(losses)
+
+    def _optimizer_step(self) -> None:
+        self.precision.step(self._optimizer)
+
+
+def _loss_and_output(loss: torch.Tensor):
+    return loss, loss.detach()

@@ -1,0 +1,215 @@
+"""The fast paths: the dot interaction's backward, autocast and the fp16 loss scaler, the
+quantized all-to-all, CUDA Graphs bookkeeping, and the `bench` command."""
+
+import warnings
+
+import pytest
+import torch
+from torchrec.models.dlrm import InteractionArch
+
+from conftest import ROOT, failure, read_metrics, run_cli
+from dlrm_hybrid.config import load_config
+from dlrm_hybrid.model.interactions import DotInteraction
+from dlrm_hybrid.train.cuda_graphs import DenseGraph
+from dlrm_hybrid.train.loop import train
+
+SMALL = ["train.progress_bar=false", "data.val_samples=2048", "data.global_batch_size=256",
+         "train.log_every=1", "train.eval_every=0"]
+
+
+def small_config(tmp_path, *overrides):
+    return load_config(str(ROOT / "configs/demo.yaml"),
+                       [*SMALL, f"train.run_dir={tmp_path}", *overrides])
+
+
+def test_dot_interaction_matches_torchrec_forward_and_backward():
+    torch.manual_seed(0)
+    dense, sparse = torch.randn(32, 8, requires_grad=True), torch.randn(32, 5, 8, requires_grad=True)
+    ours, reference = DotInteraction(5), InteractionArch(5)
+    out = ours(dense, sparse)
+    expected = reference(dense, sparse)
+    assert torch.equal(out, expected)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (dense, sparse))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (dense, sparse))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_self_interaction_gradient_counts_the_square_twice():
+    vectors = torch.randn(4, 3, 2, dtype=torch.float64, requires_grad=True)
+    interaction = DotInteraction(2, self_interaction=True)
+    check = lambda v: interaction(v[:, 0].contiguous(), v[:, 1:].contiguous())  # noqa: E731
+    assert torch.autograd.gradcheck(check, (vectors,))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_training_tracks_fp32(tmp_path, process_group, precision):
+    runs = {p: train(small_config(tmp_path / p, f"train.precision={p}", "train.max_steps=40",
+                                  "train.log_every=10"), process_group)
+            for p in ("fp32", precision)}
+    fp32, low = runs["fp32"], runs[precision]
+    assert low.losses[-1] < low.losses[0]
+    for a, b in zip(fp32.losses, low.losses):
+        assert abs(a - b) < 0.05, (fp32.losses, low.losses)
+    assert abs(fp32.metrics["val_auc"] - low.metrics["val_auc"]) < 0.01
+
+
+def test_fp16_overflow_skips_the_step_everywhere_and_is_counted(tmp_path, process_group):
+    """A loss scale of 2^40 overflows fp16: those steps change neither the MLPs nor the tables
+    (their fused update sees a zeroed gradient), the scale backs off and training goes on."""
+    from dlrm_hybrid.data.source import make_loader, open_dataset
+    from dlrm_hybrid.train.loop import build_sharded_model
+    from dlrm_hybrid.train.optim import build_optimizer
+    from dlrm_hybrid.train.step import TrainStep
+
+    cfg = small_config(tmp_path, "train.precision=fp16", "optim.embedding=sgd")
+    dataset = open_dataset(cfg.data)
+    dmp, _ = build_sharded_model(cfg, dataset.spec, process_group, lambda line: None)
+    step = TrainStep(dmp, *build_optimizer(dmp, cfg.optim), cfg.train, process_group.device)
+    step.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    batches = make_loader(cfg.data, dataset, "train", process_group)
+    before = {k: _local(v).clone() for k, v in dmp.state_dict().items()}
+    step(batches)
+    assert step.precision.skipped_steps() == 1
+    for key, value in dmp.state_dict().items():
+        assert torch.equal(_local(value), before[key]), f"{key} changed in a skipped step"
+    losses = [step(batches).item() for _ in range(60)]
+    batches.close()
+    skipped = step.precision.skipped_steps()
+    assert 1 < skipped < 40  # backs off by half per skip, from 2^40 to what fp16 holds
+    assert losses[-1] < losses[skipped]
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A sharded table's local values, or the tensor itself."""
+    if hasattr(value, "local_shards"):
+        return torch.cat([shard.tensor.flatten() for shard in value.local_shards()])
+    return value
+
+
+def test_fp16_run_logs_skipped_steps(tmp_path, process_group):
+    train(small_config(tmp_path, "train.precision=fp16", "train.max_steps=4"), process_group)
+    events = [e for e in read_metrics(tmp_path) if "loss" in e]
+    assert [e["skipped_steps"] for e in events] == [0, 0, 0, 0]
+
+
+def test_fp16_all_to_all_trains_like_fp32_on_two_ranks(tmp_path):
+    losses = {}
+    for comm in ("fp32", "fp16"):
+        run_dir = tmp_path / comm
+        overrides = ["train.max_steps=20", "train.log_every=5", "train.eval_every=0",
+                     "data.val_samples=4096", "train.progress_bar=false",
+                     f"parallel.comm_precision={comm}", f"train.run_dir={run_dir}"]
+        result = run_cli(["train", "--config", "configs/demo.yaml",
+                          *[a for o in overrides for a in ("--set", o)]], nproc=2)
+        assert result.returncode == 0, failure(result)
+        losses[comm] = [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+    assert losses["fp16"] != losses["fp32"]  # the payload really is rounded
+    for a, b in zip(losses["fp32"], losses["fp16"]):
+        assert abs(a - b) / a < 1e-2
+
+
+def test_pipelined_steps_give_the_plain_losses_with_evaluation_between(tmp_path, process_group):
+    runs = {mode: train(small_config(tmp_path / mode, f"train.pipeline={mode}", "train.max_steps=12",
+                                     "train.eval_every=5", "optim.embedding=sgd"), process_group)
+            for mode in ("disabled", "enabled")}
+    assert runs["enabled"].losses == runs["disabled"].losses
+    assert runs["enabled"].metrics == runs["disabled"].metrics
+
+
+def test_pipeline_on_two_ranks_gives_the_plain_losses(tmp_path):
+    losses = {}
+    for mode in ("disabled", "enabled"):
+        run_dir = tmp_path / mode
+        overrides = ["train.max_steps=12", "train.log_every=1", "train.eval_every=6",
+                     "data.val_samples=4096", "train.progress_bar=false",
+                     f"train.pipeline={mode}", f"train.run_dir={run_dir}"]
+        result = run_cli(["train", "--config", "configs/demo.yaml",
+                          *[a for o in overrides for a in ("--set", o)]], nproc=2)
+        assert result.returncode == 0, failure(result)
+        losses[mode] = [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+    assert len(losses["enabled"]) == 12 and losses["enabled"] == losses["disabled"]
+
+
+class _Model(torch.nn.Module):
+    """What DenseGraph needs of a model: the dense layers and `dense_loss`."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense_arch, self.interaction = torch.nn.Linear(3, 2), torch.nn.Identity()
+        self.over_arch = torch.nn.Linear(2, 1)
+        self.eager_calls = 0
+
+    def dense_loss(self, dense, pooled, labels):
+        self.eager_calls += 1
+        return (self.over_arch(self.dense_arch(dense)) * pooled.sum()).mean()
+
+
+def test_dense_graph_captures_once_after_warmup_and_replays_fixed_shapes():
+    model, captured = _Model(), []
+
+    def capture(module, static_args):
+        captured.append([a.shape for a in static_args])
+        return lambda *args: module(*args) * 0  # a stand-in for the graphed callable
+
+    graph = DenseGraph(model, torch.device("cpu"), warmup=3, capture=capture)
+    args = (torch.randn(8, 3), torch.randn(8, 4, requires_grad=True), torch.ones(8))
+    eager = [model.dense_loss(*args) for _ in range(3)]  # the warm-up runs eagerly
+    assert all(loss != 0 for loss in eager) and captured == []
+    assert model.dense_loss(*args) == 0 and model.dense_loss(*args) == 0  # captured, replayed
+    assert captured == [[(8, 3), (8, 4), (8,)]]
+    short = (torch.randn(5, 3), torch.randn(5, 4, requires_grad=True), torch.ones(5))
+    assert model.dense_loss(*short) != 0  # another shape: eager, no new capture
+    assert len(captured) == 1 and graph.eager_reason is None
+
+
+def test_dense_graph_warns_once_and_stays_eager_when_capture_fails():
+    model = _Model()
+
+    def capture(module, static_args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graph = DenseGraph(model, torch.device("cpu"), warmup=0, capture=capture)
+    args = (torch.randn(8, 3), torch.randn(8, 4, requires_grad=True), torch.ones(8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.dense_loss(*args)
+    assert model.eager_calls == 3
+    assert [str(w.message) for w in caught] == [
+        "train.cuda_graphs: capture failed (RuntimeError: operation not permitted when stream "
+        "is capturing); running the dense part eagerly"]
+    assert graph.eager_reason.startswith("capture failed")
+
+
+def test_cuda_graphs_on_cpu_warn_and_train_eagerly(tmp_path, process_group):
+    with pytest.warns(UserWarning, match="train.cuda_graphs: needs a CUDA device"):
+        result = train(small_config(tmp_path, "train.cuda_graphs=true", "train.max_steps=3"),
+                       process_group)
+    plain = train(small_config(tmp_path / "plain", "train.max_steps=3"), process_group)
+    assert result.losses == plain.losses
+
+
+def test_bench_prints_the_comparison_line():
+    result = run_cli(["bench", "--config", "configs/demo.yaml", "--steps", "6", "--warmup", "2",
+                      "--set", "train.precision=bf16"])
+    assert result.returncode == 0, failure(result)
+    lines = result.stdout.strip().splitlines()
+    assert any(line.strip().startswith("step split") for line in lines)
+    assert any("roofline" in line for line in lines)
+    last = lines[-1].split()
+    assert last[0] == "bench:"
+    fields = dict(item.split("=") for item in last[1:])
+    assert list(fields) == ["precision", "samples_per_s", "baseline_samples_per_s", "ratio",
+                            "peak_mem_gib"]
+    assert fields["precision"] == "bf16"
+    x, y = float(fields["samples_per_s"]), float(fields["baseline_samples_per_s"])
+    assert x > 0 and y > 0 and float(fields["ratio"]) == pytest.approx(x / y, rel=0.01)
+    assert 0 < float(fields["peak_mem_gib"]) < 24
+
+
+def test_bench_refuses_several_ranks():
+    result = run_cli(["bench", "--config", "configs/demo.yaml"], nproc=2)
+    assert result.returncode != 0
+    assert "bench: runs in one process" in result.stderr
