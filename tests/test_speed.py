@@ -94,17 +94,20 @@ def test_fp16_run_logs_skipped_steps(tmp_path, process_group):
     assert [e["skipped_steps"] for e in events] == [0, 0, 0, 0]
 
 
+def two_rank_losses(run_dir, *overrides):
+    """Per-log-step losses of the demo config on 2 gloo ranks under torchrun."""
+    args = ["data.val_samples=4096", "train.progress_bar=false", f"train.run_dir={run_dir}",
+            *overrides]
+    result = run_cli(["train", "--config", "configs/demo.yaml",
+                      *[a for o in args for a in ("--set", o)]], nproc=2)
+    assert result.returncode == 0, failure(result)
+    return [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+
+
 def test_fp16_all_to_all_trains_like_fp32_on_two_ranks(tmp_path):
-    losses = {}
-    for comm in ("fp32", "fp16"):
-        run_dir = tmp_path / comm
-        overrides = ["train.max_steps=20", "train.log_every=5", "train.eval_every=0",
-                     "data.val_samples=4096", "train.progress_bar=false",
-                     f"parallel.comm_precision={comm}", f"train.run_dir={run_dir}"]
-        result = run_cli(["train", "--config", "configs/demo.yaml",
-                          *[a for o in overrides for a in ("--set", o)]], nproc=2)
-        assert result.returncode == 0, failure(result)
-        losses[comm] = [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+    losses = {comm: two_rank_losses(tmp_path / comm, "train.max_steps=20", "train.log_every=5",
+                                    "train.eval_every=0", f"parallel.comm_precision={comm}")
+              for comm in ("fp32", "fp16")}
     assert losses["fp16"] != losses["fp32"]  # the payload really is rounded
     for a, b in zip(losses["fp32"], losses["fp16"]):
         assert abs(a - b) / a < 1e-2
@@ -119,16 +122,9 @@ def test_pipelined_steps_give_the_plain_losses_with_evaluation_between(tmp_path,
 
 
 def test_pipeline_on_two_ranks_gives_the_plain_losses(tmp_path):
-    losses = {}
-    for mode in ("disabled", "enabled"):
-        run_dir = tmp_path / mode
-        overrides = ["train.max_steps=12", "train.log_every=1", "train.eval_every=6",
-                     "data.val_samples=4096", "train.progress_bar=false",
-                     f"train.pipeline={mode}", f"train.run_dir={run_dir}"]
-        result = run_cli(["train", "--config", "configs/demo.yaml",
-                          *[a for o in overrides for a in ("--set", o)]], nproc=2)
-        assert result.returncode == 0, failure(result)
-        losses[mode] = [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+    losses = {mode: two_rank_losses(tmp_path / mode, "train.max_steps=12", "train.log_every=1",
+                                    "train.eval_every=6", f"train.pipeline={mode}")
+              for mode in ("disabled", "enabled")}
     assert len(losses["enabled"]) == 12 and losses["enabled"] == losses["disabled"]
 
 

@@ -17,6 +17,7 @@ from dlrm_hybrid.bench.roofline import (Roofline, dense_flops_per_sample,
 from dlrm_hybrid.bench.step_split import PARTS, step_split
 from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import open_dataset
+from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.train.cuda_graphs import WARMUP_STEPS
 from dlrm_hybrid.train.loop import build_sharded_model
@@ -48,9 +49,13 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
     peak_gib = _peak_memory_gib(device)
 
     ours.pause()
-    reference = reference_step(cfg.model, dataset.spec, cfg.optim.dense_lr, device)
-    ref_run = _Timed(reference, [ReferenceBatch.of(b) for b in batches], device)
-    ref_run.warm_up(warmup)
+    try:
+        reference = reference_step(cfg.model, dataset.spec, cfg.optim.dense_lr, device)
+        ref_run = _Timed(reference, [ReferenceBatch.of(b) for b in batches], device)
+        ref_run.warm_up(warmup)
+    except torch.OutOfMemoryError:
+        raise UserError(f"bench: the reference baseline (every table unsharded, fp32, next to "
+                        f"ours) does not fit on {device}; bench a config with smaller tables")
     ref_run.timed(rounds[0])
     for n in rounds[1:]:
         ours_run.timed(n)

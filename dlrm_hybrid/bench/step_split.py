@@ -11,13 +11,14 @@ from torch.profiler import ProfilerActivity, profile
 
 PARTS = ("embedding_fwd", "embedding_bwd", "exchange", "dense", "optimizer")
 # (part, name fragments), first match wins; names are torchrec's record_function labels,
-# fbgemm's kernels and autograd's backward nodes. Everything else is the dense part.
+# fbgemm's ops and autograd's backward nodes (a CUDA kernel's time counts for the op that
+# launched it). Everything else is the dense part.
 RULES = (
     ("optimizer", ("Optimizer.",)),
     ("embedding_bwd", ("split_embedding_backward", "SplitLookupFunction", "embedding_backward",
                        "EmbeddingBagBackward")),
     ("embedding_fwd", ("[lookup]", "split_embedding_codegen_forward", "bounds_check_indices")),
-    ("exchange", ("_dist]", "all_to_all", "alltoall", "All2All", "AllToAll", "ncclDevKernel_SendRecv")),
+    ("exchange", ("_dist]", "all_to_all", "alltoall", "All2All", "AllToAll")),
 )
 
 

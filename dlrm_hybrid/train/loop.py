@@ -97,8 +97,8 @@ def resume(cfg: Config, dmp, optimizer, schedule, log: MetricsLog) -> int:
 
 def skipped_steps(train_step: TrainStep) -> Dict[str, int]:
     """fp16: the optimizer steps the loss scaler has skipped so far (inf/NaN gradients)."""
-    scaler = train_step.precision.scaler
-    return {} if scaler is None else {"skipped_steps": train_step.precision.skipped_steps()}
+    precision = train_step.precision
+    return {} if precision.scaler is None else {"skipped_steps": precision.skipped_steps()}
 
 
 def check_finite(loss: float, step: int, window: int, cfg: Config) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterator
 
 import torch
@@ -26,6 +27,8 @@ class TrainStep:
         model = dmp.module
         if self.precision.scaler is not None:
             model.embedding_grad_transform = self.precision.unscale_embedding_grads
+            # A step the scaler skips still advances the schedule (and the data): not a mistake.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
         self.graph = DenseGraph(model, device) if train_cfg.cuda_graphs else None
         pipelined = train_cfg.pipeline == "enabled" or (train_cfg.pipeline == "auto"
                                                    and device.type == "cuda")
