@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Iterator
 
@@ -28,7 +29,8 @@ class TrainStep:
         if self.precision.scaler is not None:
             model.embedding_grad_transform = self.precision.unscale_embedding_grads
             # A step the scaler skips still advances the schedule (and the data): not a mistake.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            skipped = re.escape("Detected call of `lr_scheduler.step()` before")
+            warnings.filterwarnings("ignore", message=skipped)
         self.graph = DenseGraph(model, device) if train_cfg.cuda_graphs else None
         pipelined = train_cfg.pipeline == "enabled" or (train_cfg.pipeline == "auto"
                                                    and device.type == "cuda")
