@@ -13,6 +13,7 @@ import warnings
 from typing import Callable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 WARMUP_STEPS = 10  # eager steps first: the allocator, DDP's buckets and autotuning settle
@@ -58,7 +59,8 @@ class DenseGraph:
 
     def _stay_eager(self, reason: str) -> None:
         self.eager_reason = reason
-        warnings.warn(f"train.cuda_graphs: {reason}; running the dense part eagerly")
+        if not dist.is_initialized() or dist.get_rank() == 0:  # every rank has the same reason
+            warnings.warn(f"train.cuda_graphs: {reason}; running the dense part eagerly")
 
 
 class _DenseLayers(nn.Module):
