@@ -13,6 +13,7 @@ from torch.nn.functional import binary_cross_entropy_with_logits
 from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
 
 from dlrm_hybrid.data.batch import Batch
+from dlrm_hybrid.model.interactions import build_interaction
 
 
 class ReferenceDLRM(nn.Module):
@@ -23,8 +24,8 @@ class ReferenceDLRM(nn.Module):
                                     for n in rows)
         self.dense_arch = DenseArch(num_dense, bottom_mlp, device=device)
         self.interaction = InteractionArch(len(rows)).to(device)
-        n = len(rows) + 1
-        self.over_arch = OverArch(bottom_mlp[-1] + n * (n - 1) // 2, top_mlp, device=device)
+        _, width = build_interaction("dot", len(rows), bottom_mlp[-1], dim)
+        self.over_arch = OverArch(width, top_mlp, device=device)
 
     def forward(self, batch: "ReferenceBatch") -> torch.Tensor:
         pooled = [table(ids, offsets) for table, (ids, offsets) in zip(self.tables, batch.lookups)]

@@ -61,15 +61,19 @@ def measure_peaks(device: torch.device, dtype: torch.dtype) -> tuple:
     return bandwidth, flops
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so a timer sees all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _best_time(work: Callable, device: torch.device, runs: int = 5) -> float:
     work()
     best = float("inf")
     for _ in range(runs):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         work()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best

@@ -13,7 +13,7 @@ import torch
 
 from dlrm_hybrid.bench.baseline import ReferenceBatch, reference_step
 from dlrm_hybrid.bench.roofline import (Roofline, dense_flops_per_sample,
-                                        embedding_bytes_per_sample, measure_peaks)
+                                        embedding_bytes_per_sample, measure_peaks, synchronize)
 from dlrm_hybrid.bench.step_split import PARTS, step_split
 from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import open_dataset
@@ -89,24 +89,19 @@ class _Timed:
     def warm_up(self, n: int) -> None:
         for _ in range(n):
             self.one_step()
-        _sync(self.device)
+        synchronize(self.device)
 
     def timed(self, n: int) -> None:
         start = time.perf_counter()
         for _ in range(n):
             loss = self.one_step()
         loss.item()
-        _sync(self.device)
+        synchronize(self.device)
         self.seconds += time.perf_counter() - start
         self.steps += n
 
     def samples_per_s(self, batch: int) -> float:
         return self.steps * batch / self.seconds
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _peak_memory_gib(device: torch.device) -> float:

@@ -62,7 +62,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
             losses.append(global_mean(loss_sum, env) / window)
             check_finite(losses[-1], step, window, cfg)
             log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1],
-                        **skipped_steps(train_step)})
+                        **train_step.precision.log_fields()})
             loss_sum.zero_()
             window = 0
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
@@ -93,12 +93,6 @@ def resume(cfg: Config, dmp, optimizer, schedule, log: MetricsLog) -> int:
     advance_schedule(schedule, step)
     log.say(f"resumed from {path} (step {step})")
     return step
-
-
-def skipped_steps(train_step: TrainStep) -> Dict[str, int]:
-    """fp16: the optimizer steps the loss scaler has skipped so far (inf/NaN gradients)."""
-    precision = train_step.precision
-    return {} if precision.scaler is None else {"skipped_steps": precision.skipped_steps()}
 
 
 def check_finite(loss: float, step: int, window: int, cfg: Config) -> None:

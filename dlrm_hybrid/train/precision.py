@@ -52,6 +52,10 @@ class Precision:
     def skipped_steps(self) -> int:
         return int(self._skipped.item())
 
+    def log_fields(self) -> dict:
+        """For metrics.jsonl: with fp16, the steps the loss scaler has skipped so far."""
+        return {} if self.scaler is None else {"skipped_steps": self.skipped_steps()}
+
 
 class _UnscaleGrad(torch.autograd.Function):
     @staticmethod
