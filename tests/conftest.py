@@ -23,7 +23,7 @@ def run_cli(args: List[str], nproc: int = 0, timeout: int = 300,
     else:
         cmd = [sys.executable, "-m", "dlrm_hybrid", *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", **(extra_env or {}))
+    env.update({"OMP_NUM_THREADS": "1", **(extra_env or {})})
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
