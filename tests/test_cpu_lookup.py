@@ -1,7 +1,9 @@
-"""The threaded CPU lookup: fbgemm's results bit for bit, table groups on every intra-op
-thread, a clear error for ids outside their table, and 2-rank training unchanged by threads."""
+"""The threaded CPU lookup: fbgemm's results (bit for bit where fbgemm's update runs, up to
+rounding with the C SGD update), table groups on every intra-op thread, a clear error for ids
+outside their table, huge pages, and 2-rank training unchanged by threads."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +16,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from conftest import ROOT, failure, read_metrics, run_cli
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.source import open_dataset
+from dlrm_hybrid.parallel import cpu_lookup
 from dlrm_hybrid.parallel.cpu_lookup import (ThreadedCpuTBE, _all_modules, _feature_groups,
                                              use_threaded_cpu_lookups)
+from dlrm_hybrid.parallel.host_memory import use_huge_pages
 from dlrm_hybrid.train.loop import build_sharded_model
 
 ROWS, DIM, BATCH = [50, 7, 300, 20, 1000], 8, 32
@@ -40,30 +44,58 @@ def lookups(generator, max_ids=6):
     return torch.cat(ids), offsets
 
 
-@pytest.mark.parametrize("optimizer", [OptimType.EXACT_SGD, OptimType.EXACT_ROWWISE_ADAGRAD,
-                                       OptimType.EXACT_ADAGRAD])
-def test_threaded_lookup_trains_exactly_like_fbgemm(optimizer):
+@pytest.fixture
+def two_threads():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # two groups of tables, updated on two threads
-    try:
-        fbgemm = table_batch(optimizer)
-        threaded = copy.deepcopy(fbgemm)
-        assert use_threaded_cpu_lookups(threaded) == 1 and type(threaded) is ThreadedCpuTBE
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(4):
-            ids, offsets = lookups(generator)
-            assert len(_feature_groups(offsets, len(ROWS), 2)) == 2
-            expected, got = fbgemm(ids, offsets), threaded(ids, offsets)
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-            grad = torch.randn(expected.shape, generator=generator)
-            expected.backward(grad)
-            got.backward(grad)
-            assert torch.equal(threaded.weights_host, fbgemm.weights_host)
-            if optimizer != OptimType.EXACT_SGD:
-                assert torch.equal(threaded.momentum1_host, fbgemm.momentum1_host)
-        assert not torch.equal(threaded.weights_host, table_batch(optimizer).weights_host)
-    finally:
-        torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_both(optimizer, atol=0.0, steps=4, grad_of=lambda grad: grad):
+    """fbgemm's table batch and a threaded copy, trained side by side on the same lookups;
+    their lookups agree within `atol`, and so do their tables after training."""
+    fbgemm = table_batch(optimizer)
+    threaded = copy.deepcopy(fbgemm)
+    assert use_threaded_cpu_lookups(threaded) == 1 and type(threaded) is ThreadedCpuTBE
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids, offsets = lookups(generator)
+        assert len(_feature_groups(offsets, len(ROWS))) == 2
+        expected, got = fbgemm(ids, offsets), threaded(ids, offsets)
+        torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+        grad = torch.randn(expected.shape, generator=generator)
+        expected.backward(grad)
+        got.backward(grad_of(grad))
+    assert not torch.equal(threaded.weights_host, table_batch(optimizer).weights_host)
+    torch.testing.assert_close(threaded.weights_host, fbgemm.weights_host, rtol=0, atol=atol)
+    return fbgemm, threaded
+
+
+@pytest.mark.parametrize("optimizer", [OptimType.EXACT_ROWWISE_ADAGRAD, OptimType.EXACT_ADAGRAD])
+def test_adagrad_updates_are_fbgemms_bit_for_bit(optimizer, two_threads):
+    fbgemm, threaded = train_both(optimizer)
+    assert torch.equal(threaded.momentum1_host, fbgemm.momentum1_host)
+
+
+def test_the_c_sgd_update_is_built_and_matches_fbgemm(two_threads):
+    assert cpu_lookup._sgd_rows() is not None  # the install (setup.py) built csrc/sgd_rows.c
+    # fbgemm sums a repeated row's gradients before the update, the C update applies them in turn
+    train_both(OptimType.EXACT_SGD, atol=1e-5)
+
+
+def test_the_c_sgd_update_reads_gradient_rows_of_any_stride(two_threads):
+    def strided(grad):  # the same values, in rows of a wider buffer
+        wide = torch.zeros(grad.shape[0], grad.shape[1] + 24)
+        wide[:, 8:8 + grad.shape[1]] = grad
+        return wide[:, 8:8 + grad.shape[1]]
+
+    train_both(OptimType.EXACT_SGD, atol=1e-5, grad_of=strided)
+
+
+def test_without_the_c_library_sgd_is_fbgemms_bit_for_bit(monkeypatch, two_threads):
+    monkeypatch.setattr(cpu_lookup, "_sgd_rows", lambda: None)
+    train_both(OptimType.EXACT_SGD)
 
 
 def test_feature_groups_balance_ids_over_threads():
@@ -117,3 +149,13 @@ def test_two_ranks_train_the_same_with_one_or_two_threads_each(tmp_path):
         losses[threads] = [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
     # The lookups agree bit for bit (above); the MLP GEMMs may round differently on 2 threads.
     assert len(losses["2"]) == 12 and losses["2"] == pytest.approx(losses["1"], rel=1e-5)
+
+
+def test_huge_pages_keep_the_values():
+    table = torch.randn(3 << 20)  # 12 MiB: at least five whole 2 MiB pages inside
+    before = table.clone()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    expected = thp.exists() and "[never]" not in thp.read_text()
+    assert use_huge_pages(table) == expected
+    assert torch.equal(table, before)
+    assert not use_huge_pages(torch.randn(1000))  # no whole huge page inside
