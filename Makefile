@@ -31,7 +31,7 @@ install: $(STAMP)
 # torchrec goes in last, with --no-deps: it declares the CUDA fbgemm-gpu, which on a CPU machine
 # fails to load and overwrites the CPU build (DESIGN.md, "Version set"); requirements.txt has
 # the rest of its needs.
-$(STAMP): requirements.txt setup.py Makefile
+$(STAMP): requirements.txt setup.py Makefile dlrm_hybrid/csrc/cpu_lookup.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed-*
 	$(PIP) torch==$(TORCH_VERSION) $(FBGEMM) -r requirements.txt

@@ -9,9 +9,9 @@ setup(
     # Installed by the Makefile because torchrec must go in with --no-deps and fbgemm must match
     # the machine (CPU or CUDA build); see DESIGN.md "Version set".
     install_requires=[],
-    # A plain C library loaded with ctypes (no Python API inside): the embedding rows' SGD update
-    # on CPU, see dlrm_hybrid/parallel/cpu_lookup.py. Without it that update runs in fbgemm.
-    ext_modules=[Extension("dlrm_hybrid._sgd_rows", ["dlrm_hybrid/csrc/sgd_rows.c"],
-                           extra_compile_args=["-O3"])],
+    # A plain C library loaded with ctypes (no Python API inside): the CPU embedding id check and
+    # SGD update, see dlrm_hybrid/parallel/cpu_lookup.py. Without it those run in fbgemm.
+    ext_modules=[Extension("dlrm_hybrid._cpu_lookup", ["dlrm_hybrid/csrc/cpu_lookup.c"],
+                           extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])],
     entry_points={"console_scripts": ["dlrm-hybrid=dlrm_hybrid.cli:main"]},
 )

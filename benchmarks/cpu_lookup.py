@@ -2,18 +2,17 @@
 
     .venv/bin/python benchmarks/cpu_lookup.py [--config configs/bench_cpu.yaml] [--steps 48]
 
-fbgemm's table batch as torchrec builds it; the same with its backward split over the intra-op
-threads by tables; with csrc/sgd_rows.c for the update; and that with the tables on huge pages
-(what training uses, parallel/cpu_lookup.py). The four alternate step by step on the config's
-tables and batches, with 240 MB of other memory traffic between the lookup and the update, as
-the dense part of a step has. Prints ms per step of the lookup and of the update.
+fbgemm's table batch as torchrec builds it, on 4 KiB and on huge pages; and with the lookup and
+update of parallel/cpu_lookup.py (csrc/cpu_lookup.c), on 4 KiB and on huge pages (what training
+uses). The four alternate step by step on the config's tables and batches, with 240 MB of other
+memory traffic between the lookup and the update, as the dense part of a step has. Prints ms per
+step of the lookup and of the update.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from unittest import mock
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
@@ -27,14 +26,14 @@ from dlrm_hybrid.parallel import cpu_lookup
 from dlrm_hybrid.parallel.host_memory import keep_freed_memory, use_huge_pages
 
 
-def table_batch(cfg, threaded: bool, huge_pages: bool) -> SplitTableBatchedEmbeddingBagsCodegen:
+def table_batch(cfg, c_sgd: bool, huge_pages: bool) -> SplitTableBatchedEmbeddingBagsCodegen:
     specs = [(rows, cfg.model.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
              for rows in cfg.data.cardinalities]
     tbe = SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=OptimType.EXACT_SGD,
                                                 learning_rate=cfg.optim.embedding_lr)
     tbe.init_embedding_weights_uniform(-0.01, 0.01)
-    if threaded:
-        tbe.__class__ = cpu_lookup.ThreadedCpuTBE
+    if c_sgd:
+        tbe.__class__ = cpu_lookup.CpuSgdTBE
     if huge_pages:
         use_huge_pages(tbe.weights_host)
     return tbe
@@ -49,28 +48,24 @@ def main() -> None:
     cfg = load_config(args.config)
     dataset, batch = open_dataset(cfg.data), cfg.data.global_batch_size
     batches = [dataset.batch("train", i * batch, batch).sparse for i in range(16)]
-    ways = {  # name: (table batch, the C update in use)
-        "fbgemm": (table_batch(cfg, False, False), True),
-        "fbgemm, tables on threads": (table_batch(cfg, True, False), False),
-        "csrc/sgd_rows.c": (table_batch(cfg, True, False), True),
-        "csrc/sgd_rows.c, huge pages": (table_batch(cfg, True, True), True),
-    }
+    ways = {"fbgemm": table_batch(cfg, False, False),
+            "fbgemm, huge pages": table_batch(cfg, False, True),
+            "csrc/cpu_lookup.c": table_batch(cfg, True, False),
+            "csrc/cpu_lookup.c, huge pages": table_batch(cfg, True, True)}
     other = torch.ones(60_000_000)
-    grad = torch.full((batch, ways["fbgemm"][0].total_D), 1e-4)
+    grad = torch.full((batch, ways["fbgemm"].total_D), 1e-4)
     totals = {name: [0.0, 0.0] for name in ways}
     for step in range(args.steps):
         ids = batches[step % len(batches)]
-        for name, (tbe, c_update) in ways.items():
-            with mock.patch.object(cpu_lookup, "_sgd_rows",
-                                   cpu_lookup._sgd_rows if c_update else lambda: None):
-                start = time.perf_counter()
-                pooled = tbe(ids.values(), ids.offsets())
-                looked_up = time.perf_counter()
-                other.mul_(1.0)
-                start_update = time.perf_counter()
-                pooled.backward(grad)
-                totals[name][0] += looked_up - start
-                totals[name][1] += time.perf_counter() - start_update
+        for name, tbe in ways.items():
+            start = time.perf_counter()
+            pooled = tbe(ids.values(), ids.offsets())
+            looked_up = time.perf_counter()
+            other.mul_(1.0)
+            start_update = time.perf_counter()
+            pooled.backward(grad)
+            totals[name][0] += looked_up - start
+            totals[name][1] += time.perf_counter() - start_update
     print(f"{len(cfg.data.cardinalities)} tables, batch {batch}, {torch.get_num_threads()} threads, "
           f"{args.steps} steps; ms per step")
     print("| way | lookup | SGD update |\n|---|---:|---:|")

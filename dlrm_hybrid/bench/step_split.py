@@ -16,7 +16,7 @@ PARTS = ("embedding_fwd", "embedding_bwd", "exchange", "dense", "optimizer")
 RULES = (
     ("optimizer", ("Optimizer.",)),
     ("embedding_bwd", ("split_embedding_backward", "SplitLookupFunction", "embedding_backward",
-                       "EmbeddingBagBackward", "ThreadedLookupBackward")),
+                       "EmbeddingBagBackward", "SgdLookupBackward")),
     ("embedding_fwd", ("[lookup]", "split_embedding_codegen_forward", "bounds_check_indices")),
     ("exchange", ("_dist]", "all_to_all", "alltoall", "All2All", "AllToAll")),
 )

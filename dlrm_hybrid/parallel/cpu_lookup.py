@@ -1,36 +1,37 @@
-"""Fused embedding lookups on CPU that use every intra-op thread and wait less on memory.
+"""Embedding tables on CPU: on huge pages, and for SGD a lookup and update that use every core.
 
 fbgemm_gpu's CPU library is built without OpenMP (its .so files link no OpenMP runtime), so
-`at::parallel_for` inside its kernels runs on one thread; and its fused backward sorts the ids,
-then reads and writes each row without prefetching, waiting on memory for every one.
+`at::parallel_for` inside its kernels runs on one thread; and its fused SGD backward sorts the
+ids, then reads and writes each row without prefetching, waiting on memory for every one.
 
-So a qualifying CPU table batch looks its rows up with torch's `embedding_bag` (fbgemm's kernel
-inside torch, built with OpenMP) after a per-table id check, and updates the rows per run of
-tables, the runs on separate threads: SGD with the small C library built with this package
-(csrc/sgd_rows.c: no sort, prefetching), row-wise Adagrad and Adagrad (which need a sum per row
-before their update) with fbgemm's own fused backward, giving the same result bit for bit. Its
-tables go onto huge pages (host_memory.py).
+So every CPU table batch goes onto huge pages (host_memory.py), and one trained with SGD looks
+its rows up with torch's `embedding_bag` (fbgemm's kernel inside torch, built with OpenMP) after
+checking its ids against their tables, and updates them with the small C library built with this package
+(csrc/cpu_lookup.c: no sort, prefetching, on torch's OpenMP threads). Where that library was not
+built (an install without a C compiler), fbgemm does it all.
 
-`benchmarks/cpu_lookup.py`, configs/bench_cpu.yaml (26 tables x 100,000 rows, 2,048 x ~5.5 ids
-each), 2 cores, ms per step:
+`benchmarks/cpu_lookup.py --steps 96`, configs/bench_cpu.yaml (26 tables x 100,000 rows, 2,048 x
+~5.5 ids each), 2 cores, ms per step:
 
     | way                              | lookup | SGD update |
-    | fbgemm                           |    7.6 |       30.1 |
-    | fbgemm, tables on 2 threads      |    7.5 |       17.8 |
-    | csrc/sgd_rows.c                  |    8.1 |        5.2 |
-    | csrc/sgd_rows.c, huge pages      |    6.5 |        4.5 |
+    | fbgemm                           |    7.3 |       17.2 |
+    | fbgemm, huge pages               |    7.0 |       15.6 |
+    | csrc/cpu_lookup.c                |    6.9 |        4.6 |
+    | csrc/cpu_lookup.c, huge pages    |    6.3 |        4.1 |
 
-A C lookup was tried too: 7.2 ms against 6.5 ms for `embedding_bag` on the same tables.
+Tried and left out: a C lookup (7.2 ms against `embedding_bag`'s 6.5 ms); and fbgemm's backward
+split by tables over Python threads (row-wise Adagrad has no C update): each thread starts its
+own OpenMP team, whose idle threads spin and hold the cores (the demo model trained 2.4x slower).
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Iterator, Optional
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
@@ -41,23 +42,18 @@ from torch.nn.functional import embedding_bag
 
 from dlrm_hybrid.parallel.host_memory import use_huge_pages
 
-FUSED_BACKWARD = {
-    OptimType.EXACT_SGD: torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu,
-    OptimType.EXACT_ROWWISE_ADAGRAD:
-        torch.ops.fbgemm.split_embedding_backward_codegen_rowwise_adagrad_cpu,
-    OptimType.EXACT_ADAGRAD: torch.ops.fbgemm.split_embedding_backward_codegen_adagrad_cpu,
-}
 
-
-def use_threaded_cpu_lookups(model: torch.nn.Module) -> int:
-    """Make each qualifying CPU table batch of `model` use the threaded lookup; how many did."""
+def speed_up_cpu_tables(model: torch.nn.Module) -> int:
+    """Huge pages for each CPU table batch of `model`, and the C SGD path for those that
+    qualify; how many took that path."""
     count = 0
     for module in _all_modules(model):
-        if type(module) is SplitTableBatchedEmbeddingBagsCodegen and _qualifies(module):
-            module.__class__ = ThreadedCpuTBE  # same state, another forward
+        if type(module) is SplitTableBatchedEmbeddingBagsCodegen and module.weights_host.numel():
             use_huge_pages(module.weights_host)
-            use_huge_pages(module.momentum1_host)  # Adagrad's: as large as the weights
-            count += 1
+            use_huge_pages(module.momentum1_host)  # Adagrad's is as large as the weights
+            if _qualifies(module) and _library() is not None:
+                module.__class__ = CpuSgdTBE  # same state, another forward
+                count += 1
     return count
 
 
@@ -71,18 +67,19 @@ def _all_modules(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def _qualifies(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> bool:
-    """fp32 rows of one width on the host, sum pooling, an optimizer with a CPU fused backward,
-    and no table shared by two features (two threads must not update the same rows)."""
+    """SGD on fp32 rows of one width, sum pooling, and no table shared by two features (two
+    threads must not update the same rows)."""
     dims = (tbe.D_offsets[1:] - tbe.D_offsets[:-1]).tolist()
-    return (tbe.weights_host.numel() > 0 and tbe.weights_host.dtype == torch.float32
-            and tbe.pooling_mode == PoolingMode.SUM and tbe.optimizer in FUSED_BACKWARD
+    return (tbe.optimizer == OptimType.EXACT_SGD and tbe.weights_host.dtype == torch.float32
+            and tbe.pooling_mode == PoolingMode.SUM
             and len(set(dims)) == 1 and all(o % dims[0] == 0 for o in tbe.weights_offsets.tolist())
             and len(set(tbe.feature_table_map)) == len(tbe.feature_table_map))
 
 
-class ThreadedCpuTBE(SplitTableBatchedEmbeddingBagsCodegen):
-    """A CPU table batch whose lookup and update run on all intra-op threads (module docstring).
-    Instances come from `use_threaded_cpu_lookups`; what they do not cover goes to fbgemm."""
+class CpuSgdTBE(SplitTableBatchedEmbeddingBagsCodegen):
+    """A CPU table batch trained with SGD whose lookup and update use every core (module
+    docstring). Instances come from `speed_up_cpu_tables`; what they do not cover (per-sample
+    weights, variable batch sizes) goes to fbgemm."""
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None, *args, **kwargs) -> torch.Tensor:
@@ -91,26 +88,22 @@ class ThreadedCpuTBE(SplitTableBatchedEmbeddingBagsCodegen):
             return super().forward(indices, offsets, per_sample_weights, *args, **kwargs)
         indices, offsets = indices.long().contiguous(), offsets.long().contiguous()
         _check_ids(self, indices, offsets)
-        return _ThreadedLookup.apply(self.placeholder_autograd_tensor, self, indices, offsets)
+        return _SgdLookup.apply(self.placeholder_autograd_tensor, self, indices, offsets)
 
 
-def _check_ids(tbe: ThreadedCpuTBE, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+def _check_ids(tbe: CpuSgdTBE, indices: torch.Tensor, offsets: torch.Tensor) -> None:
     """Ids outside their table would read and update another table's rows here: refuse them."""
-    counts = _ids_per_feature(offsets, len(tbe.feature_table_map)).tolist()
-    ranges = [(f, ids) for f, ids in enumerate(torch.split(indices, counts)) if ids.numel()]
-    if not ranges:
-        return
-    low_high = torch.stack([torch.stack(torch.aminmax(ids)) for _, ids in ranges])
-    limits = tbe.rows_per_table[[f for f, _ in ranges]]
-    bad = (low_high[:, 0] < 0) | (low_high[:, 1] >= limits)
-    if bad.any():
-        feature, ids = ranges[int(bad.nonzero()[0])]
-        rows = int(tbe.rows_per_table[feature])
-        bad_id = int(ids[(ids < 0) | (ids >= rows)][0])
+    features = len(tbe.feature_table_map)
+    bad = _library().first_bad_id(indices.data_ptr(), offsets.data_ptr(),
+                                  tbe.rows_per_table.data_ptr(), (offsets.numel() - 1) // features,
+                                  features)
+    if bad >= 0:
+        feature = bisect.bisect_right(offsets[::(offsets.numel() - 1) // features].tolist(), bad) - 1
         table = tbe.feature_table_map[feature]
         name = tbe.table_names[table] if tbe.table_names else table
-        raise IndexError(f"embedding lookup: id {bad_id} is outside table {name} ({rows} rows); "
-                         f"check the data's categorical ids against data.cardinalities")
+        raise IndexError(f"embedding lookup: id {int(indices[bad])} is outside table {name} "
+                         f"({int(tbe.rows_per_table[feature])} rows); check the data's "
+                         f"categorical ids against data.cardinalities")
 
 
 def _ids_per_feature(offsets: torch.Tensor, features: int) -> torch.Tensor:
@@ -118,9 +111,9 @@ def _ids_per_feature(offsets: torch.Tensor, features: int) -> torch.Tensor:
     return bounds[1:] - bounds[:-1]
 
 
-class _ThreadedLookup(torch.autograd.Function):
+class _SgdLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, placeholder: torch.Tensor, tbe: ThreadedCpuTBE, indices: torch.Tensor,
+    def forward(ctx, placeholder: torch.Tensor, tbe: CpuSgdTBE, indices: torch.Tensor,
                 offsets: torch.Tensor) -> torch.Tensor:
         ctx.tbe = tbe
         ctx.save_for_backward(indices, offsets)
@@ -131,14 +124,17 @@ class _ThreadedLookup(torch.autograd.Function):
         indices, offsets = ctx.saved_tensors
         if grad.stride(1) != 1:  # rows of any stride will do, each row contiguous
             grad = grad.contiguous()
-        update = (_sgd_update if ctx.tbe.optimizer == OptimType.EXACT_SGD and _sgd_rows()
-                  else _fbgemm_update)
-        _on_threads(lambda f0, f1: update(ctx.tbe, grad, indices, offsets, f0, f1),
-                    _feature_groups(offsets, len(ctx.tbe.feature_table_map)))
+        tbe = ctx.tbe
+        dim, features = tbe.max_D, len(tbe.feature_table_map)
+        first_row = tbe.weights_offsets // dim
+        _library().sgd_rows(tbe.weights_host.data_ptr(), indices.data_ptr(), offsets.data_ptr(),
+                            first_row.data_ptr(), grad.data_ptr(),
+                            (offsets.numel() - 1) // features, grad.stride(0), dim, features,
+                            float(tbe.learning_rate_tensor))
         return None, None, None, None
 
 
-def _pooled(tbe: ThreadedCpuTBE, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _pooled(tbe: CpuSgdTBE, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[B, F * D] as fbgemm returns it, from bags in feature-major order (bag f * B + b).
     Transposing the pooled output costs less than reordering the ids (0.5 vs 1.7 ms here)."""
     features, dim = len(tbe.feature_table_map), tbe.max_D
@@ -151,79 +147,18 @@ def _pooled(tbe: ThreadedCpuTBE, indices: torch.Tensor, offsets: torch.Tensor) -
     return pooled.view(features, batch, dim).transpose(0, 1).reshape(batch, features * dim)
 
 
-def _sgd_update(tbe: ThreadedCpuTBE, grad: torch.Tensor, indices: torch.Tensor,
-                offsets: torch.Tensor, f0: int, f1: int) -> None:
-    """csrc/sgd_rows.c for features [f0, f1)."""
-    dim = tbe.max_D
-    first_row = tbe.weights_offsets // dim
-    _sgd_rows()(tbe.weights_host.data_ptr(), indices.data_ptr(), offsets.data_ptr(),
-                first_row.data_ptr(), grad.data_ptr(), (offsets.numel() - 1) // len(first_row),
-                grad.stride(0), dim, f0, f1, float(tbe.learning_rate_tensor))
-
-
-def _fbgemm_update(tbe: ThreadedCpuTBE, grad: torch.Tensor, indices: torch.Tensor,
-                   offsets: torch.Tensor, f0: int, f1: int) -> None:
-    """fbgemm's fused backward for features [f0, f1): they are the whole table batch it sees."""
-    batch = (offsets.numel() - 1) // len(tbe.feature_table_map)
-    start, end = int(offsets[f0 * batch]), int(offsets[f1 * batch])
-    d0, d1 = int(tbe.D_offsets[f0]), int(tbe.D_offsets[f1])
-    args = [grad[:, d0:d1].contiguous(), tbe.weights_host, tbe.weights_placements[f0:f1],
-            tbe.weights_offsets[f0:f1], tbe.D_offsets[f0:f1 + 1] - d0, tbe.max_D,
-            # the TBE's own linear ids (hash_size_cumsum[f] + id) and their total
-            torch.cat((tbe.hash_size_cumsum[f0:f1], tbe.hash_size_cumsum[-1:])),
-            tbe.total_hash_size_bits, indices[start:end], offsets[f0 * batch:f1 * batch + 1] - start,
-            tbe.pooling_mode, None, tbe.optimizer_args.stochastic_rounding]
-    if tbe.optimizer == OptimType.EXACT_SGD:
-        args += [tbe.learning_rate_tensor]
-    else:
-        args += [tbe.momentum1_host, tbe.momentum1_placements[f0:f1],
-                 tbe.momentum1_offsets[f0:f1], tbe.learning_rate_tensor, tbe.optimizer_args.eps]
-        if tbe.optimizer == OptimType.EXACT_ROWWISE_ADAGRAD:
-            args += [tbe.optimizer_args.weight_decay, tbe.optimizer_args.weight_decay_mode,
-                     tbe.optimizer_args.max_norm]
-    FUSED_BACKWARD[tbe.optimizer](*args)
-
-
-def _feature_groups(offsets: torch.Tensor, features: int,
-                    threads: Optional[int] = None) -> List[Tuple[int, int]]:
-    """Up to `threads` (default: the intra-op threads) runs of consecutive features [f0, f1)
-    with about equal numbers of ids: each cut goes where the ids before it come closest to an
-    equal share."""
-    threads = threads or torch.get_num_threads()
-    before = [0] + _ids_per_feature(offsets, features).cumsum(0).tolist()  # ids before feature f
-    cuts = [0]
-    for k in range(1, min(threads, features)):
-        share = before[-1] * k / threads
-        cut = min(range(1, features), key=lambda f: abs(before[f] - share))
-        if cuts[-1] < cut:
-            cuts.append(cut)
-    return list(zip(cuts, cuts[1:] + [features]))
-
-
-def _on_threads(work: Callable[[int, int], None], groups: List[Tuple[int, int]]) -> None:
-    """work(f0, f1) for every group, the first on this thread and each other on a worker; the
-    C update and fbgemm's ops let go of the GIL, so the groups run in parallel."""
-    pending = [_workers(len(groups) - 1).submit(work, *group) for group in groups[1:]]
-    work(*groups[0])
-    for job in pending:
-        job.result()
-
-
 @lru_cache(maxsize=None)
-def _workers(count: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(count, thread_name_prefix="cpu_lookup")
-
-
-@lru_cache(maxsize=None)
-def _sgd_rows() -> Optional[Callable]:
-    """csrc/sgd_rows.c as setup.py built it next to this package; None where it was not built
-    (an install without a C compiler), and fbgemm's update runs instead."""
+def _library() -> Optional[ctypes.CDLL]:
+    """csrc/cpu_lookup.c as setup.py built it next to this package; None where it was not."""
     package = Path(__file__).resolve().parents[1]
-    built = [package / f"_sgd_rows{suffix}" for suffix in EXTENSION_SUFFIXES]
+    built = [package / f"_cpu_lookup{suffix}" for suffix in EXTENSION_SUFFIXES]
     path = next((p for p in built if p.exists()), None)
     if path is None:
         return None
-    update = ctypes.CDLL(str(path)).sgd_rows
-    update.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float]
-    update.restype = None
-    return update
+    library = ctypes.CDLL(str(path))
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    library.first_bad_id.argtypes = [pointer] * 3 + [integer] * 2
+    library.first_bad_id.restype = integer
+    library.sgd_rows.argtypes = [pointer] * 5 + [integer] * 4 + [ctypes.c_float]
+    library.sgd_rows.restype = None
+    return library

@@ -6,8 +6,8 @@ configs/bench_cpu.yaml in bf16: 68 ms/step before, 55 ms/step with `keep_freed_m
 
 An embedding lookup reads rows scattered over the whole table: with 4 KiB pages nearly every
 row costs a TLB miss too. `use_huge_pages` moves a table onto 2 MiB pages in place (Linux
-transparent huge pages). On the same model's tables (benchmarks/cpu_lookup.py): lookup 8.1 ->
-6.5 ms, SGD update 5.2 -> 4.5 ms a step; collapsing its 666 MB of tables takes 1.5 s, once.
+transparent huge pages). On the same model's tables (benchmarks/cpu_lookup.py): lookup 6.9 ->
+6.3 ms, SGD update 4.6 -> 4.1 ms a step; collapsing its 666 MB of tables takes 1.5 s, once.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from dlrm_hybrid.model.dlrm import DLRM
-from dlrm_hybrid.parallel.cpu_lookup import use_threaded_cpu_lookups
+from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
 from dlrm_hybrid.parallel.placement import Plan
 
 INIT_ROW_BLOCK = 65536  # rows generated per seeded block
@@ -52,7 +52,7 @@ def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size:
                                    init_data_parallel=plan.world_size > 1)
     dmp.module.to(device)  # what the DDP wrapper does first
     if device.type == "cpu":
-        use_threaded_cpu_lookups(dmp)
+        speed_up_cpu_tables(dmp)
     return dmp
 
 
