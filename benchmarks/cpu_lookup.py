@@ -66,8 +66,8 @@ def main() -> None:
             pooled.backward(grad)
             totals[name][0] += looked_up - start
             totals[name][1] += time.perf_counter() - start_update
-    print(f"{len(cfg.data.cardinalities)} tables, batch {batch}, {torch.get_num_threads()} threads, "
-          f"{args.steps} steps; ms per step")
+    print(f"{len(cfg.data.cardinalities)} tables, batch {batch}, "
+          f"{torch.get_num_threads()} threads, {args.steps} steps; ms per step")
     print("| way | lookup | SGD update |\n|---|---:|---:|")
     for name, (lookup, update) in totals.items():
         print(f"| {name} | {lookup / args.steps * 1e3:.1f} | {update / args.steps * 1e3:.1f} |")

@@ -4,11 +4,11 @@ fbgemm_gpu's CPU library is built without OpenMP (its .so files link no OpenMP r
 `at::parallel_for` inside its kernels runs on one thread; and its fused SGD backward sorts the
 ids, then reads and writes each row without prefetching, waiting on memory for every one.
 
-So every CPU table batch goes onto huge pages (host_memory.py), and one trained with SGD looks
-its rows up with torch's `embedding_bag` (fbgemm's kernel inside torch, built with OpenMP) after
-checking its ids against their tables, and updates them with the small C library built with this package
-(csrc/cpu_lookup.c: no sort, prefetching, on torch's OpenMP threads). Where that library was not
-built (an install without a C compiler), fbgemm does it all.
+So every CPU table batch goes onto huge pages (host_memory.py), and one trained with SGD checks
+its ids against their tables and updates its rows with the small C library built with this
+package (csrc/cpu_lookup.c: no sort, prefetching, on torch's OpenMP threads), and looks its rows
+up with torch's `embedding_bag` (fbgemm's kernel inside torch, built with OpenMP). Where that
+library was not built (an install without a C compiler), fbgemm does it all.
 
 `benchmarks/cpu_lookup.py --steps 96`, configs/bench_cpu.yaml (26 tables x 100,000 rows, 2,048 x
 ~5.5 ids each), 2 cores, ms per step:
@@ -94,11 +94,11 @@ class CpuSgdTBE(SplitTableBatchedEmbeddingBagsCodegen):
 def _check_ids(tbe: CpuSgdTBE, indices: torch.Tensor, offsets: torch.Tensor) -> None:
     """Ids outside their table would read and update another table's rows here: refuse them."""
     features = len(tbe.feature_table_map)
+    batch = _batch_size(offsets, features)
     bad = _library().first_bad_id(indices.data_ptr(), offsets.data_ptr(),
-                                  tbe.rows_per_table.data_ptr(), (offsets.numel() - 1) // features,
-                                  features)
+                                  tbe.rows_per_table.data_ptr(), batch, features)
     if bad >= 0:
-        feature = bisect.bisect_right(offsets[::(offsets.numel() - 1) // features].tolist(), bad) - 1
+        feature = bisect.bisect_right(offsets[::batch].tolist(), bad) - 1
         table = tbe.feature_table_map[feature]
         name = tbe.table_names[table] if tbe.table_names else table
         raise IndexError(f"embedding lookup: id {int(indices[bad])} is outside table {name} "
@@ -106,8 +106,12 @@ def _check_ids(tbe: CpuSgdTBE, indices: torch.Tensor, offsets: torch.Tensor) -> 
                          f"categorical ids against data.cardinalities")
 
 
+def _batch_size(offsets: torch.Tensor, features: int) -> int:
+    return (offsets.numel() - 1) // features
+
+
 def _ids_per_feature(offsets: torch.Tensor, features: int) -> torch.Tensor:
-    bounds = offsets[::(offsets.numel() - 1) // features]
+    bounds = offsets[::_batch_size(offsets, features)]
     return bounds[1:] - bounds[:-1]
 
 
@@ -128,9 +132,8 @@ class _SgdLookup(torch.autograd.Function):
         dim, features = tbe.max_D, len(tbe.feature_table_map)
         first_row = tbe.weights_offsets // dim
         _library().sgd_rows(tbe.weights_host.data_ptr(), indices.data_ptr(), offsets.data_ptr(),
-                            first_row.data_ptr(), grad.data_ptr(),
-                            (offsets.numel() - 1) // features, grad.stride(0), dim, features,
-                            float(tbe.learning_rate_tensor))
+                            first_row.data_ptr(), grad.data_ptr(), _batch_size(offsets, features),
+                            grad.stride(0), dim, features, float(tbe.learning_rate_tensor))
         return None, None, None, None
 
 
@@ -138,7 +141,7 @@ def _pooled(tbe: CpuSgdTBE, indices: torch.Tensor, offsets: torch.Tensor) -> tor
     """[B, F * D] as fbgemm returns it, from bags in feature-major order (bag f * B + b).
     Transposing the pooled output costs less than reordering the ids (0.5 vs 1.7 ms here)."""
     features, dim = len(tbe.feature_table_map), tbe.max_D
-    batch = (offsets.numel() - 1) // features
+    batch = _batch_size(offsets, features)
     rows = indices + torch.repeat_interleave(tbe.weights_offsets // dim,
                                              _ids_per_feature(offsets, features),
                                              output_size=indices.numel())

@@ -43,7 +43,8 @@ def sharding_plan(model: DLRM, plan: Plan, local_world_size: int,
 def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size: int,
                 comm_precision: str = "fp32") -> DistributedModelParallel:
     """Shard the embeddings by `plan`; the rest becomes data-parallel (DDP). A job of one rank
-    has nothing to all-reduce and skips DDP (1-2 ms per step of its hooks and copies on CPU)."""
+    has nothing to all-reduce and skips DDP (1-2 ms per step of its hooks and copies on CPU).
+    On CPU the tables go onto huge pages, and SGD ones use every core (cpu_lookup.py)."""
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     sharder = EmbeddingBagCollectionSharder(
         qcomm_codecs_registry=comm_codecs(comm_precision, device))
