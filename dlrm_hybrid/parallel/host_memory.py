@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from functools import lru_cache
 
 import torch
 
@@ -22,6 +23,7 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # madvise advice, Linux's mman.h
 HUGE_PAGE = 2 << 20
 
 
+@lru_cache(maxsize=None)
 def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 

@@ -354,10 +354,6 @@ def _no_room(piece: _Piece, used: np.ndarray, budget: int, pieces: List[_Piece])
         f"total for tables needing {format_bytes(need)}")
 
 
-def _by_name(tables: Sequence[TableSpec]) -> Dict[str, TableSpec]:
-    return {t.name: t for t in tables}
-
-
 def _max_over_mean(row: np.ndarray) -> float:
     mean = row.mean()
     return float(row.max() / mean) if mean > 0 else 1.0

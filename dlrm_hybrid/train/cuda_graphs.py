@@ -54,7 +54,6 @@ class DenseGraph:
             self.graphed = self._capture_fn(self._dense_layers, static)
             self.shapes = _shapes(*args)
         except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
-            self.graphed = None
             self._stay_eager(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0]})")
 
     def _stay_eager(self, reason: str) -> None:

@@ -28,6 +28,7 @@ from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
 from dlrm_hybrid.train.step import TrainStep
 
+
 @dataclass
 class TrainResult:
     steps: int
