@@ -86,6 +86,9 @@ class TrainConfig:
     progress_bar: bool = True
     rank_logs: bool = False  # every rank also writes run_dir/rank_<r>.jsonl (its shards, losses, time)
     precision: str = "fp32"  # fp32 | tf32 | bf16 | fp16 (autocast; fp16 with a loss scaler)
+    # On a CPU whose oneDNN has no bf16/fp16 matmul (e.g. AVX2-only), that precision runs torch's
+    # reference kernels, 20-100x slower than fp32: true computes in fp32 instead, with a warning.
+    precision_fallback: bool = True
     cuda_graphs: bool = False  # replay the dense part of each step as a CUDA graph (GPU only)
     pipeline: str = "auto"  # auto (enabled with CUDA) | enabled | disabled: overlap batch i+1's copy and id exchange with step i
 

@@ -24,7 +24,8 @@ class TrainStep:
 
     def __init__(self, dmp, optimizer, schedule, train_cfg, device: torch.device) -> None:
         self.dmp, self.optimizer, self.schedule = dmp, optimizer, schedule
-        self.precision = Precision(train_cfg.precision, device, train_cfg.cuda_graphs)
+        self.precision = Precision(train_cfg.precision, device, train_cfg.cuda_graphs,
+                                   train_cfg.precision_fallback)
         model = dmp.module
         if self.precision.scaler is not None:
             model.embedding_grad_transform = self.precision.unscale_embedding_grads
