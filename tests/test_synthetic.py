@@ -96,3 +96,31 @@ def test_labels_follow_the_planted_probabilities():
     assert 0.7 < binary_auroc(batch.true_prob, batch.labels.long()) < 0.9
     train = SyntheticClicks(CFG).batch("train", 0, 1000)
     assert not torch.equal(train.dense, batch.dense)  # splits are disjoint streams
+
+
+def test_ids_with_hotness_over_64_do_not_repeat_the_neighbouring_sample():
+    """Slots once were index * 64 + 0..hot-1: with hotness 100 (MLPerf DCNv2's cat_20), sample
+    i's ids 64..99 were sample i+1's ids 0..35."""
+    cfg = DataConfig(cardinalities=[1_000_000], hotness=[100], zipf_exponent=0.5,
+                     train_samples=4096, val_samples=64)
+    ids = SyntheticClicks(cfg).columns("train", 0, 64).ids[0]
+    for shift in range(1, 100):
+        same = ids[:-1, shift:] == ids[1:, :100 - shift]
+        assert same.mean() < 0.05, f"sample i+1 repeats sample i shifted by {shift}"
+
+
+def test_ids_with_hotness_up_to_64_are_unchanged():
+    """Runs and tests recorded on the synthetic data keep their exact ids: hotness <= 64 still
+    draws slot index * 64 + k."""
+    from dlrm_hybrid.data.synthetic import SPLIT_OFFSET, counter_uniform, zipf_ids
+
+    cfg = DataConfig(cardinalities=[1000, 50], hotness=[64, 3], train_samples=4096,
+                     val_samples=64)
+    data = SyntheticClicks(cfg)
+    ids = data.columns("val", 10, 32).ids
+    index = np.arange(10, 42, dtype=np.uint64) + np.uint64(SPLIT_OFFSET["val"])
+    for table, (rows, hot) in enumerate(zip(cfg.cardinalities, cfg.hotness)):
+        slots = index[:, None] * np.uint64(64) + np.arange(hot, dtype=np.uint64)
+        u = counter_uniform(cfg.seed, data.STREAM_IDS + 16 * table, slots.reshape(-1))
+        np.testing.assert_array_equal(ids[table], zipf_ids(u, rows, cfg.zipf_exponent)
+                                      .reshape(32, hot))

@@ -95,9 +95,13 @@ class SyntheticClicks(ClickDataset):
         return counter_normal(self.seed, self.STREAM_DENSE, flat).reshape(len(index), n)
 
     def _ids(self, index: np.ndarray) -> list:
+        """[B, hot] ids per table. Sample i draws from counter slots i * stride + 0..hot-1: a
+        stride of at least hot keeps neighbouring samples' slots apart, and 64 for hot <= 64
+        keeps the data as it always was."""
         out = []
         for table, (rows, hot) in enumerate(zip(self.spec.cardinalities, self.spec.hotness)):
-            slots = index[:, None] * np.uint64(64) + np.arange(hot, dtype=np.uint64)
+            stride = np.uint64(max(64, hot))
+            slots = index[:, None] * stride + np.arange(hot, dtype=np.uint64)
             u = counter_uniform(self.seed, self.STREAM_IDS + 16 * table, slots.reshape(-1))
             out.append(zipf_ids(u, rows, self.exponent).reshape(len(index), hot))
         return out
