@@ -128,21 +128,66 @@ def test_a_corrupt_checkpoint_is_a_one_line_error_naming_it(tmp_path, process_gr
         train(cfg, process_group)
 
 
-def test_a_diverging_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path, process_group):
+def nan_from_batch(tmp_path, batch, size=768):
+    """A split-binary copy of the synthetic data whose dense features are NaN from the
+    `batch`-th global batch on (1-based)."""
     data = tmp_path / "data"
     write_synthetic(load_config(None, ["data.train_samples=20000", "data.val_samples=1000"]).data,
                     str(data))
     numerical = np.memmap(data / "train" / "numerical.bin", dtype=np.float16, mode="r+")
-    numerical[768 * 13 * 4:] = np.nan  # from the 5th global batch of 768 on
+    numerical[size * 13 * (batch - 1):] = np.nan
     numerical.flush()
+    return data
+
+
+def test_a_diverging_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path, process_group):
     cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        *COMMON, f"data.path={data}", "train.max_steps=10", "checkpoint.every=2",
-        "train.log_every=2", f"train.run_dir={tmp_path / 'run'}"])
+        *COMMON, f"data.path={nan_from_batch(tmp_path, 5)}", "train.max_steps=10",
+        "checkpoint.every=2", "train.log_every=2", f"train.run_dir={tmp_path / 'run'}"])
     with pytest.raises(TrainingDiverged) as info:
         train(cfg, process_group)
     assert str(info.value) == (
         f"the loss became nan between steps 5 and 6; the last good checkpoint is "
         f"{tmp_path / 'run' / 'checkpoints' / 'step_4'}: lower the learning rates and resume from it")
+
+
+def all_finite(checkpoint) -> bool:
+    import torch
+
+    from dlrm_hybrid.train.inference import export_checkpoint
+
+    export_checkpoint(str(checkpoint), str(checkpoint.parent.parent / "exported.pt"))
+    state = torch.load(checkpoint.parent.parent / "exported.pt", weights_only=True)
+    return all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_a_diverged_model_is_never_checkpointed_and_the_good_one_is_kept(tmp_path, process_group):
+    """Losses are checked every 10 steps, checkpoints written every 3 and only the newest kept:
+    the NaN from step 5 on must not reach step_6, and step_3 must survive as the good one."""
+    run = tmp_path / "run"
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        *COMMON, f"data.path={nan_from_batch(tmp_path, 5)}", "train.max_steps=20",
+        "checkpoint.every=3", "checkpoint.keep=1", "train.log_every=10", f"train.run_dir={run}"])
+    with pytest.raises(TrainingDiverged) as info:
+        train(cfg, process_group)
+    assert str(info.value) == (
+        f"the loss or the weights became non-finite between steps 4 and 6; the last good "
+        f"checkpoint is {run / 'checkpoints' / 'step_3'}: lower the learning rates and resume "
+        f"from it")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_3"]
+    assert all_finite(run / "checkpoints" / "step_3")
+
+
+def test_a_run_diverging_before_its_first_checkpoint_publishes_none(tmp_path):
+    run = tmp_path / "run"
+    result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+        "optim.dense_lr=1e30", "optim.embedding_lr=1e30", "train.log_every=10",
+        "checkpoint.every=3", "train.max_steps=20", f"train.run_dir={run}")])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: the loss or the weights became non-finite between steps 1 and 3; no checkpoint "
+        "was written: lower the learning rates")
+    assert not list((run / "checkpoints").glob("step_*"))
 
 
 def test_eval_and_export_reproduce_the_training_run(tmp_path, process_group):

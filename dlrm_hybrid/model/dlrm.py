@@ -33,7 +33,7 @@ class DLRM(nn.Module):
             interaction, len(self.feature_names), bottom_mlp[-1], tables[0].embedding_dim,
             self_interaction, dcn_layers, dcn_low_rank)
         self.over_arch = OverArch(width, top_mlp)
-        # Set by the training step: fp16 loss scaling unscales the embeddings' gradient here, and
+        # Set by the training step: fp16 loss scaling cuts the backward in two here, and
         # CUDA Graphs replace `dense_loss` by its captured version.
         self.embedding_grad_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self._feature_order: Optional[torch.Tensor] = None

@@ -6,6 +6,10 @@ DCP stores shards with their global offsets, so a checkpoint written by N ranks 
 ranks under another placement. A checkpoint is written to `.step_<n>.partial`, and published
 by renaming it to `step_<n>` once every rank has finished and `meta.json` is in it: a run killed
 while writing leaves the previous checkpoints as they were.
+
+A checkpoint records the resolved config it was trained with; resuming it under settings that
+change the experiment (the model, the data, the optimizer; anything but `MAY_CHANGE`) is
+refused, naming the keys that differ.
 """
 
 from __future__ import annotations
@@ -14,27 +18,35 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.config import Config, ConfigError, load_config
 from dlrm_hybrid.errors import DataError
 
 META, CONFIG = "meta.json", "config.yaml"
 NAME = re.compile(r"step_(\d+)$")
+# Settings a resumed run may change: how long and how it runs, where it writes, how it is
+# parallelised (checkpoints reshard), not what it trains.
+MAY_CHANGE = ("train.max_steps", "train.log_every", "train.eval_every", "train.run_dir",
+              "train.progress_bar", "train.rank_logs", "train.precision",
+              "train.precision_fallback", "train.cuda_graphs", "train.pipeline",
+              "data.loader", "data.prefetch", "parallel.", "checkpoint.")
 
 
 def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
 
 
-def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg) -> Path:
+def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg, extra: Optional[dict] = None
+                    ) -> Path:
     """Collective: every rank writes its shards; rank 0 adds the resolved config (so eval and
-    export need nothing else), publishes and prunes."""
+    export need nothing else) and `extra` (small JSON state, the same on every rank) to
+    `meta.json`, publishes and prunes."""
     final, partial = root / f"step_{step}", root / f".step_{step}.partial"
     if env.is_main:
         shutil.rmtree(partial, ignore_errors=True)
@@ -44,7 +56,8 @@ def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg) -> Path:
     dist.barrier()
     if env.is_main:
         cfg.save(partial / CONFIG)
-        (partial / META).write_text(json.dumps({"step": step, "world_size": env.world_size}))
+        (partial / META).write_text(json.dumps({"step": step, "world_size": env.world_size,
+                                                **(extra or {})}))
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         for old in complete_checkpoints(root)[:-cfg.checkpoint.keep]:
@@ -73,11 +86,45 @@ def checkpoint_to_resume(cfg) -> Optional[Path]:
     return path
 
 
-def load_checkpoint(path: Path, dmp, optimizer=None) -> int:
-    """Load into the (already sharded) model, and the optimizer if given; returns the step it
-    was taken at."""
+def check_same_experiment(path: Path, cfg: Config) -> None:
+    """Refuse to resume `path` under settings that change what is trained."""
+    saved = _flat(load_config(str(path / CONFIG)).to_dict())
+    here = _flat(cfg.to_dict())
+    changed = [key for key in here if saved.get(key) != here[key]
+               and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in MAY_CHANGE)]
+    if changed:
+        diffs = ", ".join(f"{key} ({saved.get(key)!r} there, {here[key]!r} here)" for key in changed)
+        raise ConfigError(f"checkpoint.resume: {path} was trained with other settings: {diffs}; "
+                          f"resume it with its own settings, or start anew with "
+                          f"checkpoint.resume=none or another train.run_dir")
+
+
+def _flat(tree: dict, prefix: str = "") -> Dict[str, object]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def read_meta(path: Path) -> dict:
+    """`meta.json` of a complete checkpoint: its step and the `extra` it was saved with."""
     try:
-        step = int(json.loads((path / META).read_text())["step"])
+        meta = json.loads((path / META).read_text())
+        int(meta["step"])
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path / META}: unreadable ({type(e).__name__}); the checkpoint is "
+                        f"corrupt, use an older one") from None
+
+
+def load_checkpoint(path: Path, dmp, optimizer=None) -> dict:
+    """Load into the (already sharded) model, and the optimizer if given; returns the
+    checkpoint's `meta.json` (its step and extra state)."""
+    meta = read_meta(path)
+    try:
         state = {"model": dmp.state_dict()}
         dcp.load(state, checkpoint_id=path)
         if optimizer is not None:
@@ -87,13 +134,29 @@ def load_checkpoint(path: Path, dmp, optimizer=None) -> int:
             dcp.load({"optim": state["optim"]}, checkpoint_id=path,
                      planner=DefaultLoadPlanner(allow_partial_load=True))
     except (OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
-        raise DataError(f"{path}: cannot load checkpoint ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); it is truncated or corrupt, "
-                        f"resume from an older one or checkpoint.resume=none") from None
+        raise _load_error(path, e) from None
     dmp.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optim"])
-    return step
+        # fbgemm's step counter (Adam's bias correction) is not in the optimizer state: it
+        # counts training steps, so it is the checkpoint's step.
+        optimizer.set_optimizer_step(int(meta["step"]))
+    return meta
+
+
+def _load_error(path: Path, error: BaseException) -> DataError:
+    """A checkpoint written for another model is not a corrupt one: say which it is."""
+    causes = [exc for exc, _ in error.failures.values()] if isinstance(
+        error, CheckpointException) else [error]
+    for cause in causes:
+        text = str(cause).splitlines()[0] if str(cause) else ""
+        if isinstance(cause, ValueError) and ("Size mismatch" in text or "Missing key" in text):
+            return DataError(f"{path}: does not fit this model ({text}); it was trained with other "
+                             f"model or table settings: use the config it was written with")
+    cause = causes[0] if causes else error
+    text = str(cause).splitlines()[0] if str(cause) else ""
+    return DataError(f"{path}: cannot load checkpoint ({type(cause).__name__}: {text}); it is "
+                     f"truncated or corrupt, resume from an older one or checkpoint.resume=none")
 
 
 def checkpoint_config_path(path: Path) -> Path:

@@ -25,10 +25,12 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     defaults to the one the checkpoint was written with."""
     path = Path(checkpoint)
     cfg = load_config(config or str(checkpoint_config_path(path)), overrides, env.world_size)
+    # Evaluation updates nothing: any fused kernel serves (fbgemm's CPU build has no Adam).
+    cfg.optim.embedding = "sgd"
     log = MetricsLog(Path(cfg.train.run_dir), env.rank)
     dataset = open_dataset(cfg.data)
     dmp, _ = build_sharded_model(cfg, dataset.spec, env, log.say)
-    step = load_checkpoint(path, dmp)
+    step = load_checkpoint(path, dmp)["step"]
     batches = make_loader(cfg.data, dataset, split, env)
     metrics = evaluate(dmp, batches, env, prefix=f"{split}_")
     batches.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,6 @@ from tqdm import tqdm
 
 from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import make_loader, open_dataset
-from dlrm_hybrid.errors import TrainingDiverged
 from dlrm_hybrid.model.dlrm import build_model
 from dlrm_hybrid.parallel.job_plan import job_plan
 from dlrm_hybrid.parallel.plan_report import describe
@@ -22,8 +20,9 @@ from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
 from dlrm_hybrid.parallel.tables import table_specs
 from dlrm_hybrid.train.evaluate import evaluate
-from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
-                                          complete_checkpoints, load_checkpoint, save_checkpoint)
+from dlrm_hybrid.train.checkpoint import (check_same_experiment, checkpoint_root,
+                                          checkpoint_to_resume, load_checkpoint, save_checkpoint)
+from dlrm_hybrid.train.divergence import DivergenceGuard
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
 from dlrm_hybrid.train.step import TrainStep
@@ -42,11 +41,18 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     dataset = open_dataset(cfg.data)
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
-    first = resume(cfg, dmp, optimizer, schedule, log)
     train_step = TrainStep(dmp, optimizer, schedule, cfg.train, env.device)
-    log.begin(cfg, plan, applied_sharding(dmp), resumed=first > 0)
-
+    first = resume(cfg, train_step, log)
     B, steps = cfg.data.global_batch_size, cfg.train.max_steps
+    if first >= steps:
+        log.say(f"nothing left to train: the checkpoint is at step {first} and train.max_steps "
+                f"is {steps}; raise train.max_steps to train further, or start anew with "
+                f"checkpoint.resume=none or another train.run_dir")
+        log.close()
+        return TrainResult(first, [], {}, 0.0)
+    log.begin(cfg, plan, applied_sharding(dmp), resumed=first > 0)
+    guard = DivergenceGuard(checkpoint_root(cfg), env.device, first)
+
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
                           on_device=train_step.pipeline is None)  # else the pipeline copies
     losses, train_time = [], 0.0
@@ -54,29 +60,34 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     for step in tqdm(range(first + 1, steps + 1), initial=first, total=steps, desc="train",
                      unit="step", disable=not (env.is_main and cfg.train.progress_bar)):
         start = time.perf_counter()
-        loss_sum += train_step(batches)
+        loss = train_step(batches)
+        guard.observe(loss)
+        loss_sum += loss
         window += 1
         train_time += time.perf_counter() - start
         if step % cfg.train.log_every == 0 or step == steps:
             log.record_rank({"step": step, "local_loss": loss_sum.item() / window,
                              "train_seconds": train_time})
             losses.append(global_mean(loss_sum, env) / window)
-            check_finite(losses[-1], step, window, cfg)
+            guard.check_loss(losses[-1], step)
             log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1],
                         **train_step.precision.log_fields()})
             loss_sum.zero_()
             window = 0
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
-            save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg)
+            guard.check_state(dmp, step)
+            save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
+                            train_step.state_dict())
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
             train_step.pause()
             evaluate_and_log(dmp, dataset, cfg, env, log, step)
 
     batches.close()
     train_step.pause()
-    if first < steps:
-        path = save_checkpoint(checkpoint_root(cfg), steps, dmp, optimizer, env, cfg)
-        log.say(f"checkpoint: {path}")
+    guard.check_state(dmp, steps)
+    path = save_checkpoint(checkpoint_root(cfg), steps, dmp, optimizer, env, cfg,
+                           train_step.state_dict())
+    log.say(f"checkpoint: {path}")
     metrics = evaluate_and_log(dmp, dataset, cfg, env, log, steps)
     samples_per_s = (steps - first) * B / train_time if train_time else 0.0
     if env.is_main:
@@ -85,23 +96,19 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     return TrainResult(steps, losses, metrics, samples_per_s)
 
 
-def resume(cfg: Config, dmp, optimizer, schedule, log: MetricsLog) -> int:
-    """The step to continue after: that of the checkpoint `checkpoint.resume` names, or 0."""
+def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> int:
+    """The step to continue after: that of the checkpoint `checkpoint.resume` names (if it
+    was trained with these settings), or 0."""
     path = checkpoint_to_resume(cfg)
     if path is None:
         return 0
-    step = load_checkpoint(path, dmp, optimizer)
-    advance_schedule(schedule, step)
+    check_same_experiment(path, cfg)
+    meta = load_checkpoint(path, train_step.dmp, train_step.optimizer)
+    step = int(meta["step"])
+    train_step.load_state_dict(meta)
+    advance_schedule(train_step.schedule, step)
     log.say(f"resumed from {path} (step {step})")
     return step
-
-
-def check_finite(loss: float, step: int, window: int, cfg: Config) -> None:
-    if not math.isfinite(loss):
-        found = complete_checkpoints(checkpoint_root(cfg))
-        last = f"the last good checkpoint is {found[-1]}" if found else "no checkpoint was written"
-        raise TrainingDiverged(f"the loss became {loss} between steps {step - window + 1} and "
-                               f"{step}; {last}: lower the learning rates and resume from it")
 
 
 def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], None]):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,9 +53,10 @@ def effective_precision(name: str, device: torch.device, fallback: bool = True) 
 
 class Precision:
     def __init__(self, name: str, device: torch.device, cuda_graphs: bool = False,
-                 fallback: bool = True) -> None:
+                 fallback: bool = True, dense_params: Sequence[torch.Tensor] = ()) -> None:
         """`name` as asked; `self.name` is what runs (see `effective_precision`).
-        `cuda_graphs`: autocast must not cache casts across a graph capture."""
+        `cuda_graphs`: autocast must not cache casts across a graph capture. `dense_params`:
+        the MLP parameters, whose gradients take part in fp16's overflow check."""
         self.requested, self.device = name, device
         self.name = name = effective_precision(name, device, fallback)
         self.dtype = AUTOCAST_DTYPES.get(name)
@@ -63,29 +66,49 @@ class Precision:
             torch.backends.cudnn.allow_tf32 = True
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._dense_params = list(dense_params)
+        self._pooled: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._overflow = False
 
     def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=self._cache_casts)
 
+    def split_at_embeddings(self, pooled: torch.Tensor) -> torch.Tensor:
+        """fp16: the dense part of the step starts from a detached copy of the pooled
+        embeddings, so `backward` can decide the skip before the tables' fused update runs."""
+        leaf = pooled.detach().requires_grad_()
+        self._pooled = (pooled, leaf)
+        return leaf
+
     def backward(self, loss: torch.Tensor) -> None:
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        """fp16, in two phases. The dense backward gives the MLP gradients (all-reduced) and the
+        pooled embeddings' gradient; one all-reduced flag says whether any rank's gradients
+        overflowed; only if none did, the unscaled gradient goes on into the exchange and the
+        fused table update. So a skipped step changes neither tables nor MLPs on any rank."""
+        if self.scaler is None:
+            loss.backward()
+            return
+        self.scaler.scale(loss).backward()
+        (pooled, leaf), self._pooled = self._pooled, None
+        grads = [leaf.grad] + [p.grad for p in self._dense_params if p.grad is not None]
+        self._overflow = _any_rank_non_finite(grads)
+        if not self._overflow:
+            pooled.backward(leaf.grad * self.scaler._get_scale_async().double().reciprocal().float())
 
     def step(self, optimizer) -> None:
-        """The optimizer step; with fp16, skipped (and the scale lowered) on inf/NaN gradients."""
+        """The optimizer step; with fp16, skipped (and the scale lowered) where `backward`
+        found an overflow on any rank."""
         if self.scaler is None:
             optimizer.step()
             return
+        if self._overflow:  # perhaps on another rank only: this rank's scaler must see it too
+            next(p.grad for p in self._dense_params if p.grad is not None).fill_(float("inf"))
         scale = self.scaler._get_scale_async().clone()  # the scaler only lowers it on a skip
         self.scaler.step(optimizer)
         self.scaler.update()
         self._skipped += self.scaler._get_scale_async() < scale
-
-    def unscale_embedding_grads(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Identity forward; backward divides by the loss scale before the gradient reaches the
-        embeddings' fused update, and zeroes it when not finite so those tables skip the step."""
-        return _UnscaleGrad.apply(pooled, self.scaler)
 
     def skipped_steps(self) -> int:
         return int(self._skipped.item())
@@ -94,15 +117,22 @@ class Precision:
         """For metrics.jsonl: with fp16, the steps the loss scaler has skipped so far."""
         return {} if self.scaler is None else {"skipped_steps": self.skipped_steps()}
 
+    def state_dict(self) -> dict:
+        """What an exact resume needs (JSON): the loss scaler's state and the skipped steps."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps()}
 
-class _UnscaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, pooled: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
-        ctx.scaler = scaler
-        return pooled.view_as(pooled)
+    def load_state_dict(self, state: dict) -> None:
+        """From `state_dict()`; a checkpoint of another precision leaves a fresh scaler."""
+        if self.scaler is not None and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+            self._skipped.fill_(int(state["skipped_steps"]))
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        unscaled = grad * ctx.scaler._get_scale_async().double().reciprocal().float()
-        finite = torch.isfinite(unscaled).all()
-        return torch.where(finite, unscaled, torch.zeros_like(unscaled)), None
+
+def _any_rank_non_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """One flag for the job: a non-finite value in `tensors` on any rank."""
+    flag = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().to(torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

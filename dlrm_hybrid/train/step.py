@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_hybrid.data.batch import Batch
 from dlrm_hybrid.train.cuda_graphs import DenseGraph
@@ -24,11 +25,12 @@ class TrainStep:
 
     def __init__(self, dmp, optimizer, schedule, train_cfg, device: torch.device) -> None:
         self.dmp, self.optimizer, self.schedule = dmp, optimizer, schedule
+        dense_params = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
         self.precision = Precision(train_cfg.precision, device, train_cfg.cuda_graphs,
-                                   train_cfg.precision_fallback)
+                                   train_cfg.precision_fallback, dense_params)
         model = dmp.module
         if self.precision.scaler is not None:
-            model.embedding_grad_transform = self.precision.unscale_embedding_grads
+            model.embedding_grad_transform = self.precision.split_at_embeddings
             # A step the scaler skips still advances the schedule (and the data): not a mistake.
             skipped = re.escape("Detected call of `lr_scheduler.step()` before")
             warnings.filterwarnings("ignore", message=skipped)
@@ -52,6 +54,13 @@ class TrainStep:
     def forward(self, batch: Batch) -> torch.Tensor:
         with self.precision.autocast():
             return self.dmp(batch.dense, batch.sparse, batch.labels)
+
+    def state_dict(self) -> dict:
+        """The step's own state for a checkpoint's meta.json (the fp16 loss scaler's)."""
+        return self.precision.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.precision.load_state_dict(state)
 
     def pause(self) -> None:
         """Before using the model for anything else (evaluation): the pipeline gives back the
