@@ -226,6 +226,11 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("model.bottom_mlp/model.top_mlp: need at least one layer each")
     if m.top_mlp[-1] != 1:
         raise ConfigError(f"model.top_mlp: last layer must be 1 (the click logit), got {m.top_mlp[-1]}")
+    if m.embedding_dim % 4:  # fbgemm's embedding kernels (CPU and CUDA) assert it per table
+        down = m.embedding_dim // 4 * 4
+        near = " or ".join(str(d) for d in (down, down + 4) if d)
+        raise ConfigError(f"model.embedding_dim: {m.embedding_dim} is not a multiple of 4, which "
+                          f"fbgemm's embedding tables need (CPU and GPU); use {near}")
     if m.interaction in ("dot", "dcn") and m.bottom_mlp[-1] != m.embedding_dim:
         raise ConfigError(
             f"model.embedding_dim: {m.embedding_dim} must equal the bottom MLP output "

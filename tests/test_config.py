@@ -59,6 +59,18 @@ def test_cli_reports_bad_config_in_one_line_with_exit_code_2(override, needle):
     assert lines[0].startswith("error: ") and needle in lines[0]
 
 
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_embedding_dim_not_a_multiple_of_4_is_a_config_error_not_a_torchrec_crash(tmp_path, command):
+    """With `cat` no MLP width pins the dim; fbgemm asserts it inside torchrec (a traceback)."""
+    run_dir = tmp_path / "run"
+    result = run_cli([command, "--config", "configs/demo.yaml", "--set", "model.interaction=cat",
+                      "--set", "model.embedding_dim=6", "--set", f"train.run_dir={run_dir}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == ("error: model.embedding_dim: 6 is not a multiple of 4, which "
+                                     "fbgemm's embedding tables need (CPU and GPU); use 4 or 8")
+    assert not run_dir.exists()
+
+
 def test_cli_names_a_missing_config_file(tmp_path: Path):
     result = run_cli(["train", "--config", str(tmp_path / "nope.yaml")])
     assert result.returncode == 2

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_hybrid.parallel.placement import STRATEGIES, PlacementError, plan_tables
+from dlrm_hybrid.parallel.placement import (STRATEGIES, PlacementError, column_split_counts,
+                                            plan_tables)
 from dlrm_hybrid.parallel.tables import TableSpec
 
 BATCH = 4096
@@ -16,6 +17,19 @@ BATCH = 4096
 def tables_of(sizes):
     """Unsplittable tables (dim 1, fp32, SGD) whose bytes are exactly `sizes`."""
     return [TableSpec(f"t{i}", rows=size // 4, dim=1) for i, size in enumerate(sizes)]
+
+
+def torchrec_column_widths(dim, count):
+    """The widths torchrec's `column_wise(ranks=[0..count-1])` builds for `dim` columns (None
+    where it refuses): what sharding.py hands it a column-split table with."""
+    from torchrec.distributed.sharding_plan import column_wise
+
+    param = torch.nn.Parameter(torch.empty(1, dim, device="meta"))
+    try:
+        sharding = column_wise(ranks=list(range(count)))(param, 1, count, "cpu", None)
+    except ValueError:
+        return None
+    return [m.shard_sizes[1] for m in sharding.sharding_spec.shards]
 
 
 def first_fit_in_given_order(tables, world, budget):
@@ -100,7 +114,23 @@ def test_memory_model_agrees_with_torchrecs_storage_estimate(optimizer, torch_cl
     assert abs(ours - theirs) <= 0.10 * theirs
 
 
-table_lists = st.lists(st.tuples(st.integers(1, 10**6), st.sampled_from([1, 4, 16, 24, 128]),
+def test_column_split_counts_are_the_splits_torchrec_builds():
+    for dim in range(1, 130):
+        for count in range(1, 17):
+            honoured = torchrec_column_widths(dim, count) == [dim // count] * count
+            assert honoured == (count in column_split_counts(dim)), (dim, count)
+
+
+def test_a_table_whose_dim_torchrec_cannot_split_is_never_split():
+    """6 columns in 2 would be 3+3, but torchrec builds one shard of 6 (fbgemm needs widths
+    divisible by 4): the table does not fit rather than getting a plan torchrec ignores."""
+    table = TableSpec("t", rows=1000, dim=6)
+    with pytest.raises(PlacementError, match="even split column-wise as far as it goes"):
+        plan_tables([table], 2, table.bytes // 2 + 100, BATCH)
+    assert plan_tables([table], 2, table.bytes, BATCH).sharding_type("t") == "table_wise"
+
+
+table_lists = st.lists(st.tuples(st.integers(1, 10**6), st.sampled_from([1, 4, 6, 16, 20, 24, 128]),
                                  st.sampled_from(["sgd", "rowwise_adagrad", "adagrad"])),
                        min_size=1, max_size=30)
 
@@ -123,6 +153,7 @@ def test_placed_once_or_split_to_cover_the_dim_within_budget_deterministically(
                                                  for k in range(len(shards))]
         assert sum(s.cols for s in shards) == t.dim
         assert len({s.rank for s in shards}) == len(shards)  # distinct ranks
+        assert torchrec_column_widths(t.dim, len(shards)) == [s.cols for s in shards]
     assert all(plan.loads[0, r] <= budget for r in range(world))
     assert sum(t.bytes for t in tables) <= plan.loads[0].sum()  # splitting only adds state
     shuffled = tables[:]
