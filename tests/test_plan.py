@@ -119,3 +119,31 @@ def test_a_plan_for_other_ranks_or_tables_is_refused(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="is not a plan file"):
         load_plan(str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize("dim, columns, accepted", [
+    (16, [12, 4], False),  # uneven: torchrec would build 8 + 8
+    (20, [10, 10], False),  # torchrec would build one shard of 20 on the first rank
+    (12, [4, 4, 2, 2], False),  # 12 does not split in 4: torchrec raises
+    (12, [6, 6], False),  # widths fbgemm will not take
+    (16, [8, 8], True),
+    (12, [4, 4, 4], True),
+    (20, [20], True),
+])
+def test_a_hand_edited_plan_with_column_shards_torchrec_will_not_build_is_refused(
+        tmp_path, dim, columns, accepted):
+    tables = [TableSpec("a", 100, dim)]
+    path = tmp_path / "p.json"
+    save_plan(plan_tables(tables, 4, 10**6, 512), path)
+    raw = json.loads(path.read_text())
+    raw["tables"]["a"].update(columns=columns, ranks=list(range(len(columns))))
+    path.write_text(json.dumps(raw))
+    if accepted:
+        check_plan(load_plan(str(path)), str(path), tables, 4)
+        return
+    with pytest.raises(ConfigError) as info:
+        check_plan(load_plan(str(path)), str(path), tables, 4)
+    splits = {16: "1x16, 2x8, 4x4", 20: "1x20", 12: "1x12, 3x4"}[dim]  # on 4 ranks
+    assert str(info.value) == (
+        f"parallel.plan: table a in {path} has columns {columns}, a split torchrec does not "
+        f"build; give it one of {splits} (count x width), or make the plan with `plan --out`")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.parallel.placement import Plan, Shard
+from dlrm_hybrid.parallel.placement import Plan, Shard, column_split_counts
 from dlrm_hybrid.parallel.tables import TableSpec
 
 
@@ -58,7 +58,8 @@ def load_plan(path: str) -> Plan:
 
 
 def check_plan(plan: Plan, path: str, model_tables: List[TableSpec], world_size: int) -> None:
-    """Refuse a plan made for another world size or other tables, naming the difference."""
+    """Refuse a plan made for another world size or other tables, or with column shards torchrec
+    would not build as written, naming the difference."""
     if plan.world_size != world_size:
         raise ConfigError(f"parallel.plan: {path} is for {plan.world_size} ranks, this job has "
                           f"{world_size}; make one with `plan --world-size {world_size}`")
@@ -74,8 +75,21 @@ def check_plan(plan: Plan, path: str, model_tables: List[TableSpec], world_size:
                               f"but {mine.rows}x{mine.dim} in the model; make the plan from this "
                               f"job's config")
     for name in plan.tables:
-        covered = sum(s.cols for s in plan.shards_of(name))
-        ranks = [s.rank for s in plan.shards_of(name)]
-        if covered != plan.tables[name].dim or not all(0 <= r < world_size for r in ranks):
-            raise ConfigError(f"parallel.plan: table {name} in {path} has shards that do not cover "
-                              f"its {plan.tables[name].dim} columns on ranks 0..{world_size - 1}")
+        _check_shards(plan, name, path, world_size)
+
+
+def _check_shards(plan: Plan, name: str, path: str, world_size: int) -> None:
+    """The shards cover the columns on real ranks, split as torchrec's `column_wise(ranks=...)`
+    splits (evenly, widths divisible by 4): sharding.py hands it only the ranks."""
+    dim = plan.tables[name].dim
+    shards = plan.shards_of(name)
+    widths = [s.cols for s in sorted(shards, key=lambda s: s.col_offset)]
+    if sum(widths) != dim or not all(0 <= s.rank < world_size for s in shards):
+        raise ConfigError(f"parallel.plan: table {name} in {path} has shards that do not cover "
+                          f"its {dim} columns on ranks 0..{world_size - 1}")
+    counts = column_split_counts(dim)
+    if len(widths) not in counts or len(set(widths)) > 1:
+        splits = ", ".join(f"{n}x{dim // n}" for n in counts if n <= world_size)
+        raise ConfigError(f"parallel.plan: table {name} in {path} has columns {widths}, a split "
+                          f"torchrec does not build; give it one of {splits} (count x width), or "
+                          f"make the plan with `plan --out`")
