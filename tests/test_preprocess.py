@@ -104,7 +104,7 @@ def test_strict_stops_at_the_first_problem_with_file_and_line(tmp_path, small_ta
     fields = lines[1500][:-1].split("\t")
     fields[14] = "xyz" if kind == "bad_category" else fields[14]
     lines[1500] = "\t".join(fields) + ("\r\n" if kind == "crlf" else "\n")
-    path = tmp_path / "day_0"
+    path = tmp_path / "train.txt"
     path.write_text("".join(lines), newline="")
     with pytest.raises(DataError, match=f"^{path}:1501: .*\\({kind}\\)") as error:
         preprocess_criteo([path], tmp_path / "out", workers=workers, strict=True)
@@ -126,19 +126,25 @@ def write_day(path, c1_values, extra=None):
     return path
 
 
+def write_day_23(folder, rows=2):
+    """A small day 23 for validation and test, its C1 missing so that C1's ids stay as day 0's
+    values make them."""
+    return write_day(Path(folder) / "day_23", [None] * rows)
+
+
 def test_ids_by_descending_frequency_with_threshold_and_table_size(tmp_path):
     a, b, c, d = 0xAAAA0000, 0x000000FF, 0x00000010, 0x12345678  # c < b: c wins their tie
     values = [b, a, c, None, a, b, d, a, c, a, None, b, c, a]  # a 5, b 3, c 3, d 1
-    path = write_day(tmp_path / "day_0", values)
+    path = [write_day(tmp_path / "day_0", values), write_day_23(tmp_path)]
     expect = {a: 1, c: 2, b: 3, d: 0, None: 0}
-    report = preprocess_criteo([path], tmp_path / "t2", frequency_threshold=2, workers=1)
+    report = preprocess_criteo(path, tmp_path / "t2", frequency_threshold=2, workers=1)
     assert report["cardinalities"][0] == 4 and report["cardinalities"][1] == 2  # C2 is one value
     assert read_split(tmp_path / "t2", "train")[2][0].tolist() == [expect[v] for v in values]
-    report = preprocess_criteo([path], tmp_path / "m3", max_table_size=3, workers=1)
+    report = preprocess_criteo(path, tmp_path / "m3", max_table_size=3, workers=1)
     assert report["cardinalities"][0] == 3
     expect = {**expect, b: 0}
     assert read_split(tmp_path / "m3", "train")[2][0].tolist() == [expect[v] for v in values]
-    report = preprocess_criteo([path], tmp_path / "all", workers=1)
+    report = preprocess_criteo(path, tmp_path / "all", workers=1)
     assert report["cardinalities"][0] == 5  # threshold 0 keeps d
 
 
@@ -146,7 +152,7 @@ def test_numericals_missing_clamped_and_log_transformed(tmp_path):
     row = make_rows(1)[0]
     row[1:14] = ["", "-5", "0", "7", "123456", "-0", "", "1", "2", "3", "4", "5", "00012"]
     (tmp_path / "day_3").write_text("\t".join(row) + "\n")
-    preprocess_criteo([tmp_path / "day_3"], tmp_path / "out", workers=1)
+    preprocess_criteo([tmp_path / "day_3", write_day_23(tmp_path)], tmp_path / "out", workers=1)
     dense = read_split(tmp_path / "out", "train")[1][0]
     want = [np.log(max(int(v), 0) + 3) if v else 0.0 for v in row[1:14]]
     np.testing.assert_array_equal(dense, np.array(want, np.float64).astype(np.float16))
@@ -192,7 +198,7 @@ def test_unreadable_inputs_are_one_line_errors_naming_the_file(tmp_path):
     whole = gzip.compress("".join("\t".join(r) + "\n" for r in make_rows(500)).encode())
     (tmp_path / "day_1.gz").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(DataError, match=f"^{tmp_path / 'day_1.gz'}: truncated or corrupt gzip"):
-        preprocess_criteo([tmp_path / "day_1.gz"], tmp_path / "out", workers=2)
+        preprocess_criteo([tmp_path / "day_1.gz"], tmp_path / "out", workers=2, split="hash")
     with pytest.raises(DataError, match=f"^{tmp_path / 'nope.txt'}: cannot read"):
         preprocess_criteo([tmp_path / "nope.txt"], tmp_path / "out", workers=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day_1.gz"]
@@ -234,13 +240,14 @@ def test_dataset_reads_back_with_the_written_counts_and_rows(tmp_path):
 
 
 def test_command_line_runs_and_rejects_bad_arguments(tmp_path, capsys):
-    path = write_day(tmp_path / "day_0", range(50))
+    path, day_23 = write_day(tmp_path / "day_0", range(50)), write_day_23(tmp_path)
     parser = argparse.ArgumentParser()
     criteo_tsv.add_arguments(parser)
-    criteo_tsv.run(parser.parse_args(["--input", str(path), "--output", str(tmp_path / "out"),
-                                      "--workers", "2", "--frequency-threshold", "1"]))
+    criteo_tsv.run(parser.parse_args(["--input", str(path), str(day_23), "--output",
+                                      str(tmp_path / "out"), "--workers", "2",
+                                      "--frequency-threshold", "1"]))
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("done: rows=50 train=50 validation=0 test=0 wrong_field_count=0")
+    assert last.startswith("done: rows=52 train=50 validation=1 test=1 wrong_field_count=0")
     for flags, key in ((["--frequency-threshold", "-1"], "--frequency-threshold"),
                        (["--max-table-size", "0"], "--max-table-size"), ([], "--output")):
         args = parser.parse_args(["--input", str(path), "--output", str(tmp_path / "out"), *flags])
@@ -289,6 +296,7 @@ def test_npy_days_missing_file_is_a_data_error(tmp_path):
 
 def test_npy_days_command_writes_nonfinite_dense_as_zero(tmp_path, capsys):
     dense, _, _ = write_npy_day(tmp_path, 0, 20, np.random.default_rng(1), flat_labels=True)
+    write_npy_day(tmp_path, 23, 4, np.random.default_rng(2), flat_labels=True)
     dense[3, 1] = -np.inf  # torchrec's log(x + 3) for x = -3
     np.save(tmp_path / "day_0_dense.npy", dense)
     parser = argparse.ArgumentParser()
@@ -297,3 +305,140 @@ def test_npy_days_command_writes_nonfinite_dense_as_zero(tmp_path, capsys):
     assert "warning: 1 dense values" in capsys.readouterr().out
     assert read_split(tmp_path / "out", "train")[1][3, 1] == 0
     assert json.loads((tmp_path / "out" / criteo_tsv.REPORT).read_text())["nonfinite_dense"] == 1
+
+
+# ---- every split must get rows: training evaluates on validation, eval on test -------------
+
+def only_inputs_left(folder, names):
+    return sorted(p.name for p in Path(folder).iterdir()) == sorted(names)
+
+
+def test_day_files_without_day_23_are_refused_before_reading(tmp_path, monkeypatch):
+    """They once gave empty validation and test splits, and training crashed at its first
+    evaluation."""
+    days = [write_day(tmp_path / "day_0.gz", range(40)), write_day(tmp_path / "day_1.gz", range(9))]
+    monkeypatch.setattr(criteo_tsv, "_count_pass", None)  # nothing may be read
+    with pytest.raises(ConfigError, match=r"^--input: no day_23 among days 0,1, .*add "
+                                          r"day_23\.gz or use --split hash") as error:
+        preprocess_criteo(days, tmp_path / "out", workers=1)
+    assert "\n" not in str(error.value) and only_inputs_left(tmp_path, ["day_0.gz", "day_1.gz"])
+    with pytest.raises(ConfigError, match="^--input: only day_23, .*train would be empty"):
+        preprocess_criteo([write_day_23(tmp_path)], tmp_path / "out", workers=1)
+
+
+def test_day_files_split_by_hash_when_asked(tmp_path):
+    days = [write_day(tmp_path / "day_0", range(300)), write_day(tmp_path / "day_1", range(9))]
+    written = preprocess_criteo(days, tmp_path / "out", workers=2, split="hash")["rows_written"]
+    assert written["total"] == 309 and min(written.values()) > 0
+    with pytest.raises(ConfigError, match="^--split days: .*train.txt is not named day_N"):
+        preprocess_criteo([*days, tmp_path / "train.txt"], tmp_path / "other", split="days")
+
+
+@pytest.mark.parametrize("rows, split, empty", [(5, "hash", "validation and test splits"),
+                                               (20, "hash", "validation split"),
+                                               (1, "days", "test split")])
+def test_inputs_too_small_for_every_split_are_refused_and_leave_nothing(tmp_path, rows, split,
+                                                                        empty):
+    """A seeded 90/5/5 split of 5 or 20 rows, or a day 23 of one row (all of it validation)."""
+    inputs = [write_day(tmp_path / "day_0", range(20)), write_day_23(tmp_path, rows)]
+    with pytest.raises(DataError, match=f"^--input: the {empty} would be empty .*; give more "
+                                        f"rows$"):
+        preprocess_criteo(inputs if split == "days" else inputs[1:], tmp_path / "out",
+                          workers=1, split=split)
+    assert only_inputs_left(tmp_path, ["day_0", "day_23"])
+
+
+def test_command_line_refuses_days_without_day_23_in_one_line_with_exit_2(tmp_path):
+    from conftest import run_cli
+
+    day = write_day(tmp_path / "day_0.gz", range(10))
+    result = run_cli(["preprocess", "criteo", "--input", str(day), "--output",
+                      str(tmp_path / "out")], timeout=120)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: --input: no day_23 among days 0, ") and "--split hash" in line
+    assert only_inputs_left(tmp_path, ["day_0.gz"])
+
+
+def test_npy_days_without_day_23_are_refused_and_hash_split_on_request(tmp_path):
+    rng = np.random.default_rng(4)
+    (tmp_path / "npy").mkdir()
+    for day, rows in ((0, 300), (1, 100)):
+        write_npy_day(tmp_path / "npy", day, rows, rng, flat_labels=True)
+    with pytest.raises(ConfigError, match=r"^--input: no day_23 among days 0,1, .*add "
+                                          r"day_23_\{dense,sparse,labels\}\.npy or use --split"):
+        npy_days.convert_npy_days(tmp_path / "npy", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    report = npy_days.convert_npy_days(tmp_path / "npy", tmp_path / "out", split="hash",
+                                       split_seed=3)
+    assert report["rows_written"]["total"] == 400 and min(report["rows_written"].values()) > 0
+    codes = criteo_tsv.split_codes(criteo_tsv.SplitRule("hash", 3), np.arange(400))
+    assert [report["rows_written"][s] for s in ("train", "validation", "test")] == \
+        np.bincount(codes, minlength=3).tolist()  # global row numbers across days
+
+
+def test_npy_day_23_of_one_row_is_refused(tmp_path):
+    rng = np.random.default_rng(5)
+    write_npy_day(tmp_path, 0, 30, rng, flat_labels=True)
+    write_npy_day(tmp_path, 23, 1, rng, flat_labels=True)
+    with pytest.raises(DataError, match="^--input: the test split would be empty"):
+        npy_days.convert_npy_days(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_require_samples_names_the_dataset_and_the_empty_split(tmp_path):
+    from dlrm_hybrid.config import DataConfig
+    from dlrm_hybrid.data.source import require_samples
+    from dlrm_hybrid.data.spec import DataSpec
+    from dlrm_hybrid.data.synthetic import SyntheticClicks
+
+    with SplitBinaryWriter(str(tmp_path / "only_train"), DataSpec(2, [5], [1])) as writer:
+        writer.write("train", np.ones(4), np.zeros((4, 2)), [np.arange(4)[:, None]])
+    data = SplitBinaryDataset(str(tmp_path / "only_train"))
+    require_samples(data, ["train"], "training")
+    with pytest.raises(DataError, match=f"^{tmp_path / 'only_train'}: the validation split has "
+                                        f"no samples and training reads it; .*day_23"):
+        require_samples(data, ["train", "val"], "training")
+    synthetic = SyntheticClicks(DataConfig(cardinalities=[5], val_samples=0))
+    require_samples(synthetic, ["train"], "eval")
+    with pytest.raises(DataError, match="^synthetic data: the test split has no samples and "
+                                        "eval reads it; set data.val_samples above 0$"):
+        require_samples(synthetic, ["test"], "eval")
+
+
+# ---- temporary folders of killed runs --------------------------------------------------------
+
+def test_a_killed_writers_partial_folder_is_removed_by_the_next_run(tmp_path):
+    """SIGKILL leaves `.NAME.partial-...` behind (nothing can clean up); the next writer of NAME
+    removes it, but never the folder of a live process or of another host."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from dlrm_hybrid.data.spec import DataSpec\n"
+        "from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter\n"
+        "w = SplitBinaryWriter(sys.argv[1], DataSpec(13, [5] * 26, [1] * 26))\n"
+        "print('writing', flush=True)\n"
+        "time.sleep(60)\n"), str(tmp_path / "out")], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[1])
+    assert child.stdout.readline() == "writing\n"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    (killed,) = tmp_path.glob(".out.partial-*")
+    assert killed.name.endswith(f"-{child.pid}") and (killed / "train").is_dir()
+    host = socket.gethostname()
+    survivors = [f".out.partial-{os.getpid()}",  # an older version's name, a live process
+                 f".out.partial-{host}-{os.getppid()}",  # a live process
+                 f".out.partial-other-host-{child.pid}",  # dead here, alive there maybe
+                 f".other.partial-{host}-{child.pid}"]  # another output's
+    for name in survivors:
+        (tmp_path / name).mkdir()
+    inputs = [write_day(tmp_path / "day_0", range(20)), write_day_23(tmp_path)]
+    preprocess_criteo(inputs, tmp_path / "out", workers=1)
+    assert not killed.exists() and (tmp_path / "out" / "feature_spec.yaml").exists()
+    assert only_inputs_left(tmp_path, ["day_0", "day_23", "out", *survivors])

@@ -15,10 +15,12 @@ Input lines: `label \\t I1..I13 \\t C1..C26` (40 fields).
 - Malformed lines are counted by kind (`KINDS`) and skipped, except `crlf`: it counts lines
   ending in \\r\\n (whatever else is wrong with them) and keeps the row. `--strict` stops at the
   first problem of any kind with `FILE:LINE: reason`.
-- Splits: inputs all named `day_N[.gz]` (Criteo 1TB): day 23's first half of rows -> test, its
-  second half -> validation, every other day -> train. Otherwise each row goes by a splitmix64
-  hash of (seed, global row number): < 0.90 train, < 0.95 validation, else test. Rows keep
-  input order within a split.
+- Splits (`--split`, default auto: days when every input is named `day_N[.gz]`, else hash):
+  days (Criteo 1TB): day 23's first half of rows -> test, its second half -> validation, every
+  other day -> train; hash: each row goes by a splitmix64 hash of (seed, global row number):
+  < 0.90 train, < 0.95 validation, else test. Rows keep input order within a split. Training
+  evaluates on validation and `eval` on test, so a dataset with an empty split is refused: day
+  inputs without day 23 before any reading, too few rows after the write pass.
 - Parallelism: plain files are cut into TASK_BYTES ranges at line starts, a .gz file is one task;
   pass-2 workers write per-task part files that the parent appends in task order, so the output
   is byte-identical for any `--workers`.
@@ -62,6 +64,7 @@ REASONS = {
     "blank_line": "blank line",
 }
 TRAIN, VALIDATION, TEST = range(3)  # indices into SPLITS
+SPLIT_MODES = ("auto", "days", "hash")
 LAST_DAY = 23
 DAY_FILE = re.compile(r"day_(\d+)(\.gz)?")
 MAX_DIGITS, HEX_DIGITS = 18, 8
@@ -315,6 +318,42 @@ def day_rule(day: int, rows_of_day: int) -> SplitRule:
     return SplitRule("halves", rows_of_day // 2) if day == LAST_DAY else SplitRule("train")
 
 
+def resolve_split(mode: str, inputs: Sequence[str]) -> str:
+    """"days" or "hash" for `--split mode`: auto is days when every input is a `day_N` file."""
+    if mode not in SPLIT_MODES:
+        raise ConfigError(f"--split: {mode!r} is not one of {', '.join(SPLIT_MODES)}")
+    not_days = [p for p in inputs if day_number(p) is None]
+    if mode == "days" and not_days:
+        raise ConfigError(f"--split days: {not_days[0]} is not named day_N; rename the Criteo "
+                          f"1TB day files or use --split hash")
+    return mode if mode != "auto" else "hash" if not_days else "days"
+
+
+def check_days(days: Sequence[int], add_day_23: str) -> None:
+    """Day 23 alone makes validation and test, the other days train: refuse a set of days that
+    leaves a split empty before reading them, not when training first evaluates."""
+    if LAST_DAY not in days:
+        listed = ",".join(map(str, sorted(set(days))))
+        raise ConfigError(f"--input: no day_23 among days {listed}, and its halves make the test "
+                          f"and validation splits; {add_day_23} or use --split hash (a seeded "
+                          f"90/5/5 split by row)")
+    if not set(days) - {LAST_DAY}:
+        raise ConfigError("--input: only day_23, whose halves make test and validation, so "
+                          "train would be empty; add days 0..22 or use --split hash")
+
+
+def check_splits_filled(counts: dict, mode: str) -> None:
+    """Refuse, before the dataset is moved into place, one whose split got no rows: training
+    evaluates on validation and `eval` on test (tiny inputs, a day 23 of one row)."""
+    empty = [split for split in SPLITS if not counts[split]]
+    if empty:
+        how = ("day 23 makes test and validation" if mode == "days"
+               else "the seeded split sends 90/5/5% of rows to train/validation/test")
+        rows = " ".join(f"{split}={counts[split]}" for split in SPLITS)
+        raise DataError(f"--input: the {' and '.join(empty)} split{'s' * (len(empty) > 1)} "
+                        f"would be empty ({rows}; {how}); give more rows")
+
+
 def split_codes(rule: SplitRule, rows: np.ndarray) -> np.ndarray:
     """TRAIN/VALIDATION/TEST for each row number in `rows`."""
     if rule.kind == "train":
@@ -333,11 +372,11 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> 31)
 
 
-def _split_jobs(inputs: Sequence[str], tasks: List[Task], task_rows: List[int],
+def _split_jobs(mode: str, tasks: List[Task], task_rows: List[int],
                 seed: int) -> List[Tuple[SplitRule, int]]:
-    """(rule, number of its first row) per task: within its day file for day inputs, global
-    otherwise."""
-    if all(day_number(p) is not None for p in inputs):
+    """(rule, number of its first row) per task: within its day file for the days split, global
+    for the hash split."""
+    if mode == "days":
         day_rows: dict = defaultdict(int)
         for task, rows in zip(tasks, task_rows):
             day_rows[day_number(task.path)] += rows
@@ -529,15 +568,18 @@ def _append_part(writer, work: Path, part: int, written: List[int]) -> None:
 
 def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: int = 0,
                       max_table_size: Optional[int] = None, workers: Optional[int] = None,
-                      strict: bool = False, split_seed: int = 0) -> dict:
+                      strict: bool = False, split_seed: int = 0, split: str = "auto") -> dict:
     """Raw Criteo TSVs -> split-binary dataset at `output`; returns the report it also writes
-    to `output/preprocess_report.json`."""
+    to `output/preprocess_report.json`. `split`: one of SPLIT_MODES."""
     # Imported here so that worker processes started by spawn/forkserver need not load torch.
     from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
 
     inputs = [str(p) for p in inputs]
     workers = workers or os.cpu_count() or 1
     _check_arguments(inputs, output, frequency_threshold, max_table_size, workers)
+    split = resolve_split(split, inputs)
+    if split == "days":
+        check_days([day_number(p) for p in inputs], "add day_23.gz")
     start = time.perf_counter()
     tasks = plan_tasks(inputs)
     survey = _count_pass(tasks, workers, strict)
@@ -547,11 +589,13 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
     tables = [build_table(v, c, frequency_threshold, max_table_size) for v, c in survey.tables]
     spec = DataSpec(NUM_NUMERICAL, [1 + len(keys) for keys, _ in tables], [1] * NUM_CATEGORICAL)
     with SplitBinaryWriter(output, spec) as writer:
-        jobs = _split_jobs(inputs, tasks, survey.task_rows, split_seed)
+        jobs = _split_jobs(split, tasks, survey.task_rows, split_seed)
         _write_pass(tasks, jobs, tables, workers, writer)
+        check_splits_filled(writer.counts, split)
         report = {"inputs": inputs, **speed_report(start, writer.counts), "bad_rows": survey.bad,
                   "first_problem": survey.first_problem, "cardinalities": spec.cardinalities,
-                  "frequency_threshold": frequency_threshold, "max_table_size": max_table_size}
+                  "frequency_threshold": frequency_threshold, "max_table_size": max_table_size,
+                  "split": split}
         writer.add_file(REPORT, json.dumps(report, indent=2) + "\n")
     return report
 
@@ -591,13 +635,23 @@ def add_arguments(parser) -> None:
                         help="processes (default: all cores)")
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first malformed line (FILE:LINE) instead of skipping it")
+    add_split_arguments(parser)
+
+
+def add_split_arguments(parser) -> None:
+    """`--split` and `--split-seed`, the same for TSV and .npy day files."""
+    parser.add_argument("--split", choices=SPLIT_MODES, default="auto",
+                        help="days: day_23's halves test/validation, other days train; hash: a "
+                             "seeded 90/5/5 split by row; auto (default): days if every input "
+                             "is a day_N file, else hash")
     parser.add_argument("--split-seed", type=int, default=0, metavar="S",
-                        help="seed of the 90/5/5 train/validation/test split of non-day inputs")
+                        help="seed of the hash split")
 
 
 def run(args) -> None:
     report = preprocess_criteo(args.input, args.output, args.frequency_threshold,
-                               args.max_table_size, args.workers, args.strict, args.split_seed)
+                               args.max_table_size, args.workers, args.strict, args.split_seed,
+                               args.split)
     if report["first_problem"]:
         print(f"first malformed line: {report['first_problem']}")
     print(f"wrote {args.output} (report: {REPORT})")

@@ -8,8 +8,10 @@ already made contiguous, e.g. by torchrec's `sparse_to_contiguous` or MLPerf's m
   default `--dense-transform none` only casts to float16; `log` applies the TSV preprocessing's
   log(max(x, 0) + 3) to files of raw counts. Values not finite in float16 (torchrec does not
   clamp, so x = -3 gives log(0); raw counts above 65504 with `none`) are written as 0 and counted.
-- Splits as for the TSV day files: day 23's first half of rows -> test, its second half ->
-  validation, every other day -> train.
+- Splits as for the TSV day files (`--split`): days (auto, the default, is days here): day
+  23's first half of rows -> test, its second half -> validation, every other day -> train, and
+  days without day 23 are refused before any writing; hash: the seeded 90/5/5 split by global
+  row number. A split left with no rows is refused.
 - Cardinality of a feature = 1 + its largest id over all days: one pass over the memory-mapped
   sparse files finds the maxima, a second writes; both go CHUNK_ROWS rows at a time.
 """
@@ -22,14 +24,15 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.data.criteo_tsv import (NUM_CATEGORICAL, NUM_NUMERICAL, REPORT, Progress,
-                                         check_new_output, day_rule, one_hot_columns,
-                                         speed_report, split_codes, summary_line)
+from dlrm_hybrid.data.criteo_tsv import (NUM_CATEGORICAL, NUM_NUMERICAL, REPORT, SPLIT_MODES,
+                                         Progress, SplitRule, add_split_arguments, check_days,
+                                         check_new_output, check_splits_filled, day_rule,
+                                         one_hot_columns, speed_report, split_codes, summary_line)
 from dlrm_hybrid.data.feature_spec import SPLITS
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
@@ -102,9 +105,19 @@ def cardinalities(days: List[Day]) -> List[int]:
     return (top + 1).clip(min=1).tolist()
 
 
-def _write_day(writer: SplitBinaryWriter, day: Day, transform: str, progress: Progress) -> int:
+def split_jobs(days: List[Day], mode: str, seed: int) -> List[Tuple[SplitRule, int]]:
+    """(rule, number of its first row) per day: 0 for the days split, the global row number of
+    the day's first row for the hash split."""
+    if mode == "days":
+        return [(day_rule(day.number, len(day.labels)), 0) for day in days]
+    starts = np.cumsum([0] + [len(day.labels) for day in days[:-1]])
+    return [(SplitRule("hash", seed), int(start)) for start in starts]
+
+
+def _write_day(writer: SplitBinaryWriter, day: Day, rule: SplitRule, row0: int, transform: str,
+               progress: Progress) -> int:
     """Append one day to its splits; returns how many dense values were not finite."""
-    rule, nonfinite = day_rule(day.number, len(day.labels)), 0
+    nonfinite = 0
     for lo in range(0, len(day.labels), CHUNK_ROWS):
         hi = min(lo + CHUNK_ROWS, len(day.labels))
         labels = np.asarray(day.labels[lo:hi])
@@ -117,7 +130,8 @@ def _write_day(writer: SplitBinaryWriter, day: Day, transform: str, progress: Pr
         dense = dense.astype(np.float16)
         bad = ~np.isfinite(dense)
         dense[bad], nonfinite = 0, nonfinite + int(bad.sum())
-        sparse, codes = np.asarray(day.sparse[lo:hi]), split_codes(rule, np.arange(lo, hi))
+        sparse = np.asarray(day.sparse[lo:hi])
+        codes = split_codes(rule, np.arange(row0 + lo, row0 + hi))
         for code, split in enumerate(SPLITS):
             keep = codes == code
             writer.write(split, labels[keep], dense[keep], one_hot_columns(sparse[keep]))
@@ -125,23 +139,33 @@ def _write_day(writer: SplitBinaryWriter, day: Day, transform: str, progress: Pr
     return nonfinite
 
 
-def convert_npy_days(input_dir, output, dense_transform: str = "none") -> dict:
+def convert_npy_days(input_dir, output, dense_transform: str = "none", split: str = "auto",
+                     split_seed: int = 0) -> dict:
     """Day .npy files in `input_dir` -> split-binary dataset at `output`; returns the report it
-    also writes to `output/preprocess_report.json`."""
+    also writes to `output/preprocess_report.json`. `split`: one of SPLIT_MODES (all inputs are
+    day files, so auto is days)."""
     if dense_transform not in TRANSFORMS:
         raise ConfigError(f"--dense-transform: {dense_transform!r} is not one of "
                           f"{', '.join(TRANSFORMS)}")
+    if split not in SPLIT_MODES:
+        raise ConfigError(f"--split: {split!r} is not one of {', '.join(SPLIT_MODES)}")
+    split = "days" if split == "auto" else split
     check_new_output(output)
     start = time.perf_counter()
     days = find_days(Path(input_dir))
+    if split == "days":
+        check_days([day.number for day in days], "add day_23_{dense,sparse,labels}.npy")
     spec = DataSpec(NUM_NUMERICAL, cardinalities(days), [1] * NUM_CATEGORICAL)
     with SplitBinaryWriter(str(output), spec) as writer:
         progress = Progress("write")
-        nonfinite = sum(_write_day(writer, day, dense_transform, progress) for day in days)
+        nonfinite = sum(_write_day(writer, day, rule, row0, dense_transform, progress)
+                        for day, (rule, row0) in zip(days, split_jobs(days, split, split_seed)))
         progress.done()
+        check_splits_filled(writer.counts, split)
         report = {"input": str(input_dir), "days": [d.number for d in days],
                   **speed_report(start, writer.counts), "cardinalities": spec.cardinalities,
-                  "dense_transform": dense_transform, "nonfinite_dense": nonfinite}
+                  "dense_transform": dense_transform, "nonfinite_dense": nonfinite,
+                  "split": split}
         writer.add_file(REPORT, json.dumps(report, indent=2) + "\n")
     return report
 
@@ -153,10 +177,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dense-transform", choices=TRANSFORMS, default="none",
                         help="none: dense is torchrec's log(x + 3) already (default); "
                              "log: raw counts, apply log(max(x, 0) + 3)")
+    add_split_arguments(parser)
 
 
 def run(args) -> None:
-    report = convert_npy_days(args.input, args.output, args.dense_transform)
+    report = convert_npy_days(args.input, args.output, args.dense_transform, args.split,
+                              args.split_seed)
     if report["nonfinite_dense"]:
         print(f"warning: {report['nonfinite_dense']} dense values were not finite in float16 and "
               f"were written as 0 (raw counts need --dense-transform log)")

@@ -3,13 +3,31 @@ configured loader over one rank's slices of it."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
-from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
 from dlrm_hybrid.data.synthetic import SyntheticClicks
+from dlrm_hybrid.errors import DataError
 
 
 def open_dataset(data_cfg):
     return SplitBinaryDataset(data_cfg.path) if data_cfg.path else SyntheticClicks(data_cfg)
+
+
+def require_samples(dataset, splits: Sequence[str], where: str) -> None:
+    """Stop at start, in one line, when a split that `where` (e.g. "training", "eval") reads is
+    empty: later it would fail inside the first evaluation with a raw traceback."""
+    for split in splits:
+        if dataset.num_samples(split):
+            continue
+        if isinstance(dataset, SplitBinaryDataset):
+            raise DataError(f"{dataset.fspec.root}: the {SPLIT_NAMES[split]} split has no samples "
+                            f"and {where} reads it; preprocess again with rows for it (Criteo day "
+                            f"files: include day_23, or use --split hash)")
+        key = "data.train_samples" if split == "train" else "data.val_samples"
+        raise DataError(f"synthetic data: the {SPLIT_NAMES[split]} split has no samples and "
+                        f"{where} reads it; set {key} above 0")
 
 
 def make_loader(data_cfg, dataset, split: str, env, seed: int = 0, start_step: int = 0,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -23,7 +25,8 @@ class SplitBinaryWriter:
         self.output = Path(output)
         if self.output.exists() and any(self.output.iterdir()):
             raise ConfigError(f"--output: {output} exists and is not empty; choose a new folder")
-        self.tmp = self.output.with_name(f".{self.output.name}.partial-{os.getpid()}")
+        remove_stale_partials(self.output)
+        self.tmp = self.output.with_name(partial_name(self.output.name))
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.fspec = FeatureSpec.default(self.tmp, spec, splits)
         self.counts = {s: 0 for s in splits}
@@ -84,3 +87,40 @@ def _move_into_place(tmp: Path, output: Path) -> None:
     if output.exists():
         output.rmdir()  # empty (checked at the start)
     tmp.rename(output)
+
+
+def partial_name(name: str) -> str:
+    """`.NAME.partial-HOST-PID`: the host too, because the folder may sit on storage that
+    several machines share, and whether a PID is alive can be told only on its own machine."""
+    return f".{name}.partial-{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_stale_partials(output: Path) -> None:
+    """Remove the temporary folders of earlier writers of `output` on this host whose process is
+    gone (killed by SIGKILL or a crash of the machine, nothing could clean up); a live writer's
+    folder and another host's stay. Folders named `.NAME.partial-PID` (no host) come from older
+    versions, which ran on this host as far as anyone can tell."""
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.partial-(?:(?P<host>.+)-)?(?P<pid>\d+)")
+    try:
+        siblings = list(output.parent.iterdir())
+    except OSError:
+        return  # no parent folder yet: nothing stale in it
+    for path in siblings:
+        match = pattern.fullmatch(path.name)
+        if match and match["host"] in (None, socket.gethostname()) and \
+                not _alive(int(match["pid"])) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"removed {path}: left by process {match['pid']}, which is gone", flush=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    except OverflowError:
+        return False  # no such PID can exist
+    return True
