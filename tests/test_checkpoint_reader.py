@@ -168,3 +168,30 @@ def test_metadata_naming_a_file_outside_the_folder_is_refused(small, tmp_path):
 def test_a_folder_without_metadata_is_a_one_line_error(tmp_path):
     with pytest.raises(DataError, match=r"no \.metadata in it; it is not a complete checkpoint"):
         checkpoint_reader(tmp_path)
+
+
+def test_eval_export_and_resume_refuse_a_planted_checkpoint(trained, tmp_path):
+    """A real checkpoint folder whose `.metadata` was replaced: every command that reads
+    checkpoints stops with the one-line error, and the payload never runs."""
+    import shutil
+
+    from conftest import run_cli
+
+    marker = tmp_path / "pwned"
+    planted = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(trained, planted)
+    (planted / ".metadata").write_bytes(pickle.dumps(Payload(os.system, f"touch {marker}")))
+    commands = {
+        "eval": ["eval", "--checkpoint", str(planted), "--split", "val"],
+        "export": ["export", "--checkpoint", str(planted), "--out", str(tmp_path / "m.pt")],
+        "resume": ["train", "--config", str(planted / "config.yaml"), "--set",
+                   f"train.run_dir={tmp_path / 'run'}", "--set", "checkpoint.resume=auto",
+                   "--set", "train.max_steps=3"],
+    }
+    for name, args in commands.items():
+        result = run_cli(args)
+        assert result.returncode == 2, (name, result.stderr[-2000:])
+        assert result.stderr.strip().splitlines()[-1].startswith(
+            f"error: {planted}: the checkpoint metadata references a disallowed object"), name
+        assert not marker.exists(), name
+    assert not (tmp_path / "m.pt").exists()

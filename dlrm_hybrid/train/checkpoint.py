@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dlrm_hybrid.config import Config, ConfigError, load_config
 from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
 
 META, CONFIG = "meta.json", "config.yaml"
 NAME = re.compile(r"step_(\d+)$")
@@ -124,14 +125,15 @@ def load_checkpoint(path: Path, dmp, optimizer=None) -> dict:
     """Load into the (already sharded) model, and the optimizer if given; returns the
     checkpoint's `meta.json` (its step and extra state)."""
     meta = read_meta(path)
+    reader = checkpoint_reader(path)  # a crafted file is refused here, before anything runs
     try:
         state = {"model": dmp.state_dict()}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=reader)
         if optimizer is not None:
             # Partial: fused SGD keeps empty state entries for column-wise shards that a
             # table-wise table has not, so resharding meets keys the checkpoint never had.
             state["optim"] = optimizer.state_dict()
-            dcp.load({"optim": state["optim"]}, checkpoint_id=path,
+            dcp.load({"optim": state["optim"]}, storage_reader=reader,
                      planner=DefaultLoadPlanner(allow_partial_load=True))
     except (OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
         raise _load_error(path, e) from None

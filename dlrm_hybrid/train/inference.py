@@ -14,6 +14,7 @@ from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.source import make_loader, open_dataset
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.train.checkpoint import checkpoint_config_path, load_checkpoint
+from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
 from dlrm_hybrid.train.evaluate import evaluate
 from dlrm_hybrid.train.loop import build_sharded_model
 from dlrm_hybrid.train.metrics_log import MetricsLog, metrics_text
@@ -44,10 +45,11 @@ def export_checkpoint(checkpoint: str, out: str) -> int:
     count. Loads the model entries only (the optimizer state can be twice the model's size)."""
     path = Path(checkpoint)
     checkpoint_config_path(path)  # a complete checkpoint, or a one-line error
+    reader = checkpoint_reader(path)  # a crafted file is refused here, before anything runs
     try:
         with warnings.catch_warnings():  # "no process group: loading in one process" (intended)
             warnings.simplefilter("ignore", UserWarning)
-            state = _load_state_dict_from_keys(keys={"model"}, checkpoint_id=str(path))["model"]
+            state = _load_state_dict_from_keys(keys={"model"}, storage_reader=reader)["model"]
     except Exception as e:  # DCP wraps I/O and format errors in several exception types
         raise DataError(f"{path}: cannot read checkpoint ({type(e).__name__}); it is truncated "
                         f"or corrupt") from None
