@@ -81,3 +81,40 @@ def test_large_configs_train_on_synthetic_data_of_their_shape(tmp_path, process_
     result = train(cfg, process_group)
     assert len(result.losses) == 3 and all(0 < loss < 5 for loss in result.losses)
     assert 0 <= result.metrics["val_auc"] <= 1
+
+
+def test_a_dataset_with_an_empty_validation_split_stops_training_at_start(tmp_path):
+    """Not a `torch.cat(): expected a non-empty list` traceback at the first evaluation."""
+    from conftest import run_cli
+    from dlrm_hybrid.data.synth_dataset import write_synthetic
+
+    data = tmp_path / "data"
+    write_synthetic(load_config(None, ["data.train_samples=4096", "data.val_samples=256"]).data,
+                    str(data))
+    for column in (data / "validation").iterdir():
+        column.write_bytes(b"")
+    result = run_cli(["train", "--set", f"data.path={data}", "--set", "train.max_steps=2",
+                      "--set", f"train.run_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {data}: the validation split has no samples and training reads it; preprocess "
+        f"again with rows for it (Criteo day files: include day_23, or use --split hash)"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_auc_of_a_one_class_split_is_reported_undefined_not_zero(tmp_path, process_group):
+    """200 real Criteo rows give ~6 validation rows, sometimes all non-clicks."""
+    import math
+
+    from dlrm_hybrid.data.synth_dataset import write_synthetic
+
+    data = tmp_path / "data"
+    write_synthetic(load_config(None, ["data.train_samples=4096", "data.val_samples=6"]).data,
+                    str(data))
+    (data / "validation" / "label.bin").write_bytes(bytes(6))  # six non-clicks
+    with pytest.warns(UserWarning, match=r"val_auc: undefined \(nan\): all 6 samples of the "
+                                         r"split are non-clicks"):
+        result = train(small_config(tmp_path, f"data.path={data}", "train.max_steps=2"),
+                       process_group)
+    assert math.isnan(result.metrics["val_auc"])
+    assert math.isfinite(result.metrics["val_logloss"])

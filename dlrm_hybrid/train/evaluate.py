@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.functional import binary_cross_entropy_with_logits
 from torchmetrics.functional.classification import binary_auroc
-
 
 
 @torch.no_grad()
@@ -32,10 +33,20 @@ def evaluate(model, batches: Iterable, env, prefix: str = "val_") -> Optional[Di
     keep = valid > 0.5
     logits, labels, true_prob = logits[keep].cpu(), labels[keep].cpu(), true_prob[keep].cpu()
     result = {
-        f"{prefix}auc": binary_auroc(torch.sigmoid(logits), labels.long()).item(),
+        f"{prefix}auc": _auc(torch.sigmoid(logits), labels, f"{prefix}auc"),
         f"{prefix}logloss": binary_cross_entropy_with_logits(logits, labels).item(),
         "samples": int(keep.sum()),
     }
     if (true_prob >= 0).all():
-        result["oracle_auc"] = binary_auroc(true_prob, labels.long()).item()
+        result["oracle_auc"] = _auc(true_prob, labels, "oracle_auc")
     return result
+
+
+def _auc(scores: torch.Tensor, labels: torch.Tensor, name: str) -> float:
+    """AUROC, or NaN with a warning when the split has one class only (torchmetrics gives 0)."""
+    clicks = int(labels.sum())
+    if 0 < clicks < len(labels):
+        return binary_auroc(scores, labels.long()).item()
+    warnings.warn(f"{name}: undefined (nan): all {len(labels)} samples of the split are "
+                  f"{'clicks' if clicks else 'non-clicks'}; evaluate on a split with both")
+    return math.nan

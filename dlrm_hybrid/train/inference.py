@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from dlrm_hybrid.config import load_config
-from dlrm_hybrid.data.source import make_loader, open_dataset
+from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.train.checkpoint import checkpoint_config_path, load_checkpoint
 from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
@@ -30,6 +30,7 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     cfg.optim.embedding = "sgd"
     log = MetricsLog(Path(cfg.train.run_dir), env.rank)
     dataset = open_dataset(cfg.data)
+    require_samples(dataset, (split,), "eval")
     dmp, _ = build_sharded_model(cfg, dataset.spec, env, log.say)
     step = load_checkpoint(path, dmp)["step"]
     batches = make_loader(cfg.data, dataset, split, env)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dlrm_hybrid.config import Config
-from dlrm_hybrid.data.source import make_loader, open_dataset
+from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
 from dlrm_hybrid.parallel.job_plan import job_plan
 from dlrm_hybrid.parallel.plan_report import describe
@@ -39,6 +39,7 @@ class TrainResult:
 def train(cfg: Config, env: DistEnv) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
     dataset = open_dataset(cfg.data)
+    require_samples(dataset, ("train", "val"), "training")
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
     train_step = TrainStep(dmp, optimizer, schedule, cfg.train, env.device)
