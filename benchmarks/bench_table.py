@@ -1,33 +1,62 @@
 """The README's benchmark table: `python -m dlrm_hybrid bench` once per precision setting.
 
     .venv/bin/python benchmarks/bench_table.py [--config configs/bench_cpu.yaml] [--steps 60]
-        [--settings fp32 bf16]        # on a GPU e.g.: fp32 tf32 bf16 bf16+graphs
+        [--settings fp32 bf16] [--repeat 3] [--emulate-avx2]
+        # on a GPU e.g.: --settings fp32 tf32 bf16 bf16+graphs
 
-Each setting is a fresh process (the same as a user's run); each reports its own reference
-baseline measured in that process. Prints a markdown table.
+Each run is a fresh process (the same as a user's run) and reports its own reference baseline
+measured in that process. With --repeat, each figure is the median of the runs and the ratio
+shows its range. A setting whose precision this CPU would emulate runs in fp32 (bench falls
+back and says so): the `ran` column shows it. --emulate-avx2 runs bench as on an AVX2-only CPU
+(oneDNN and ATen limited to AVX2). Prints the CPU capability, then a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
-def bench_line(config: str, setting: str, steps: int) -> dict:
+def bench_line(config: str, setting: str, steps: int, emulate_avx2: bool = False) -> Dict[str, str]:
+    """One bench run's last-line fields, plus `dense_share`: the dense part's share of the step
+    in its profile."""
     precision, _, graphs = setting.partition("+")
     cmd = [sys.executable, "-m", "dlrm_hybrid", "bench", "--config", config, "--steps", str(steps),
            "--set", f"train.precision={precision}",
            "--set", f"train.cuda_graphs={'true' if graphs == 'graphs' else 'false'}"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    lines = out.strip().splitlines()
-    fields = dict(item.split("=") for item in lines[-1].split()[1:])
-    roofline = next((l for l in lines if "roofline" in l), "")
-    fields["roofline_fraction"] = roofline.rsplit("achieved ", 1)[-1].split()[0] if roofline else "?"
+    env = {**os.environ, **(AVX2_ONLY if emulate_avx2 else {})}
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        sys.exit(f"bench_table: {' '.join(cmd[1:])} failed: {last}")
+    lines = run.stdout.strip().splitlines()
+    fields = dict(item.split("=", 1) for item in lines[-1].split()[1:])
+    split = next(line for line in lines if line.strip().startswith("step split"))
+    fields["dense_share"] = re.search(r"\| dense [\d.]+ \((\d+)%\)", split).group(1)
     return fields
+
+
+def row(setting: str, runs: List[Dict[str, str]]) -> str:
+    """A markdown row: medians over the runs, the ratio's range where there were several."""
+    def median(key: str) -> float:
+        return statistics.median(float(r[key]) for r in runs)
+
+    ratios = sorted(float(r["ratio"]) for r in runs)
+    spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(runs) > 1 else ""
+    ran = "/".join(sorted({r["precision"] for r in runs}))
+    return (f"| {setting} | {ran} | {median('samples_per_s'):,.0f} | "
+            f"{median('baseline_samples_per_s'):,.0f} | {median('ratio'):.2f}{spread} | "
+            f"{median('roofline_fraction'):.2f} | {median('dense_share'):.0f}% | "
+            f"{median('peak_mem_gib'):.2f} |")
 
 
 def main() -> None:
@@ -35,14 +64,19 @@ def main() -> None:
     parser.add_argument("--config", default="configs/bench_cpu.yaml")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--settings", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--repeat", type=int, default=1, help="runs per setting (default 1)")
+    parser.add_argument("--emulate-avx2", action="store_true",
+                        help="run bench as on an AVX2-only CPU (ONEDNN_MAX_CPU_ISA=AVX2)")
     args = parser.parse_args()
-    print("| setting | samples/s | reference samples/s | ratio | roofline fraction | peak memory GiB |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for setting in args.settings:
-        f = bench_line(args.config, setting, args.steps)
-        print(f"| {setting} | {float(f['samples_per_s']):,.0f} | "
-              f"{float(f['baseline_samples_per_s']):,.0f} | {f['ratio']} | "
-              f"{f['roofline_fraction']} | {f['peak_mem_gib']} |", flush=True)
+    for i, setting in enumerate(args.settings):
+        runs = [bench_line(args.config, setting, args.steps, args.emulate_avx2)
+                for _ in range(args.repeat)]
+        if i == 0:  # the capability comes from the first run
+            print(f"cpu: {runs[0]['cpu']}" + (" (AVX2 emulated)" if args.emulate_avx2 else ""))
+            print("| setting | ran | samples/s | reference samples/s | ratio | roofline fraction "
+                  "| dense share of step | peak memory GiB |")
+            print("|---|---|---:|---:|---:|---:|---:|---:|")
+        print(row(setting, runs), flush=True)
 
 
 if __name__ == "__main__":

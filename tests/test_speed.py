@@ -1,6 +1,8 @@
 """The fast paths: the dot interaction's backward, autocast and the fp16 loss scaler, the
 quantized all-to-all, CUDA Graphs bookkeeping, and the `bench` command."""
 
+import re
+import time
 import warnings
 
 import pytest
@@ -8,10 +10,12 @@ import torch
 from torchrec.models.dlrm import InteractionArch
 
 from conftest import ROOT, failure, read_metrics, run_cli
+from dlrm_hybrid.bench.roofline import measure_peaks
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.model.interactions import DotInteraction
 from dlrm_hybrid.train.cuda_graphs import DenseGraph
 from dlrm_hybrid.train.loop import train
+from dlrm_hybrid.train.precision import cpu_capability, cpu_has_native
 
 SMALL = ["train.progress_bar=false", "data.val_samples=2048", "data.global_batch_size=256",
          "train.log_every=1", "train.eval_every=0"]
@@ -187,22 +191,68 @@ def test_cuda_graphs_on_cpu_warn_and_train_eagerly(tmp_path, process_group):
     assert result.losses == plain.losses
 
 
-def test_bench_prints_the_comparison_line():
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # an AVX2 EPYC, emulated
+
+
+def run_bench(*overrides, extra_env=None):
+    """`bench` on the demo model, briefly: (its report lines, its last line's fields, stderr).
+    The timeout is well under what measuring an emulated bf16 matmul at full size takes."""
     result = run_cli(["bench", "--config", "configs/demo.yaml", "--steps", "6", "--warmup", "2",
-                      "--set", "train.precision=bf16"])
+                      *[a for o in overrides for a in ("--set", o)]], timeout=90, extra_env=extra_env)
     assert result.returncode == 0, failure(result)
     lines = result.stdout.strip().splitlines()
-    assert any(line.strip().startswith("step split") for line in lines)
-    assert any("roofline" in line for line in lines)
     last = lines[-1].split()
-    assert last[0] == "bench:"
-    fields = dict(item.split("=") for item in last[1:])
-    assert list(fields) == ["precision", "samples_per_s", "baseline_samples_per_s", "ratio",
-                            "peak_mem_gib"]
-    assert fields["precision"] == "bf16"
+    assert last[0] == "bench:", lines[-1]
+    return lines, dict(item.split("=", 1) for item in last[1:]), result.stderr
+
+
+def check_report(lines, fields, ran: str):
+    """The report and its last line agree: the precision that ran, the matmul rate measured in
+    it, the ratio and roofline fraction computed from the printed rates."""
+    matmul = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[ran]
+    assert fields["precision"] == ran
+    assert any(line.strip().startswith("step split") for line in lines)
+    roofline = next(line for line in lines if "roofline" in line)
+    assert re.search(rf"measured (\d+)x\1 {matmul} matmul", roofline), roofline
+    assert roofline.rsplit("achieved ", 1)[1].split()[0] == fields["roofline_fraction"]
     x, y = float(fields["samples_per_s"]), float(fields["baseline_samples_per_s"])
     assert x > 0 and y > 0 and float(fields["ratio"]) == pytest.approx(x / y, rel=0.01)
     assert 0 < float(fields["peak_mem_gib"]) < 24
+
+
+def test_bench_prints_the_comparison_line():
+    """bf16 runs where this CPU has a bf16 matmul, fp32 (said so) where it would emulate it."""
+    lines, fields, _ = run_bench("train.precision=bf16")
+    ran = "bf16" if cpu_has_native(torch.bfloat16) else "fp32"
+    keys = ["precision", "requested", "samples_per_s", "baseline_samples_per_s", "ratio",
+            "roofline_fraction", "peak_mem_gib", "cpu"]
+    assert list(fields) == [k for k in keys if k != "requested" or ran != "bf16"]
+    check_report(lines, fields, ran)
+    assert fields.get("requested", "bf16") == "bf16"
+    assert fields["cpu"] == re.sub(r",\s*", ",", cpu_capability()).replace(" ", "-")
+    assert lines[0].endswith(f"cpu: {cpu_capability()}")
+    assert any(line.strip().startswith(f"dlrm_hybrid ({ran}") for line in lines)
+
+
+def test_bench_on_an_avx2_cpu_runs_bf16_in_fp32_and_says_so():
+    lines, fields, stderr = run_bench("train.precision=bf16", extra_env=AVX2_ONLY)
+    check_report(lines, fields, "fp32")
+    assert fields["requested"] == "bf16"
+    assert fields["cpu"] == "AVX2,bf16-emulated,fp16-emulated"
+    assert any(line.strip().startswith("dlrm_hybrid (fp32, bf16 requested)") for line in lines)
+    assert "has no native bf16 matmul" in stderr and "computing in fp32" in stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_measuring_the_matmul_peak_stays_short_where_the_cpu_emulates_the_dtype(dtype):
+    """An emulated 2048^2 matmul takes 15-40 s; the peak is measured on a smaller one."""
+    start = time.perf_counter()
+    peaks = measure_peaks(torch.device("cpu"), dtype)
+    assert time.perf_counter() - start < 10
+    assert peaks.dtype == dtype and peaks.flops_per_s > 0 and peaks.bandwidth > 0
+    if not cpu_has_native(dtype):
+        assert peaks.matmul_size < 2048
+    assert measure_peaks(torch.device("cpu"), dtype, seconds=0).matmul_size == 256
 
 
 def test_bench_refuses_several_ranks():

@@ -13,6 +13,9 @@ OPTIMIZER_STATE_BYTES = {"sgd": lambda dim: 0, "rowwise_adagrad": lambda dim: 4,
                          "adagrad": lambda dim: 4 * dim, "adam": lambda dim: 8 * dim}
 WEIGHT_BYTES = {"fp32": 4, "fp16": 2}
 ID_BYTES, POOLED_BYTES = 8, 4
+# One timed matmul stays about this short, so measuring the peaks takes ~1 s on any CPU.
+MATMUL_SECONDS = 0.25
+SMALLEST_MATMUL, LARGEST_MATMUL = 256, {"cuda": 4096, "cpu": 2048}  # a GPU peaks only at 4096
 
 
 @dataclass(frozen=True)
@@ -50,15 +53,27 @@ def dense_flops_per_sample(model, interaction: str, num_vectors: int, dim: int) 
     return 3 * (2 * weights + gram)
 
 
-def measure_peaks(device: torch.device, dtype: torch.dtype) -> tuple:
-    """(bytes/s of a large copy, FLOP/s of a large matmul in `dtype`), best of a few runs."""
+@dataclass(frozen=True)
+class Peaks:
+    bandwidth: float  # bytes/s of a large copy
+    flops_per_s: float  # of a square matmul in `dtype`
+    matmul_size: int  # its side
+    dtype: torch.dtype
+
+
+def measure_peaks(device: torch.device, dtype: torch.dtype,
+                  seconds: float = MATMUL_SECONDS) -> Peaks:
+    """The copy bandwidth and the matmul rate in `dtype` (what the step computes in), best of a
+    few runs. The matmul grows from 256 only while one run stays within `seconds`: where a CPU
+    emulates `dtype` (bf16 on AVX2, fp16 without AMX-FP16) a 2048^2 matmul takes 15-40 s, and
+    the rate it would show at that size is the same slow one."""
     src = torch.empty(64 * 2**20, device=device)  # 256 MiB
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), device)
-    n = 4096 if device.type == "cuda" else 2048
+    n = _matmul_size(device, dtype, seconds)
     a = torch.randn(n, n, device=device).to(dtype)
-    flops = 2 * n**3 / _best_time(lambda: a @ a, device)
-    return bandwidth, flops
+    flops = 2 * n**3 / _best_time(lambda: a @ a, device, runs=3)
+    return Peaks(bandwidth, flops, n, dtype)
 
 
 def synchronize(device: torch.device) -> None:
@@ -77,3 +92,15 @@ def _best_time(work: Callable, device: torch.device, runs: int = 5) -> float:
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _matmul_size(device: torch.device, dtype: torch.dtype, seconds: float) -> int:
+    """The largest side, doubling from 256 up to the device's cap, whose matmul should stay
+    within `seconds` (time grows 8x per doubling)."""
+    n, largest = SMALLEST_MATMUL, LARGEST_MATMUL.get(device.type, LARGEST_MATMUL["cpu"])
+    while n < largest:
+        a = torch.randn(n, n, device=device).to(dtype)
+        if 8 * _best_time(lambda: a @ a, device, runs=1) > seconds:
+            break
+        n *= 2
+    return n

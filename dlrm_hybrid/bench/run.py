@@ -5,6 +5,7 @@ reference-style baseline trained in the same process on the same batches."""
 from __future__ import annotations
 
 import itertools
+import re
 import resource
 import time
 from typing import Callable, List
@@ -12,7 +13,7 @@ from typing import Callable, List
 import torch
 
 from dlrm_hybrid.bench.baseline import ReferenceBatch, reference_step
-from dlrm_hybrid.bench.roofline import (Roofline, dense_flops_per_sample,
+from dlrm_hybrid.bench.roofline import (Peaks, Roofline, dense_flops_per_sample,
                                         embedding_bytes_per_sample, measure_peaks, synchronize)
 from dlrm_hybrid.bench.step_split import PARTS, step_split
 from dlrm_hybrid.config import Config
@@ -22,12 +23,12 @@ from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.train.cuda_graphs import WARMUP_STEPS
 from dlrm_hybrid.train.loop import build_sharded_model
 from dlrm_hybrid.train.optim import build_optimizer
+from dlrm_hybrid.train.precision import Precision, cpu_capability
 from dlrm_hybrid.train.step import TrainStep
 
 DISTINCT_BATCHES = 16  # cycled; generated before timing, so both sides see only training work
 ROUNDS = 3  # ours and the baseline alternate, so a load change on the machine hits both
 SPLIT_STEPS = 5
-MATMUL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
@@ -62,18 +63,31 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
         ref_run.timed(n)
 
     split = step_split(ours_run.one_step, SPLIT_STEPS, device)
-    precision = cfg.train.precision
-    bandwidth, flops = measure_peaks(device, MATMUL_DTYPES.get(precision, torch.float32))
+    precision = ours.precision  # what runs: bf16/fp16 fall back to fp32 on a CPU that emulates them
+    peaks = measure_peaks(device, precision.dtype or torch.float32)
     spec, dim = dataset.spec, cfg.model.embedding_dim
     roof = Roofline(embedding_bytes_per_sample(spec, dim, cfg.model.embedding_precision,
                                                cfg.optim.embedding),
                     dense_flops_per_sample(dmp.module, cfg.model.interaction,
                                            len(spec.cardinalities) + 1, dim),
-                    bandwidth, flops)
+                    peaks.bandwidth, peaks.flops_per_s)
     x, y = ours_run.samples_per_s(B), ref_run.samples_per_s(B)
-    print(_report(cfg, device, steps, x, y, data_ms, split, roof, peak_gib))
-    print(f"bench: precision={precision} samples_per_s={x:.0f} baseline_samples_per_s={y:.0f} "
-          f"ratio={x / y:.2f} peak_mem_gib={peak_gib:.2f}", flush=True)
+    cpu = cpu_capability()
+    print(_report(cfg, device, steps, precision, cpu, x, y, data_ms, split, roof, peaks, peak_gib))
+    print(_last_line(precision, x, y, x / roof.samples_per_s, peak_gib, cpu), flush=True)
+
+
+def _last_line(precision: Precision, ours: float, ref: float, roofline_fraction: float,
+               peak_gib: float, cpu: str) -> str:
+    """`bench: key=value ...`, one token per value, for scripts (benchmarks/bench_table.py):
+    `precision` is what ran, `requested` only where that differs, `cpu` the capability with
+    its spaces turned into dashes (`AVX2,bf16-emulated,fp16-emulated`)."""
+    requested = f" requested={precision.requested}" if precision.requested != precision.name else ""
+    cpu = re.sub(r",\s*", ",", cpu).replace(" ", "-")
+    return (f"bench: precision={precision.name}{requested} samples_per_s={ours:.0f} "
+            f"baseline_samples_per_s={ref:.0f} ratio={ours / ref:.2f} "
+            f"roofline_fraction={roofline_fraction:.2f} peak_mem_gib={peak_gib:.2f} "
+            f"cpu={cpu}")
 
 
 class _Timed:
@@ -110,16 +124,20 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS, KiB
 
 
-def _report(cfg: Config, device: torch.device, steps: int, ours: float, ref: float,
-            data_ms: float, split: dict, roof: Roofline, peak_gib: float) -> str:
+def _report(cfg: Config, device: torch.device, steps: int, precision: Precision, cpu: str,
+            ours: float, ref: float, data_ms: float, split: dict, roof: Roofline, peaks: Peaks,
+            peak_gib: float) -> str:
     B = cfg.data.global_batch_size
     memory = "peak allocated" if device.type == "cuda" else "process peak RSS"
     step_ms = sum(split.values())
     parts = " | ".join(f"{p} {split[p]:.1f} ({split[p] / step_ms:.0%})" for p in PARTS)
+    ran = precision.name if precision.requested == precision.name else \
+        f"{precision.name}, {precision.requested} requested"
+    matmul = f"{peaks.matmul_size}x{peaks.matmul_size} {str(peaks.dtype).removeprefix('torch.')}"
     return "\n".join([
         f"bench on {device.type}, batch {B}, {steps} timed steps after warm-up, "
-        f"{torch.get_num_threads()} threads",
-        f"  dlrm_hybrid ({cfg.train.precision}): {ours:,.0f} samples/s, {B / ours * 1e3:.1f} ms/step",
+        f"{torch.get_num_threads()} threads; cpu: {cpu}",
+        f"  dlrm_hybrid ({ran}): {ours:,.0f} samples/s, {B / ours * 1e3:.1f} ms/step",
         f"  reference (nn.EmbeddingBag sparse + SGD, fp32): {ref:,.0f} samples/s, "
         f"{B / ref * 1e3:.1f} ms/step",
         f"  step split, ms/step (profiled over {SPLIT_STEPS} steps): {parts}; "
@@ -127,7 +145,7 @@ def _report(cfg: Config, device: torch.device, steps: int, ours: float, ref: flo
         f"  roofline: embeddings {roof.embedding_bytes / 1024:.1f} KiB/sample at "
         f"{roof.bandwidth / 1e9:.1f} GB/s (measured copy), dense "
         f"{roof.dense_flops / 1e6:.2f} MFLOP/sample at {roof.flops_per_s / 1e9:.0f} GFLOP/s "
-        f"(measured matmul): bound {roof.samples_per_s:,.0f} samples/s ({roof.bound_by}); "
-        f"achieved {ours / roof.samples_per_s:.2f} of it",
+        f"(measured {matmul} matmul): bound {roof.samples_per_s:,.0f} samples/s "
+        f"({roof.bound_by}); achieved {ours / roof.samples_per_s:.2f} of it",
         f"  memory: {memory} {peak_gib:.2f} GiB",
     ])
