@@ -63,9 +63,10 @@ def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def run_train(args) -> None:
     from dlrm_hybrid.parallel.process_group import world_size_from_env
-    from dlrm_hybrid.train.loop import train
 
     cfg = load_config(args.config, args.overrides, world_size=world_size_from_env())
+    from dlrm_hybrid.train.loop import train  # after the config check: torchrec takes seconds
+
     run_distributed(lambda env: train(cfg, env), cfg.parallel.backend)
 
 
