@@ -65,19 +65,22 @@ def test_one_and_two_ranks_give_the_same_losses(tmp_path, optimizer):
     assert abs(done_one["val_logloss"] - done_two["val_logloss"]) < 1e-4
 
 
-def test_demo_config_on_two_ranks_reaches_the_oracle(tmp_path):
-    """`make demo`: 2 gloo ranks, the shipped config, within 0.02 AUC of the planted teacher."""
-    result = run_cli(["train", "--config", "configs/demo.yaml", "--set",
-                      f"train.run_dir={tmp_path}"], nproc=2, timeout=600)
+def test_demo_config_on_two_ranks_approaches_the_oracle(tmp_path):
+    """`make demo` in a third of its steps (its 3000 take ~90 s on 2 cores): 2 gloo ranks, the
+    shipped config with its decay compressed into steps 500..1000, which lands ~0.018 AUC
+    from the planted teacher (the full demo: ~0.01)."""
+    result = run_cli(["train", "--config", "configs/demo.yaml", *[a for o in [
+        f"train.run_dir={tmp_path}", "train.max_steps=1000", "train.eval_every=500",
+        "optim.decay_start_step=500", "optim.decay_steps=500"] for a in ("--set", o)]], nproc=2)
     assert result.returncode == 0, failure(result)
     done = done_fields(result.stdout)
-    assert done["steps"] == 3000 and done["samples_per_s"] > 0
-    assert done["oracle_auc"] - done["val_auc"] < 0.02, result.stdout[-1000:]
+    assert done["steps"] == 1000 and done["samples_per_s"] > 0
+    assert done["oracle_auc"] - done["val_auc"] < 0.025, result.stdout[-1000:]
     assert "plan (greedy): 8 tables, 8 shards on 2 ranks" in result.stdout  # rank 0's placement
     events = read_metrics(tmp_path)
-    assert [e["step"] for e in events if "val_auc" in e] == [1000, 2000, 3000]
-    assert len([e for e in events if "loss" in e]) == 3000 // 50
-    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["max_steps"] == 3000
+    assert [e["step"] for e in events if "val_auc" in e] == [500, 1000]
+    assert len([e for e in events if "loss" in e]) == 1000 // 50
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["max_steps"] == 1000
 
 
 def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
