@@ -40,15 +40,21 @@ def effective_precision(name: str, device: torch.device, fallback: bool = True) 
     """The precision a step computes in: `name`, or fp32 (with a one-line warning) where this
     device would emulate it and `fallback` allows."""
     if name == "tf32" and device.type != "cuda":
-        warnings.warn("train.precision: tf32 exists only on NVIDIA GPUs; computing in fp32")
+        _warn_once("train.precision: tf32 exists only on NVIDIA GPUs; computing in fp32")
         return "fp32"
     dtype = AUTOCAST_DTYPES.get(name)
     if fallback and device.type == "cpu" and dtype is not None and not cpu_has_native(dtype):
-        warnings.warn(f"train.precision: this CPU ({torch.backends.cpu.get_cpu_capability()}) has "
-                      f"no native {name} matmul (20-100x slower than fp32); computing in fp32 "
-                      f"(set train.precision_fallback=false to insist)")
+        _warn_once(f"train.precision: this CPU ({torch.backends.cpu.get_cpu_capability()}) has "
+                   f"no native {name} matmul (20-100x slower than fp32); computing in fp32 "
+                   f"(set train.precision_fallback=false to insist)")
         return "fp32"
     return name
+
+
+def _warn_once(message: str) -> None:
+    """From rank 0 only: every rank reaches the same conclusion."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(message)
 
 
 class Precision:
