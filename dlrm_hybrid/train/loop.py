@@ -92,7 +92,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     metrics = evaluate_and_log(dmp, dataset, cfg, env, log, steps)
     samples_per_s = (steps - first) * B / train_time if train_time else 0.0
     if env.is_main:
-        log.say(done_line(steps, losses[-1] if losses else float("nan"), metrics, samples_per_s))
+        log.say(done_line(steps, losses[-1], metrics, samples_per_s))
     log.close()
     return TrainResult(steps, losses, metrics, samples_per_s)
 
