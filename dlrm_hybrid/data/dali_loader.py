@@ -5,13 +5,23 @@ DALI's costs are per iteration, per output and per DALI sample, so one DALI samp
 whole batch of this rank in two arrays, and one iteration carries several consecutive batches
 (GROUP_ROWS samples or more). Measured on one CPU core, batches of 1,024: one batch per
 iteration in 12 outputs 0.37M samples/s; in 2 outputs 0.94M; grouped as here 4.3M.
+
+DALI runs each scheduled iteration on its own executor threads, and with a GPU those do CUDA work
+(the `.gpu()` copies, their events, pool growth); a CUDA Graph captured in torch's "global" mode
+meanwhile fails, or DALI aborts the process (NVIDIA/DALI#3703). `quiesced()` therefore waits until
+every scheduled iteration is done and schedules none until exit. That is why this loader drives
+the pipeline itself (`share_outputs`, `release_outputs`, `schedule_run`, as DALIGenericIterator
+does): the iterator schedules the next iteration inside every `next()`, so it cannot take what is
+prefetched without starting more work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from typing import Iterator, List
+from collections import deque
+from typing import Deque, Iterator, List
 
 import numpy as np
 import torch
@@ -26,7 +36,6 @@ class DaliLoader:
                  depth: int = 4) -> None:
         import nvidia.dali as dali
         import nvidia.dali.fn as fn
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
         self.keys = list(feature_names)
         self._columns = columns
@@ -37,7 +46,8 @@ class DaliLoader:
         self._has_true_prob = first.true_prob is not None
         self._hotness = [ids.shape[1] for ids in first.ids]
         self._variable = first.lengths is not None
-        self._ready: List[Batch] = []
+        self._ready: Deque[Batch] = deque()
+        self._pauses = 0  # quiesced() contexts open
         gpu = device.type == "cuda"
 
         @dali.pipeline_def(batch_size=self._group, num_threads=1,
@@ -48,7 +58,7 @@ class DaliLoader:
 
         self._pipe = pipeline()
         self._pipe.build()
-        self._iterator = DALIGenericIterator([self._pipe], ["floats", "ids"], size=-1)
+        self._pipe.schedule_run()  # the first call prefetches `depth` iterations
 
     def _pack(self):
         """Up to `group` batches, each one DALI sample of two arrays: [label, valid, true_prob,
@@ -73,9 +83,35 @@ class DaliLoader:
 
     def __next__(self) -> Batch:
         if not self._ready:
-            out = next(self._iterator)[0]
-            self._ready = [self._unpack(f, i) for f, i in zip(out["floats"], out["ids"])][::-1]
-        return self._ready.pop()
+            if self._pauses:
+                raise RuntimeError("DaliLoader: next() inside quiesced() needs a new DALI "
+                                   "iteration; take batches only after leaving it")
+            self._take()  # StopIteration once an evaluation pass is over
+            self._pipe.schedule_run()
+        return self._ready.popleft()
+
+    def _take(self) -> None:
+        """The oldest scheduled iteration's batches into `_ready` (waits until it is done)."""
+        floats, ids = (torch.from_dlpack(out.as_tensor()) for out in self._pipe.share_outputs())
+        self._ready.extend(self._unpack(f, i) for f, i in zip(floats, ids))
+        self._pipe.release_outputs()  # the default (dynamic) executor keeps shared buffers valid
+
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """Inside, DALI's threads make no CUDA call: entering takes every scheduled iteration
+        (each done by then) and none is scheduled until exit, which restores the prefetch.
+        Batches taken on entry can be had from `next()` inside; nesting is fine."""
+        taken = 0
+        self._pauses += 1
+        try:
+            while self._pipe is not None and not self._pipe.empty():
+                self._take()
+                taken += 1
+            yield
+        finally:
+            self._pauses -= 1
+            for _ in range(taken if self._pipe is not None else 0):
+                self._pipe.schedule_run()
 
     def _unpack(self, floats: torch.Tensor, ids: torch.Tensor) -> Batch:
         if self._variable:
@@ -87,4 +123,4 @@ class DaliLoader:
                      floats[:, 2] if self._has_true_prob else None)
 
     def close(self) -> None:
-        del self._iterator, self._pipe
+        self._pipe = None

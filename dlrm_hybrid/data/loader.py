@@ -3,6 +3,7 @@ ahead, into pinned memory when the model is on a GPU (so copies overlap compute)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -35,7 +36,10 @@ def rank_batches(dataset, *args, **kwargs) -> Iterator[Batch]:
 
 class PrefetchLoader:
     """Iterates `batches` on a daemon thread, `depth` ahead; yields batches on `device`
-    (`on_device`), or pinned on the host for a consumer that copies them on its own stream."""
+    (`on_device`), or pinned on the host for a consumer that copies them on its own stream.
+
+    `quiesced()` pauses that thread: pinning is a CUDA call, and a CUDA Graph captured in torch's
+    "global" capture mode (train.cuda_graphs) fails when another thread makes one."""
 
     def __init__(self, batches: Iterator[Batch], device: torch.device, depth: int = 4,
                  on_device: bool = True) -> None:
@@ -43,19 +47,53 @@ class PrefetchLoader:
         self._pin = device.type == "cuda"
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._state = threading.Condition()  # guards `_pauses` and `_busy`
+        self._pauses = 0  # quiesced() contexts open
+        self._busy = False  # the thread is reading or pinning a batch
+        self._made: object = None  # the thread's last batch
         self._thread = threading.Thread(target=self._produce, args=(batches,), daemon=True)
         self._thread.start()
 
     def _produce(self, batches: Iterator[Batch]) -> None:
         try:
-            for batch in batches:
-                if self._pin:
-                    batch = batch.pin_memory()
-                if not self._put(batch):
+            while self._make(batches):
+                if not self._put(self._made) or self._made is _DONE:
                     return
-            self._put(_DONE)
         except BaseException as e:  # surfaces in the consumer, with its traceback
             self._put(e)
+
+    def _make(self, batches: Iterator[Batch]) -> bool:
+        """The next batch (or _DONE), pinned, into `_made`, only while not quiesced; False once
+        closed. The batch made before is let go here too: freeing pinned memory is a CUDA call."""
+        with self._state:
+            self._state.wait_for(lambda: self._pauses == 0 or self._stop.is_set())
+            if self._stop.is_set():
+                return False
+            self._busy = True
+        try:
+            self._made = batch = next(batches, _DONE)
+            if self._pin and batch is not _DONE:
+                self._made = batch.pin_memory()
+            return True
+        finally:
+            with self._state:
+                self._busy = False
+                self._state.notify_all()
+
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """Inside, the loader thread makes no CUDA call: entering waits for the batch it is
+        reading and pinning, and it starts no other until exit (nesting is fine). Batches made
+        before can still be taken; a `next()` that needs a new one waits until exit."""
+        with self._state:
+            self._pauses += 1
+            self._state.wait_for(lambda: not self._busy)
+        try:
+            yield
+        finally:
+            with self._state:
+                self._pauses -= 1
+                self._state.notify_all()
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():
@@ -79,4 +117,6 @@ class PrefetchLoader:
 
     def close(self) -> None:
         self._stop.set()
+        with self._state:  # wakes a thread paused by quiesced()
+            self._state.notify_all()
         self._thread.join(timeout=5)

@@ -5,12 +5,22 @@ The sparse part stays eager: the id all-to-all and the embedding lookups have da
 shapes. torch's `make_graphed_callables` captures the forward and backward as one autograd
 node; the gradients it returns for the MLP weights are accumulated eagerly, so DDP's
 all-reduce hooks still fire, and the pooled embeddings' gradient flows on into the exchange.
+
+Capture runs in CUDA's "global" stream-capture mode, where an unsafe CUDA call (an allocation,
+an event query, a synchronize) from any other thread breaks it: the loader pinning a batch, DALI's
+executor copying one. torch 2.13's `make_graphed_callables` has no `capture_error_mode`
+parameter: it captures each pass with `torch.cuda.graph(graph, pool=mempool)`, whose default is
+"global". "thread_local" would mean copying that function (its autograd Function included) or
+patching torch's default, and would still not allow a device-wide synchronize from another
+thread, which fails during any capture (NVIDIA/DALI#6259). So the loader pauses instead: the
+capture runs inside `capture_guard()`, which the training step sets to its loader's `quiesced`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable, Optional, Tuple
+from typing import Callable, ContextManager, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +42,8 @@ class DenseGraph:
         self.shapes: Optional[Tuple] = None
         self.eager_reason: Optional[str] = None
         self._capture_fn = capture or torch.cuda.make_graphed_callables
+        # Entered around the capture; the training step sets its loader's `quiesced` here.
+        self.capture_guard: Callable[[], ContextManager] = contextlib.nullcontext
         self._dense_layers = _DenseLayers(model)
         if capture is None and device.type != "cuda":
             self._stay_eager(f"needs a CUDA device, this run is on {device.type}")
@@ -50,11 +62,12 @@ class DenseGraph:
     def _capture(self, *args: torch.Tensor) -> None:
         # The graph reads its inputs from these tensors on every replay: private copies.
         static = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
-        try:
-            self.graphed = self._capture_fn(self._dense_layers, static)
-            self.shapes = _shapes(*args)
-        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
-            self._stay_eager(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+        with self.capture_guard():
+            try:
+                self.graphed = self._capture_fn(self._dense_layers, static)
+                self.shapes = _shapes(*args)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
+                self._stay_eager(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0]})")
 
     def _stay_eager(self, reason: str) -> None:
         self.eager_reason = reason
