@@ -209,3 +209,29 @@ def test_dali_loader_quiesced_takes_every_scheduled_iteration_and_schedules_none
         loader.close()
     with loader.quiesced():
         pass
+
+
+def test_the_training_step_hands_its_loader_to_the_dense_graph(tmp_path, process_group):
+    """What `train.cuda_graphs` relies on: each step's capture would pause the very loader the
+    step reads (on CPU the graph stays eager, but the guard is set all the same)."""
+    from conftest import ROOT
+    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.data.source import make_loader, open_dataset
+    from dlrm_hybrid.train.loop import build_sharded_model
+    from dlrm_hybrid.train.optim import build_optimizer
+    from dlrm_hybrid.train.step import TrainStep
+
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        "train.cuda_graphs=true", "data.global_batch_size=256", f"train.run_dir={tmp_path}"])
+    dataset = open_dataset(cfg.data)
+    dmp, _ = build_sharded_model(cfg, dataset.spec, process_group, lambda line: None)
+    with pytest.warns(UserWarning, match="train.cuda_graphs: needs a CUDA device"):
+        step = TrainStep(dmp, *build_optimizer(dmp, cfg.optim), cfg.train, process_group.device)
+    batches = make_loader(cfg.data, dataset, "train", process_group)
+    try:
+        step(batches)
+        assert step.graph.capture_guard == batches.quiesced
+        step(iter([next(batches)]))  # a plain iterator (as `bench` passes): no guard to take
+        assert step.graph.capture_guard is contextlib.nullcontext
+    finally:
+        batches.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from typing import Iterator
@@ -41,6 +42,8 @@ class TrainStep:
 
     def __call__(self, batches: Iterator[Batch]) -> torch.Tensor:
         """Train on the next batch; its mean loss (detached: reading it waits for the device)."""
+        if self.graph is not None:  # the loader's threads must not touch CUDA during capture
+            self.graph.capture_guard = getattr(batches, "quiesced", contextlib.nullcontext)
         if self.pipeline is not None:
             loss = self.pipeline.progress(batches)
         else:
