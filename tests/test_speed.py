@@ -224,8 +224,9 @@ AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}  # an 
 def run_bench(*overrides, extra_env=None):
     """`bench` on the demo model, briefly: (its report lines, its last line's fields, stderr).
     The timeout is well under what measuring an emulated bf16 matmul at full size takes."""
-    result = run_cli(["bench", "--config", "configs/demo.yaml", "--steps", "6", "--warmup", "2",
-                      *[a for o in overrides for a in ("--set", o)]], timeout=90, extra_env=extra_env)
+    args = ["bench", "--config", "configs/demo.yaml", "--steps", "6", "--warmup", "2",
+            *[a for o in overrides for a in ("--set", o)]]
+    result = run_cli(args, timeout=90, extra_env=extra_env)
     assert result.returncode == 0, failure(result)
     lines = result.stdout.strip().splitlines()
     last = lines[-1].split()

@@ -56,23 +56,24 @@ def dense_flops_per_sample(model, interaction: str, num_vectors: int, dim: int) 
 @dataclass(frozen=True)
 class Peaks:
     bandwidth: float  # bytes/s of a large copy
-    flops_per_s: float  # of a square matmul in `dtype`
-    matmul_size: int  # its side
+    flops_per_s: float  # of `x @ w.T` in `dtype`, both n x n
+    matmul_size: int  # n
     dtype: torch.dtype
 
 
 def measure_peaks(device: torch.device, dtype: torch.dtype,
                   seconds: float = MATMUL_SECONDS) -> Peaks:
     """The copy bandwidth and the matmul rate in `dtype` (what the step computes in), best of a
-    few runs. The matmul grows from 256 only while one run stays within `seconds`: where a CPU
-    emulates `dtype` (bf16 on AVX2, fp16 without AMX-FP16) a 2048^2 matmul takes 15-40 s, and
-    the rate it would show at that size is the same slow one."""
+    few runs. The matmul is `x @ w.T`, nn.Linear's forward: where a CPU emulates `dtype` (bf16
+    on AVX2, fp16 without AMX-FP16) that layout is its fastest (bf16, 512^2, an EPYC limited to
+    AVX2: 29 GFLOP/s, `x @ w` 2), so the bound stays a bound. Its side grows from 256 only
+    while one run stays within `seconds`: there a 2048^2 matmul takes 15-40 s."""
     src = torch.empty(64 * 2**20, device=device)  # 256 MiB
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), device)
     n = _matmul_size(device, dtype, seconds)
-    a = torch.randn(n, n, device=device).to(dtype)
-    flops = 2 * n**3 / _best_time(lambda: a @ a, device, runs=3)
+    x, w = _matrices(n, device, dtype)
+    flops = 2 * n**3 / _best_time(lambda: x @ w.T, device)
     return Peaks(bandwidth, flops, n, dtype)
 
 
@@ -99,8 +100,12 @@ def _matmul_size(device: torch.device, dtype: torch.dtype, seconds: float) -> in
     within `seconds` (time grows 8x per doubling)."""
     n, largest = SMALLEST_MATMUL, LARGEST_MATMUL.get(device.type, LARGEST_MATMUL["cpu"])
     while n < largest:
-        a = torch.randn(n, n, device=device).to(dtype)
-        if 8 * _best_time(lambda: a @ a, device, runs=1) > seconds:
+        x, w = _matrices(n, device, dtype)
+        if 8 * _best_time(lambda: x @ w.T, device, runs=1) > seconds:
             break
         n *= 2
     return n
+
+
+def _matrices(n: int, device: torch.device, dtype: torch.dtype) -> tuple:
+    return tuple(torch.randn(n, n, device=device).to(dtype) for _ in range(2))
