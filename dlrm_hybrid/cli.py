@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 import warnings
 from typing import List, Optional
 
@@ -13,6 +14,8 @@ from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data import criteo_tsv, npy_days
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.parallel import dry_run
+
+FOLLOWER_ERROR_DELAY_S = 3.0
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -137,8 +140,15 @@ def _exit(code: int) -> None:
 
 
 def _fail(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank hits it: say it once
+    """Under torchrun every rank usually hits the same error: rank 0 says it at once; another
+    rank waits a moment first, so that when rank 0 failed too torchrun stops this rank before it
+    repeats it (and a rank's own error, e.g. a file only its host lacks, is still said)."""
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
         print(f"error: {message}", file=sys.stderr)
+    else:
+        time.sleep(FOLLOWER_ERROR_DELAY_S)
+        print(f"error (rank {rank}): {message}", file=sys.stderr)
     _exit(2)
 
 
