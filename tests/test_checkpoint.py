@@ -51,7 +51,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path, embed
         result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
             f"optim.embedding={embedding}", "train.max_steps=12",
             f"checkpoint.resume={full / 'checkpoints' / 'step_6'}", f"train.run_dir={run_dir}")],
-            nproc=nproc)
+            nproc=nproc if nproc > 1 else 0)  # one rank: the plain process
         assert result.returncode == 0, failure(result)
         assert f"resumed from {full / 'checkpoints' / 'step_6'} (step 6)" in result.stdout
         assert sorted(step_losses(run_dir)) == list(range(7, 13))

@@ -3,6 +3,7 @@ non-tensor entry is a one-line DataError and its payload never runs (issue 11, B
 
 import os
 import pickle
+import re
 import warnings
 
 import pytest
@@ -170,7 +171,7 @@ def test_a_folder_without_metadata_is_a_one_line_error(tmp_path):
         checkpoint_reader(tmp_path)
 
 
-def test_eval_export_and_resume_refuse_a_planted_checkpoint(trained, tmp_path):
+def test_eval_export_and_resume_refuse_a_planted_checkpoint(trained, tmp_path, process_group):
     """A real checkpoint folder whose `.metadata` was replaced: every command that reads
     checkpoints stops with the one-line error, and the payload never runs."""
     import shutil
@@ -184,14 +185,16 @@ def test_eval_export_and_resume_refuse_a_planted_checkpoint(trained, tmp_path):
     commands = {
         "eval": ["eval", "--checkpoint", str(planted), "--split", "val"],
         "export": ["export", "--checkpoint", str(planted), "--out", str(tmp_path / "m.pt")],
-        "resume": ["train", "--config", str(planted / "config.yaml"), "--set",
-                   f"train.run_dir={tmp_path / 'run'}", "--set", "checkpoint.resume=auto",
-                   "--set", "train.max_steps=3"],
     }
+    refused = f"{planted}: the checkpoint metadata references a disallowed object"
     for name, args in commands.items():
         result = run_cli(args)
         assert result.returncode == 2, (name, result.stderr[-2000:])
-        assert result.stderr.strip().splitlines()[-1].startswith(
-            f"error: {planted}: the checkpoint metadata references a disallowed object"), name
+        assert result.stderr.strip().splitlines()[-1].startswith(f"error: {refused}"), name
         assert not marker.exists(), name
     assert not (tmp_path / "m.pt").exists()
+    resumed = load_config(str(planted / "config.yaml"), [  # resume: auto finds the planted one
+        f"train.run_dir={tmp_path / 'run'}", "checkpoint.resume=auto", "train.max_steps=3"])
+    with pytest.raises(DataError, match=re.escape(refused)):
+        train(resumed, process_group)
+    assert not marker.exists()
