@@ -1,43 +1,45 @@
 # `make demo` trains the default config; `make test` runs the tests. Both create or reuse .venv.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check
-TORCH_VERSION := 2.13.0
-FBGEMM_VERSION := 1.8.0
-TORCHREC_VERSION := 1.8.0
+# TORCH: the torch release to install (default 2.13.0), or `system` to keep the torch the
+# environment already has (an NGC container, a GPU host): the venv is then created with
+# --system-site-packages, or an existing one is used as it is. fbgemm-gpu and torchrec follow
+# the torch from install/torch_versions.txt. The choice is remembered in $(VENV)/.torch.
+TORCH ?= $(shell cat $(VENV)/.torch 2>/dev/null || echo 2.13.0)
+ifeq ($(TORCH),system)
+  VENV_FLAGS := --system-site-packages
+  TORCH_ARG := --keep-torch
+else
+  TORCH_ARG := --torch $(TORCH)
+endif
 
 GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 ifeq ($(GPUS),0)
-  FBGEMM := fbgemm-gpu-cpu==$(FBGEMM_VERSION)
   NPROC ?= 2
 else
-  FBGEMM := fbgemm-gpu==$(FBGEMM_VERSION)
   NPROC ?= $(GPUS)
 endif
-# One stamp per fbgemm build: moving the checkout to a GPU host reinstalls the right one.
-STAMP := $(VENV)/.installed-$(subst ==,-,$(FBGEMM))
+# FBGEMM: auto (the CUDA build where torch has CUDA and the NVIDIA driver is installed), cuda, cpu.
+FBGEMM ?= auto
+STAMP := $(VENV)/.installed-torch-$(TORCH)-fbgemm-$(FBGEMM)-gpus-$(GPUS)
 
 .PHONY: demo test install clean
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 install: $(STAMP)
 
-# torchrec goes in last, with --no-deps: it declares the CUDA fbgemm-gpu, which on a CPU machine
-# fails to load and overwrites the CPU build (DESIGN.md, "Version set"); requirements.txt has
-# the rest of its needs.
-$(STAMP): requirements.txt setup.py Makefile dlrm_hybrid/csrc/cpu_lookup.c
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(STAMP): requirements.txt setup.py Makefile install/setup_env.py install/torch_versions.txt \
+          dlrm_hybrid/csrc/cpu_lookup.c
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	rm -f $(VENV)/.installed-*
-	$(PIP) torch==$(TORCH_VERSION) $(FBGEMM) -r requirements.txt
-	$(PIP) --no-deps torchrec==$(TORCHREC_VERSION)
-	$(PIP) --no-deps --no-build-isolation -e .
-	$(PY) -c "import torchrec, fbgemm_gpu, dlrm_hybrid"
+	$(PY) install/setup_env.py $(TORCH_ARG) --fbgemm $(FBGEMM)
+	echo $(TORCH) > $(VENV)/.torch
 	touch $@
 
 clean:

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_table.py [--config configs/bench_cpu.yaml] [--steps 60]
         [--settings fp32 bf16] [--repeat 3] [--emulate-avx2]
-        # on a GPU e.g.: --settings fp32 tf32 bf16 bf16+graphs
+        # on a GPU e.g.: --settings fp32 tf32 bf16 bf16+graphs bf16+graphs+nopipeline
 
 Each run is a fresh process (the same as a user's run) and reports its own reference baseline
 measured in that process. With --repeat, each figure is the median of the runs and the ratio
@@ -26,18 +26,40 @@ ROOT = Path(__file__).resolve().parents[1]
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
-def bench_line(config: str, setting: str, steps: int, emulate_avx2: bool = False) -> Dict[str, str]:
+class BenchFailed(Exception):
+    """A bench run that exited non-zero: the command and its last stderr line."""
+
+
+def setting_overrides(setting: str) -> List[str]:
+    """`bf16+graphs+nopipeline` -> the `--set` values: the precision, then `graphs` (CUDA Graphs),
+    `pipeline` / `nopipeline` (train.pipeline enabled / disabled; absent: the config's own)."""
+    precision, *flags = setting.split("+")
+    unknown = set(flags) - {"graphs", "pipeline", "nopipeline"}
+    if unknown:
+        raise ValueError(f"setting {setting!r}: unknown part(s) {sorted(unknown)}; "
+                         f"use PRECISION[+graphs][+pipeline|+nopipeline]")
+    sets = [f"train.precision={precision}",
+            f"train.cuda_graphs={'true' if 'graphs' in flags else 'false'}"]
+    if "pipeline" in flags or "nopipeline" in flags:
+        sets.append(f"train.pipeline={'enabled' if 'pipeline' in flags else 'disabled'}")
+    return sets
+
+
+def bench_line(config: str, setting: str, steps: int, emulate_avx2: bool = False,
+               extra: List[str] = (), timeout: float | None = None) -> Dict[str, str]:
     """One bench run's last-line fields, plus `dense_share`: the dense part's share of the step
-    in its profile."""
-    precision, _, graphs = setting.partition("+")
+    in its profile. `extra`: further `--set` overrides."""
     cmd = [sys.executable, "-m", "dlrm_hybrid", "bench", "--config", config, "--steps", str(steps),
-           "--set", f"train.precision={precision}",
-           "--set", f"train.cuda_graphs={'true' if graphs == 'graphs' else 'false'}"]
+           *[a for o in [*setting_overrides(setting), *extra] for a in ("--set", o)]]
     env = {**os.environ, **(AVX2_ONLY if emulate_avx2 else {})}
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BenchFailed(f"{' '.join(cmd[1:])}: still running after {timeout:.0f} s")
     if run.returncode != 0:
         last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        sys.exit(f"bench_table: {' '.join(cmd[1:])} failed: {last}")
+        raise BenchFailed(f"{' '.join(cmd[1:])} failed: {last}")
     lines = run.stdout.strip().splitlines()
     fields = dict(item.split("=", 1) for item in lines[-1].split()[1:])
     split = next(line for line in lines if line.strip().startswith("step split"))
@@ -69,8 +91,11 @@ def main() -> None:
                         help="run bench as on an AVX2-only CPU (ONEDNN_MAX_CPU_ISA=AVX2)")
     args = parser.parse_args()
     for i, setting in enumerate(args.settings):
-        runs = [bench_line(args.config, setting, args.steps, args.emulate_avx2)
-                for _ in range(args.repeat)]
+        try:
+            runs = [bench_line(args.config, setting, args.steps, args.emulate_avx2)
+                    for _ in range(args.repeat)]
+        except (BenchFailed, ValueError) as error:
+            sys.exit(f"bench_table: {error}")
         if i == 0:  # the capability comes from the first run
             print(f"cpu: {runs[0]['cpu']}" + (" (AVX2 emulated)" if args.emulate_avx2 else ""))
             print("| setting | ran | samples/s | reference samples/s | ratio | roofline fraction "

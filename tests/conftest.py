@@ -12,14 +12,16 @@ from typing import List, Optional
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+# torchrun as a module of this interpreter: in a venv that sees a system torch (TORCH=system), the
+# `torchrun` script on PATH belongs to the system Python, which does not see this package.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def run_cli(args: List[str], nproc: int = 0, timeout: int = 300,
             extra_env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """`python -m dlrm_hybrid ARGS`, or under `torchrun --nproc_per_node=nproc` when nproc > 0."""
     if nproc:
-        cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
+        cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
     else:
         cmd = [sys.executable, "-m", "dlrm_hybrid", *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

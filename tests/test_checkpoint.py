@@ -67,7 +67,7 @@ def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path):
 
     killed = tmp_path / "killed"
     job = subprocess.Popen(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
+        [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
          "dlrm_hybrid", "train", "--config", "configs/demo.yaml",
          *sets(*steps, f"train.run_dir={killed}")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

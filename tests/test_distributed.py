@@ -4,11 +4,12 @@ import json
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 import yaml
 
-from conftest import ROOT, TORCHRUN, done_fields, failure, read_metrics, run_cli
+from conftest import ROOT, done_fields, failure, read_metrics, run_cli
 
 # Dense SGD: Adagrad's first steps move each weight by +-lr whatever its gradient's size, so
 # the sign of a near-zero gradient (rounding of another reduction order) would decide them.
@@ -125,7 +126,7 @@ def test_two_hosts_join_through_c10d_rendezvous(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "NNODES": "2", "NPROC": "1", "ENDPOINT": f"127.0.0.1:{port}",
-           "JOB_ID": "two-hosts", "TORCHRUN": str(TORCHRUN), "OMP_NUM_THREADS": "1"}
+           "JOB_ID": "two-hosts", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     cmd = ["bash", "launch/multi_node.sh", "configs/demo.yaml", "--set", "train.max_steps=20",
            "--set", "train.progress_bar=false", "--set", f"train.run_dir={tmp_path}"]
     hosts = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

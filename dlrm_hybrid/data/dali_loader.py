@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import math
 from collections import deque
-from typing import Deque, Iterator, List
+from typing import Deque, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -50,13 +50,15 @@ class DaliLoader:
         self._pauses = 0  # quiesced() contexts open
         gpu = device.type == "cuda"
 
+        # device_id None: a CPU-only pipeline (DALI's own annotation says int).
         @dali.pipeline_def(batch_size=self._group, num_threads=1,
-                           device_id=device.index if gpu else None, prefetch_queue_depth=depth)
+                           device_id=device.index if gpu else None,  # type: ignore[arg-type]
+                           prefetch_queue_depth=depth)
         def pipeline():
             outputs = fn.external_source(source=self._pack, num_outputs=2, batch=True)
             return tuple(o.gpu() for o in outputs) if gpu else tuple(outputs)
 
-        self._pipe = pipeline()
+        self._pipe: Optional[dali.Pipeline] = pipeline()
         self._pipe.build()
         self._pipe.schedule_run()  # the first call prefetches `depth` iterations
 
@@ -87,31 +89,33 @@ class DaliLoader:
                 raise RuntimeError("DaliLoader: next() inside quiesced() needs a new DALI "
                                    "iteration; take batches only after leaving it")
             self._take()  # StopIteration once an evaluation pass is over
-            self._pipe.schedule_run()
+            self._running().schedule_run()
         return self._ready.popleft()
 
     def _take(self) -> None:
         """The oldest scheduled iteration's batches into `_ready` (waits until it is done)."""
-        floats, ids = (torch.from_dlpack(out.as_tensor()) for out in self._pipe.share_outputs())
+        pipe = self._running()
+        floats, ids = (torch.from_dlpack(out.as_tensor()) for out in pipe.share_outputs())
         self._ready.extend(self._unpack(f, i) for f, i in zip(floats, ids))
-        self._pipe.release_outputs()  # the default (dynamic) executor keeps shared buffers valid
+        pipe.release_outputs()  # the default (dynamic) executor keeps shared buffers valid
 
     @contextlib.contextmanager
     def quiesced(self) -> Iterator[None]:
         """Inside, DALI's threads make no CUDA call: entering takes every scheduled iteration
         (each done by then) and none is scheduled until exit, which restores the prefetch.
         Batches taken on entry can be had from `next()` inside; nesting is fine."""
-        taken = 0
+        taken, pipe = 0, self._pipe  # None once closed: nothing to take or restore
         self._pauses += 1
         try:
-            while self._pipe is not None and not self._pipe.empty():
+            while pipe is not None and not pipe.empty():
                 self._take()
                 taken += 1
             yield
         finally:
             self._pauses -= 1
-            for _ in range(taken if self._pipe is not None else 0):
-                self._pipe.schedule_run()
+            if pipe is not None:
+                for _ in range(taken):
+                    pipe.schedule_run()
 
     def _unpack(self, floats: torch.Tensor, ids: torch.Tensor) -> Batch:
         if self._variable:
@@ -121,6 +125,11 @@ class DaliLoader:
             sparse = fixed_hotness_kjt(self.keys, list(ids.split(self._hotness, dim=1)))
         return Batch(floats[:, 3:], sparse, floats[:, 0], floats[:, 1].bool(),
                      floats[:, 2] if self._has_true_prob else None)
+
+    def _running(self):
+        if self._pipe is None:
+            raise RuntimeError("DaliLoader: used after close()")
+        return self._pipe
 
     def close(self) -> None:
         self._pipe = None

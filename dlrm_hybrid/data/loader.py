@@ -72,7 +72,7 @@ class PrefetchLoader:
             self._busy = True
         try:
             self._made = batch = next(batches, _DONE)
-            if self._pin and batch is not _DONE:
+            if self._pin and isinstance(batch, Batch):
                 self._made = batch.pin_memory()
             return True
         finally:

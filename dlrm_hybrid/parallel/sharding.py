@@ -17,9 +17,10 @@ from torchrec.distributed.fbgemm_qcomm_codec import (CommType, QCommsConfig,
                                                      get_qcomm_codecs_registry)
 from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
                                                 table_wise)
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from dlrm_hybrid.compat import sharding_env
 from dlrm_hybrid.model.dlrm import DLRM
 from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
 from dlrm_hybrid.parallel.placement import Plan
@@ -45,7 +46,7 @@ def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size:
     """Shard the embeddings by `plan`; the rest becomes data-parallel (DDP). A job of one rank
     has nothing to all-reduce and skips DDP (1-2 ms per step of its hooks and copies on CPU).
     On CPU the tables go onto huge pages, and SGD ones use every core (cpu_lookup.py)."""
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    env = sharding_env(dist.group.WORLD)
     sharder = EmbeddingBagCollectionSharder(
         qcomm_codecs_registry=comm_codecs(comm_precision, device))
     dmp = DistributedModelParallel(model, env=env, device=device, sharders=[sharder],

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, ContextManager, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:  # the model module imports torchrec: seconds, needed here for types only
+    from dlrm_hybrid.model.dlrm import DLRM
 
 WARMUP_STEPS = 10  # eager steps first: the allocator, DDP's buckets and autotuning settle
 
@@ -34,9 +37,9 @@ class DenseGraph:
     batch shapes and replayed; batches of other shapes (a short last batch) run eagerly. If
     capture is impossible it warns once with the reason and the run stays eager."""
 
-    def __init__(self, model: nn.Module, device: torch.device, warmup: int = WARMUP_STEPS,
+    def __init__(self, model: DLRM, device: torch.device, warmup: int = WARMUP_STEPS,
                  capture: Optional[Callable] = None) -> None:
-        self.eager = model.dense_loss
+        self.eager: Callable[..., torch.Tensor] = model.dense_loss
         self.warmup, self.steps = warmup, 0
         self.graphed: Optional[Callable] = None
         self.shapes: Optional[Tuple] = None
@@ -47,7 +50,7 @@ class DenseGraph:
         self._dense_layers = _DenseLayers(model)
         if capture is None and device.type != "cuda":
             self._stay_eager(f"needs a CUDA device, this run is on {device.type}")
-        model.dense_loss = self
+        setattr(model, "dense_loss", self)  # an instance attribute over the method
 
     def __call__(self, dense: torch.Tensor, pooled: torch.Tensor,
                  labels: torch.Tensor) -> torch.Tensor:
@@ -78,11 +81,11 @@ class DenseGraph:
 class _DenseLayers(nn.Module):
     """The model's dense layers as one module, so the capture sees (only) their parameters."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: DLRM) -> None:
         super().__init__()
         self.dense_arch, self.interaction, self.over_arch = (
             model.dense_arch, model.interaction, model.over_arch)
-        self._dense_loss = model.dense_loss
+        self._dense_loss: Callable[..., torch.Tensor] = model.dense_loss
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,
                 labels: torch.Tensor) -> torch.Tensor:

@@ -97,11 +97,14 @@ class Precision:
             loss.backward()
             return
         self.scaler.scale(loss).backward()
+        assert self._pooled is not None, "fp16: split_at_embeddings runs in the forward"
         (pooled, leaf), self._pooled = self._pooled, None
-        grads = [leaf.grad] + [p.grad for p in self._dense_params if p.grad is not None]
-        self._overflow = _any_rank_non_finite(grads)
+        grad = leaf.grad
+        assert grad is not None
+        self._overflow = _any_rank_non_finite(
+            [grad, *[p.grad for p in self._dense_params if p.grad is not None]])
         if not self._overflow:
-            pooled.backward(leaf.grad * self.scaler._get_scale_async().double().reciprocal().float())
+            pooled.backward(grad * self._scale().double().reciprocal().float())
 
     def step(self, optimizer) -> None:
         """The optimizer step; with fp16, skipped (and the scale lowered) where `backward`
@@ -111,10 +114,17 @@ class Precision:
             return
         if self._overflow:  # perhaps on another rank only: this rank's scaler must see it too
             next(p.grad for p in self._dense_params if p.grad is not None).fill_(float("inf"))
-        scale = self.scaler._get_scale_async().clone()  # the scaler only lowers it on a skip
+        scale = self._scale().clone()  # the scaler only lowers it on a skip
         self.scaler.step(optimizer)
         self.scaler.update()
-        self._skipped += self.scaler._get_scale_async() < scale
+        self._skipped += self._scale() < scale
+
+    def _scale(self) -> torch.Tensor:
+        """The loss scale on the device, read without a sync (set once the first loss was scaled)."""
+        assert self.scaler is not None
+        scale = self.scaler._get_scale_async()
+        assert scale is not None, "the scaler has scaled a loss by now"
+        return scale
 
     def skipped_steps(self) -> int:
         return int(self._skipped.item())

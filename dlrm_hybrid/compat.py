@@ -1,0 +1,41 @@
+"""Every difference between the torchrec/fbgemm releases we support (install/torch_versions.txt:
+torch 2.11-2.14 with fbgemm/torchrec 1.6-1.9), in one place: the rest of the package writes
+against one API and imports the differing names from here. Checked by running the test suite
+under each release (benchmarks/other_torch.sh).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+
+class _FbgemmSelfCheckFilter(logging.Filter):
+    """fbgemm-gpu 1.6.0's import-time check has no row for its own release in its table
+    (`_fbgemm_torch_compat_table` stops at 1.5), so every import under its own torch 2.11 logs
+    a multi-line warning to the root logger, which would precede every one-line error. The pair
+    is the right one (the table in fbgemm 1.9.0 has "1.6": "2.11"), so that record is dropped;
+    fbgemm's real mismatch warning is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_fbgemm_torch_compat_table has no entry" not in str(record.msg)
+
+
+def install_import_filters() -> None:
+    """Before the first torchrec/fbgemm import (dlrm_hybrid/__init__.py calls it)."""
+    root = logging.getLogger()
+    if not any(isinstance(f, _FbgemmSelfCheckFilter) for f in root.filters):
+        root.addFilter(_FbgemmSelfCheckFilter())
+
+
+def sharding_env(group):
+    """torchrec's ShardingEnv for `group`. torchrec 1.6 finds the group's device with torch's
+    `_get_pg_default_device`, which torch 2.11 deprecates with two UserWarnings per call
+    (torchrec 1.8 calls `_get_object_coll_device`); both give the same device mesh, so the
+    warnings, which would precede a user's one-line error, are silenced."""
+    from torchrec.distributed.types import ShardingEnv
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`_get_pg_default_device` will be deprecated")
+        warnings.filterwarnings("ignore", message="Multiple backends are registered")
+        return ShardingEnv.from_process_group(group)

@@ -1,0 +1,188 @@
+"""Install dlrm_hybrid's dependencies into the running Python environment (`make install`).
+
+`--torch VERSION` installs that torch first (the default path: `make` pins 2.13.0);
+`--keep-torch` (`make install TORCH=system`) keeps the torch the environment already has, as in
+an NGC container or on a GPU host, and refuses to replace it. Either way fbgemm-gpu and torchrec
+come from install/torch_versions.txt for that torch's minor release, in the build torch was made
+with and the machine has (`fbgemm-gpu`, the CUDA build, where torch has CUDA and the NVIDIA
+driver is installed, since it does not load without the driver's libnvidia-ml; else
+`fbgemm-gpu-cpu`, which runs under a CUDA torch too), and torchrec goes in with `--no-deps`: it
+declares the CUDA fbgemm-gpu, which on a CPU build fails to load and overwrites the CPU files.
+Only the standard library is used, since nothing else may be installed yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLE = Path(__file__).resolve().parent / "torch_versions.txt"
+PIP = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+
+
+class Pair(NamedTuple):
+    fbgemm: str
+    torchrec: str
+
+
+class InstallError(Exception):
+    """A one-line reason the environment cannot be set up, and what to do."""
+
+
+def read_table(path: Path = TABLE) -> Dict[str, Pair]:
+    """torch minor ("2.13") -> the fbgemm and torchrec versions built for it."""
+    pairs = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 3 or not re.fullmatch(r"\d+\.\d+", fields[0]):
+            raise InstallError(f"{path}:{number}: expected `torch-minor fbgemm torchrec`, "
+                               f"got {line.strip()!r}")
+        pairs[fields[0]] = Pair(fields[1], fields[2])
+    return pairs
+
+
+def torch_minor(version: str) -> str:
+    """"2.11.0+cu130" and NGC's "2.9.0a0+50eac81.nv25.10" -> "2.11", "2.9"."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if not match:
+        raise InstallError(f"cannot read a torch version from {version!r}")
+    return f"{match[1]}.{match[2]}"
+
+
+def pair_for(version: str, table: Dict[str, Pair]) -> Pair:
+    minor = torch_minor(version)
+    if minor not in table:
+        known = ", ".join(sorted(table, key=lambda m: tuple(map(int, m.split(".")))))
+        raise InstallError(f"torch {version}: no fbgemm-gpu/torchrec pair is known for torch "
+                           f"{minor}; known: {known} ({TABLE.relative_to(ROOT)}). Use one of "
+                           f"those torch releases, or add a row after checking the pair loads")
+    return table[minor]
+
+
+def installed_torch() -> dict:
+    """What `import torch` gives in this environment, asked in a fresh interpreter so a failed
+    import is reported rather than raised here."""
+    probe = ("import json, importlib.metadata, torch; print(json.dumps({"
+             "'version': torch.__version__, 'dist': importlib.metadata.version('torch'), "
+             "'cuda': torch.version.cuda, 'hip': getattr(torch.version, 'hip', None), "
+             "'file': torch.__file__}))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InstallError(f"{sys.executable}: `import torch` fails ({last}); install torch "
+                           f"into this environment (or create it with --system-site-packages "
+                           f"where torch is installed system-wide), or drop TORCH=system")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def nvidia_driver() -> bool:
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def fbgemm_package(torch_info: dict, build: str) -> str:
+    """`build`: cuda, cpu, or auto (cuda where torch has CUDA and the driver is here). A docker
+    build sees no driver, so the Dockerfile asks for cuda."""
+    if torch_info["hip"]:
+        raise InstallError(f"torch {torch_info['version']} is a ROCm build; PyPI has fbgemm-gpu "
+                           f"for CUDA and CPU only")
+    if build == "auto":
+        build = "cuda" if torch_info["cuda"] and nvidia_driver() else "cpu"
+    if build == "cuda" and not torch_info["cuda"]:
+        raise InstallError(f"FBGEMM=cuda, but torch {torch_info['version']} is a CPU build; "
+                           f"use FBGEMM=auto or a CUDA torch")
+    return "fbgemm-gpu" if build == "cuda" else "fbgemm-gpu-cpu"
+
+
+def installed(distribution: str) -> bool:
+    probe = f"import importlib.metadata as m; m.version({distribution!r})"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def remove_other_build(fbgemm: str) -> None:
+    """The two fbgemm builds own the same files (fbgemm_gpu/): one installed over the other
+    leaves both registered and either's files. Switching removes both, then installs one."""
+    other = "fbgemm-gpu-cpu" if fbgemm == "fbgemm-gpu" else "fbgemm-gpu"
+    if installed(other):
+        print(f"setup_env: removing {other} (switching to {fbgemm})", flush=True)
+        if subprocess.run([sys.executable, "-m", "pip", "uninstall", "--quiet", "-y", other,
+                           fbgemm]).returncode != 0:
+            raise InstallError(f"`pip uninstall {other} {fbgemm}` failed (its output is above)")
+
+
+def pip(*args: str) -> None:
+    result = subprocess.run([*PIP, *args])
+    if result.returncode != 0:
+        raise InstallError(f"`pip install {' '.join(args)}` failed (its output is above)")
+
+
+def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> dict:
+    if torch_version is not None:
+        pair_for(torch_version, table)  # an unknown release fails before anything is installed
+        pip(f"torch=={torch_version}")
+    torch_info = installed_torch()
+    pair = pair_for(torch_info["version"], table)
+    fbgemm = fbgemm_package(torch_info, build)
+    print(f"setup_env: torch {torch_info['version']} ({torch_info['file']}), "
+          f"{fbgemm}=={pair.fbgemm}, torchrec=={pair.torchrec}", flush=True)
+    remove_other_build(fbgemm)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
+        # Whatever a requirement declares, the torch found stays: pip fails instead of replacing
+        # it. The distribution's version, not torch.__version__: PyPI's CUDA wheels say "2.11.0"
+        # in their metadata and "2.11.0+cu130" at run time.
+        constraints.write(f"torch=={torch_info['dist']}\n")
+        constraints.flush()
+        pip("-c", constraints.name, f"{fbgemm}=={pair.fbgemm}", "-r", str(ROOT / "requirements.txt"))
+    pip("--no-deps", f"torchrec=={pair.torchrec}")
+    pip("--no-deps", "--no-build-isolation", "-e", str(ROOT))
+    after = installed_torch()
+    if (after["version"], after["file"]) != (torch_info["version"], torch_info["file"]):
+        raise InstallError(f"torch changed during the install: {torch_info['version']} at "
+                           f"{torch_info['file']} became {after['version']} at {after['file']}")
+    modules = "fbgemm_gpu, torchrec, dlrm_hybrid"
+    if fbgemm == "fbgemm-gpu" and not nvidia_driver():
+        # A docker build has no driver, and the CUDA build needs it to load.
+        print("setup_env: no NVIDIA driver here, so only dlrm_hybrid is imported now; "
+              "fbgemm_gpu and torchrec load where the GPUs are", flush=True)
+        modules = "dlrm_hybrid"
+    check = subprocess.run([sys.executable, "-c", f"import {modules}"], capture_output=True,
+                           text=True)
+    if check.returncode != 0:
+        last = (check.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InstallError(f"installed, but `import {modules}` fails under torch "
+                           f"{after['version']}: {last}")
+    return after
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--torch", metavar="VERSION", help="install this torch release first")
+    which.add_argument("--keep-torch", action="store_true",
+                       help="keep the torch this environment has (never reinstalled)")
+    parser.add_argument("--fbgemm", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="fbgemm-gpu build (auto: CUDA where torch and the driver have it)")
+    args = parser.parse_args(argv)
+    try:
+        install(args.torch, args.fbgemm, read_table())
+    except InstallError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
