@@ -1,0 +1,37 @@
+"""benchmarks/gpu_check.sh: one line without a GPU; with --cpu-rehearsal, every stage runs on
+CPU and the report (JSON + table) comes out, so a GPU session does not find the script's bugs."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_without_a_gpu_it_stops_in_one_line_and_writes_nothing(tmp_path):
+    run = subprocess.run(["benchmarks/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 2
+    assert run.stderr.startswith("gpu_check: no CUDA device") and run.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cpu_rehearsal_runs_every_stage_and_writes_the_report(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run(["benchmarks/gpu_check.sh", str(out), "--cpu-rehearsal"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["gpu_tests"]["ok"] and report["gpu_tests"]["skipped"] >= 5  # no GPU here
+    assert [r["setting"] for r in report["bench"]] == ["fp32", "bf16"]
+    for row in report["bench"]:
+        assert row["ok"] and row["samples_per_s"] > 0 and row["baseline_samples_per_s"] > 0
+    assert report["two_process"]["ok"] and report["two_process"]["steps"] == 10
+    assert report["target"]["verdict"] == "not measured"  # no bf16+graphs row in a rehearsal
+    table = (out / "gpu_check.md").read_text()
+    assert "| fp32 | fp32 |" in table and "2-process train:" in table
+    assert table.strip() in run.stdout
