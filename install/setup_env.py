@@ -107,6 +107,13 @@ def fbgemm_package(torch_info: dict, build: str) -> str:
     return "fbgemm-gpu" if build == "cuda" else "fbgemm-gpu-cpu"
 
 
+def sees_system_packages() -> bool:
+    """A venv created with --system-site-packages (or no venv at all)."""
+    config = Path(sys.prefix) / "pyvenv.cfg"
+    return not config.exists() or re.search(r"include-system-site-packages\s*=\s*true",
+                                             config.read_text(), re.IGNORECASE) is not None
+
+
 def installed(distribution: str) -> bool:
     probe = f"import importlib.metadata as m; m.version({distribution!r})"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
@@ -138,6 +145,10 @@ def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> di
     fbgemm = fbgemm_package(torch_info, build)
     print(f"setup_env: torch {torch_info['version']} ({torch_info['file']}), "
           f"{fbgemm}=={pair.fbgemm}, torchrec=={pair.torchrec}", flush=True)
+    if torch_version is None and not sees_system_packages() and \
+            torch_info["file"].startswith(sys.prefix + "/"):
+        print(f"setup_env: keeping the torch inside {sys.prefix}, which does not see the system "
+              f"site-packages; for the system's torch, remove it first (make clean)", flush=True)
     remove_other_build(fbgemm)
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
         # Whatever a requirement declares, the torch found stays: pip fails instead of replacing

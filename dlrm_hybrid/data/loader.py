@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import queue
 import threading
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 
@@ -72,8 +72,8 @@ class PrefetchLoader:
             self._busy = True
         try:
             self._made = batch = next(batches, _DONE)
-            if self._pin and isinstance(batch, Batch):
-                self._made = batch.pin_memory()
+            if self._pin and batch is not _DONE:
+                self._made = cast(Batch, batch).pin_memory()
             return True
         finally:
             with self._state:
