@@ -2,17 +2,21 @@
 CPU and the report (JSON + table) comes out, so a GPU session does not find the script's bugs."""
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from conftest import ROOT
 
+ENV = {**os.environ, "PYTHON": sys.executable}  # the interpreter (and torch) under test
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_without_a_gpu_it_stops_in_one_line_and_writes_nothing(tmp_path):
-    run = subprocess.run(["benchmarks/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT,
+    run = subprocess.run(["benchmarks/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=ENV,
                          capture_output=True, text=True)
     assert run.returncode == 2
     assert run.stderr.startswith("gpu_check: no CUDA device") and run.stderr.count("\n") == 1
@@ -22,7 +26,7 @@ def test_without_a_gpu_it_stops_in_one_line_and_writes_nothing(tmp_path):
 def test_the_cpu_rehearsal_runs_every_stage_and_writes_the_report(tmp_path):
     out = tmp_path / "out"
     run = subprocess.run(["benchmarks/gpu_check.sh", str(out), "--cpu-rehearsal"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+                         env=ENV, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["versions"]["torch"] == torch.__version__
