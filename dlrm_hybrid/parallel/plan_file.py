@@ -19,7 +19,7 @@ def plan_to_dict(plan: Plan) -> dict:
             "sharding": plan.sharding_type(name), "ranks": [s.rank for s in shards],
             "columns": [s.cols for s in shards], "bytes": spec.bytes, "rows": spec.rows,
             "dim": spec.dim, "precision": spec.precision, "optimizer": spec.optimizer,
-            "hotness": spec.hotness,
+            "hotness": spec.hotness, "bags": spec.bags,
         }
     ranks = [{"rank": r, "host": plan.host_of(r), "tables": plan.tables_on(r),
               "bytes": int(plan.loads[0, r]), "a2a_bytes": int(plan.loads[1, r]),
@@ -41,7 +41,7 @@ def load_plan(path: str) -> Plan:
     try:
         raw = json.loads(Path(path).read_text())
         tables = {name: TableSpec(name, t["rows"], t["dim"], t["precision"], t["optimizer"],
-                                  t["hotness"]) for name, t in raw["tables"].items()}
+                                  t["hotness"], t.get("bags", 1)) for name, t in raw["tables"].items()}
         shards = []
         for name, t in raw["tables"].items():
             offset = 0

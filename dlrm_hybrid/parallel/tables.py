@@ -30,6 +30,7 @@ class TableSpec:
     precision: str = "fp32"
     optimizer: str = "sgd"
     hotness: float = 1.0  # mean ids per sample
+    bags: int = 1  # pooled vectors per sample: the id slots of a multi-hot `mult` QR part, else 1
 
     @property
     def bytes(self) -> int:
@@ -42,7 +43,7 @@ class TableSpec:
 
     def shard_a2a_bytes(self, cols: int, batch: int) -> float:
         """All-to-all bytes per step (ids in, pooled out, gradients back) of a `cols` shard."""
-        return batch * (ID_BYTES * self.hotness + LENGTH_BYTES + 2 * POOLED_BYTES * cols)
+        return batch * (ID_BYTES * self.hotness + self.bags * (LENGTH_BYTES + 2 * POOLED_BYTES * cols))
 
     def shard_lookup_bytes(self, cols: int, batch: int) -> float:
         """Weight bytes read in the forward and updated in the backward per step."""
