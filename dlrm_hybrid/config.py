@@ -22,6 +22,20 @@ class ConfigError(UserError):
 
 
 @dataclass
+class CompositionalRule:
+    """Smaller tables for some features, ids transformed at lookup (model/compositional.py): the
+    features named in `features`, or else every feature whose table has more than `rows_above`
+    rows. The first rule that names or selects a feature applies to it."""
+
+    technique: str = "qr"  # full | hash | qr
+    features: List[str] = field(default_factory=list)  # e.g. [cat_0, cat_9]
+    rows_above: int = 0  # used when `features` is empty
+    buckets: int = 0  # hash: rows of the hashed table; id -> id mod buckets
+    collisions: int = 4  # qr: c, the remainder table's rows; the quotient table has ceil(n / c)
+    operation: str = "mult"  # qr: how Q[id // c] and R[id % c] combine: mult | add | concat
+
+
+@dataclass
 class ModelConfig:
     embedding_dim: int = 16
     embedding_precision: str = "fp32"  # fp32 | fp16
@@ -31,6 +45,7 @@ class ModelConfig:
     self_interaction: bool = False  # dot: also include each vector's dot with itself
     dcn_layers: int = 3
     dcn_low_rank: int = 512
+    compositional: List[CompositionalRule] = field(default_factory=list)  # hashing trick, QR
 
 
 @dataclass
@@ -133,6 +148,8 @@ CHOICES = {
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
     "optim.dense": ("sgd", "adagrad", "adam"),
 }
+TECHNIQUES = ("full", "hash", "qr")
+QR_OPERATIONS = ("mult", "add", "concat")
 POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.num_dense", "data.train_samples", "data.val_samples",
             "model.embedding_dim", "data.teacher_dim", "train.max_steps", "train.log_every")
 
@@ -194,6 +211,8 @@ def _check_type(key: str, hint: Any, value: Any) -> Any:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list of {item.__name__}, got {value!r}")
+        if dataclasses.is_dataclass(item):
+            return [_build(item, v, f"{key}[{i}].") for i, v in enumerate(value)]
         return [_check_type(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -240,6 +259,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if len(d.hotness) not in (1, len(d.cardinalities)) or min(d.hotness) <= 0:
         raise ConfigError(
             f"data.hotness: give one positive value or one per table ({len(d.cardinalities)})")
+    for i, rule in enumerate(m.compositional):
+        _validate_rule(rule, f"model.compositional[{i}]", m.embedding_dim)
     for key in ("train.eval_every", "checkpoint.every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
@@ -248,6 +269,29 @@ def validate(cfg: Config, world_size: int) -> None:
     if memory is not None and reserve >= memory:
         raise ConfigError(f"parallel.reserve_per_rank: {cfg.parallel.reserve_per_rank} leaves nothing "
                           f"of parallel.memory_per_rank ({cfg.parallel.memory_per_rank}) for tables")
+
+
+def _validate_rule(rule: CompositionalRule, key: str, dim: int) -> None:
+    if rule.technique not in TECHNIQUES:
+        raise ConfigError(f"{key}.technique: {rule.technique!r} is not one of {', '.join(TECHNIQUES)}")
+    if rule.features and rule.rows_above:
+        raise ConfigError(f"{key}: give features or rows_above, not both")
+    if rule.rows_above < 0:
+        raise ConfigError(f"{key}.rows_above: must be >= 0, got {rule.rows_above}")
+    if rule.technique == "hash" and rule.buckets < 1:
+        raise ConfigError(f"{key}.buckets: the hashed table's rows, must be positive for "
+                          f"technique hash (got {rule.buckets})")
+    if rule.technique == "qr":
+        if rule.collisions < 2:
+            raise ConfigError(f"{key}.collisions: the remainder table's rows c, must be at "
+                              f"least 2 (got {rule.collisions})")
+        if rule.operation not in QR_OPERATIONS:
+            raise ConfigError(f"{key}.operation: {rule.operation!r} is not one of "
+                              f"{', '.join(QR_OPERATIONS)}")
+        if rule.operation == "concat" and dim % 8:
+            raise ConfigError(f"{key}.operation: concat gives each part half of "
+                              f"model.embedding_dim ({dim}), which fbgemm needs to be a multiple "
+                              f"of 4; use an embedding_dim divisible by 8, or mult or add")
 
 
 def _get(cfg: Config, dotted: str) -> Any:

@@ -9,9 +9,11 @@ from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.config import DataConfig
 from dlrm_hybrid.model.dlrm import DLRM
+from dlrm_hybrid.model.compositional import feature_lookups
 from dlrm_hybrid.model.embeddings import embedding_tables
 
 SPEC = DataSpec(num_dense=5, cardinalities=[30, 20, 10], hotness=[1, 3, 2])
+LOOKUPS = feature_lookups(SPEC.feature_names, SPEC.cardinalities, SPEC.hotness, 4, [])
 
 
 def sample_batch(batch_size=16):
@@ -22,14 +24,13 @@ def sample_batch(batch_size=16):
 
 def make_model(interaction, **kwargs):
     torch.manual_seed(0)
-    tables = embedding_tables(SPEC, 4)
-    return DLRM(SPEC.num_dense, tables, [8, 4], [16, 1], interaction,
+    return DLRM(SPEC.num_dense, LOOKUPS, [8, 4], [16, 1], interaction,
                 embedding_device=torch.device("cpu"), **kwargs)
 
 
 def test_dot_matches_torchrec_dlrm_with_the_same_weights():
     ours = make_model("dot")
-    ebc = EmbeddingBagCollection(tables=embedding_tables(SPEC, 4))
+    ebc = EmbeddingBagCollection(tables=embedding_tables(LOOKUPS))
     reference = TorchrecDLRM(ebc, SPEC.num_dense, [8, 4], [16, 1])
     renamed = {k.replace("sparse_arch.embedding_bag_collection.", "embedding_bags.")
                 .replace("inter_arch.", "interaction."): v

@@ -3,6 +3,7 @@ interaction, and a top MLP giving the click logit."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional
 
 import torch
@@ -10,40 +11,48 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.functional import binary_cross_entropy_with_logits
 from torchrec.models.dlrm import DenseArch, OverArch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
+from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.embeddings import embedding_tables
 from dlrm_hybrid.model.interactions import build_interaction
 
 
 class DLRM(nn.Module):
-    def __init__(self, num_dense: int, tables: List[EmbeddingBagConfig], bottom_mlp: List[int],
+    def __init__(self, num_dense: int, lookups: List[FeatureLookup], bottom_mlp: List[int],
                  top_mlp: List[int], interaction: str = "dot", self_interaction: bool = False,
-                 dcn_layers: int = 3, dcn_low_rank: int = 512,
+                 dcn_layers: int = 3, dcn_low_rank: int = 512, embedding_precision: str = "fp32",
                  embedding_device: torch.device = torch.device("meta")) -> None:
         """Embedding tables start on `embedding_device`; "meta" allocates nothing, because
-        sharding materialises each table only on the rank that owns it."""
+        sharding materialises each table only on the rank that owns it. `lookups` says which
+        tables each categorical feature is looked up in (compositional.py)."""
         super().__init__()
-        self.feature_names = [f for t in tables for f in t.feature_names]
+        tables = embedding_tables(lookups, embedding_precision)
+        self.lookups = lookups
+        self.embedding_dim = lookups[0].dim
+        self.lookup_keys = [k for t in tables for k in t.feature_names]  # in the lookup's output order
         self.dense_arch = DenseArch(num_dense, bottom_mlp)
+        # Compositional features: their ids become the parts' ids (a parameter-free module the
+        # train pipeline runs ahead, with the id exchange); the parts' vectors are combined.
+        self.lookup_ids, self.combine_parts = composed_lookup(lookups)
         self.embedding_bags = EmbeddingBagCollection(tables=tables, device=embedding_device)
         self.interaction, width = build_interaction(
-            interaction, len(self.feature_names), bottom_mlp[-1], tables[0].embedding_dim,
+            interaction, len(lookups), bottom_mlp[-1], self.embedding_dim,
             self_interaction, dcn_layers, dcn_low_rank)
         self.over_arch = OverArch(width, top_mlp)
         # Set by the training step: fp16 loss scaling cuts the backward in two here, and
         # CUDA Graphs replace `dense_loss` by its captured version.
         self.embedding_grad_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-        self._feature_order: Optional[torch.Tensor] = None
+        self._pooled_order: Optional[torch.Tensor] = None
         self._pooled_keys: Optional[List[str]] = None
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Click logits [B]; given `labels`, the step's mean log loss instead (training)."""
         if is_fx_symbolic_tracing():  # torchrec's train pipeline: it looks for the lookup's input
-            return self.embedding_bags(sparse)
+            return self.embedding_bags(self._lookup_input(sparse))
         pooled = self.pooled_embeddings(sparse)
         if labels is None:
             return self.logits(dense, pooled)
@@ -51,17 +60,24 @@ class DLRM(nn.Module):
             pooled = self.embedding_grad_transform(pooled)
         return self.dense_loss(dense, pooled, labels)
 
+    def _lookup_input(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        return sparse if self.lookup_ids is None else self.lookup_ids(sparse)
+
     def pooled_embeddings(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """[B, F, D] in feature order. A sharded collection returns features grouped by owner
-        rank: one gather puts them back (none when the order already matches)."""
-        pooled = self.embedding_bags(sparse)
-        values = pooled.values().view(pooled.values().shape[0], len(self.feature_names), -1)
+        """[B, F, D] in feature order. A sharded collection returns its keys grouped by owner
+        rank: one gather puts them back in lookup order (none when it already matches), in
+        pieces as wide as the narrowest key (D, or D/2 with `concat` parts); then compositional
+        features combine their parts."""
+        pooled = self.embedding_bags(self._lookup_input(sparse))
+        values = pooled.values()
         if pooled.keys() != self._pooled_keys:
             self._pooled_keys = list(pooled.keys())
-            order = [self._pooled_keys.index(f) for f in self.feature_names]
-            self._feature_order = (None if order == sorted(order)
-                                   else torch.tensor(order, device=values.device))
-        return values if self._feature_order is None else values.index_select(1, self._feature_order)
+            self._pooled_order = _lookup_order(pooled, self.lookup_keys, values.device)
+        if self._pooled_order is not None:
+            piece = values.shape[1] // len(self._pooled_order)
+            values = values.view(values.shape[0], -1, piece).index_select(1, self._pooled_order)
+        slots = values.reshape(values.shape[0], -1, self.embedding_dim)
+        return slots if self.combine_parts is None else self.combine_parts(slots)
 
     def logits(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         return self.over_arch(self.interaction(self.dense_arch(dense), pooled)).squeeze(1)
@@ -72,8 +88,20 @@ class DLRM(nn.Module):
         return binary_cross_entropy_with_logits(self.logits(dense, pooled).float(), labels)
 
 
+def _lookup_order(pooled: KeyedTensor, wanted: List[str], device: torch.device
+                  ) -> Optional[torch.Tensor]:
+    """Indices of equal pieces of the pooled columns that put the keys in `wanted` order."""
+    widths = dict(zip(pooled.keys(), pooled.length_per_key()))
+    piece = math.gcd(*widths.values())
+    first, start = {}, 0
+    for key in pooled.keys():
+        first[key], start = start // piece, start + widths[key]
+    order = [first[k] + i for k in wanted for i in range(widths[k] // piece)]
+    return None if order == sorted(order) else torch.tensor(order, device=device)
+
+
 def build_model(model_cfg, spec, embedding_device: torch.device = torch.device("meta")) -> DLRM:
-    tables = embedding_tables(spec, model_cfg.embedding_dim, model_cfg.embedding_precision)
-    return DLRM(spec.num_dense, tables, model_cfg.bottom_mlp, model_cfg.top_mlp,
-                model_cfg.interaction, model_cfg.self_interaction, model_cfg.dcn_layers,
-                model_cfg.dcn_low_rank, embedding_device)
+    return DLRM(spec.num_dense, lookups_of(model_cfg, spec), model_cfg.bottom_mlp,
+                model_cfg.top_mlp, model_cfg.interaction, model_cfg.self_interaction,
+                model_cfg.dcn_layers, model_cfg.dcn_low_rank, model_cfg.embedding_precision,
+                embedding_device)

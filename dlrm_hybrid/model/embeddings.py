@@ -1,4 +1,5 @@
-"""Embedding table configs: one table per categorical feature."""
+"""Embedding table configs: one table per categorical feature, or its parts where
+`model.compositional` replaces it (compositional.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,16 @@ from typing import List
 
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 
-from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.model.compositional import FeatureLookup
 
 PRECISIONS = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 
 
-def embedding_tables(spec: DataSpec, dim: int, precision: str = "fp32") -> List[EmbeddingBagConfig]:
+def embedding_tables(lookups: List[FeatureLookup], precision: str = "fp32"
+                     ) -> List[EmbeddingBagConfig]:
     return [
-        EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=rows,
-                           feature_names=[feature], pooling=PoolingType.SUM,
+        EmbeddingBagConfig(name=part.table, embedding_dim=part.dim, num_embeddings=part.rows,
+                           feature_names=list(part.keys), pooling=PoolingType.SUM,
                            data_type=PRECISIONS[precision])
-        for name, feature, rows in zip(spec.table_names, spec.feature_names, spec.cardinalities)
+        for lookup in lookups for part in lookup.parts
     ]

@@ -11,7 +11,8 @@ from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables
 from dlrm_hybrid.parallel.plan_file import save_plan
-from dlrm_hybrid.parallel.plan_report import compare, describe, plot
+from dlrm_hybrid.model.compositional import lookups_of
+from dlrm_hybrid.parallel.plan_report import compare, describe, describe_lookups, plot
 from dlrm_hybrid.parallel.tables import table_specs
 
 DEFAULT_GPU_MEMORY = "80GiB"
@@ -49,12 +50,16 @@ def run(args) -> None:
     if budget <= 0:
         raise ConfigError(f"--gpu-memory: {args.gpu_memory} is not more than "
                           f"parallel.reserve_per_rank ({cfg.parallel.reserve_per_rank})")
-    specs = table_specs(cfg, data_spec(cfg.data))
+    spec = data_spec(cfg.data)
+    specs = table_specs(cfg, spec)
     strategies = STRATEGIES if args.compare else (args.strategy or cfg.parallel.strategy,)
     plans = [plan_tables(specs, args.world_size, budget, cfg.data.global_batch_size, s,
                          args.gpus_per_node) for s in strategies]
     for plan in plans:
         print(describe(plan) + "\n")
+    lookups = lookups_of(cfg.model, spec)
+    if any(lookup.technique != "full" for lookup in lookups):
+        print(describe_lookups(lookups, cfg) + "\n")
     if args.compare:
         print(compare(plans))
     if args.out:

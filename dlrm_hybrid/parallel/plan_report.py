@@ -1,12 +1,15 @@
 """Human-readable plans: the per-rank table rank 0 prints, the side-by-side comparison of
-strategies, and a bar chart of per-rank memory and all-to-all load."""
+strategies, a bar chart of per-rank memory and all-to-all load, and what compositional
+embeddings save."""
 
 from __future__ import annotations
 
 from typing import List
 
+from dlrm_hybrid.model.compositional import FeatureLookup
+from dlrm_hybrid.model.compositional import describe as describe_lookup
 from dlrm_hybrid.parallel.placement import Plan, format_bytes
-from dlrm_hybrid.parallel.tables import BYTES_PER_WEIGHT
+from dlrm_hybrid.parallel.tables import BYTES_PER_WEIGHT, TableSpec
 
 
 def describe(plan: Plan) -> str:
@@ -36,6 +39,28 @@ def describe(plan: Plan) -> str:
                          f"{format_bytes(memory):>10} {'':>7} {format_bytes(a2a):>10} "
                          f"{format_bytes(lookup):>11}  (host total)")
     lines.append(_imbalance_line(plan))
+    return "\n".join(lines)
+
+
+def describe_lookups(lookups: List[FeatureLookup], cfg) -> str:
+    """Each hashed or QR feature's parts, and the bytes (weights and optimizer state) they take
+    against the full table's."""
+    size = lambda name, rows, dim: TableSpec(name, rows, dim, cfg.model.embedding_precision,  # noqa: E731
+                                             cfg.optim.embedding).bytes
+    lines = ["compositional embeddings (weights + optimizer state: full table -> parts):"]
+    full_total = parts_total = 0
+    for lookup in lookups:
+        text = describe_lookup(lookup)
+        if text is None:
+            continue
+        full = size(lookup.feature, lookup.rows, lookup.dim)
+        parts = sum(size(p.table, p.rows, p.dim) for p in lookup.parts)
+        full_total, parts_total = full_total + full, parts_total + parts
+        lines.append(f"  {text}: {format_bytes(full)} -> {format_bytes(parts)}")
+    saved = full_total - parts_total
+    lines.append(f"  {len(lines) - 1} features: {format_bytes(full_total)} -> "
+                 f"{format_bytes(parts_total)}, {format_bytes(saved)} saved "
+                 f"({100 * saved / max(full_total, 1):.1f}%)")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ what makes a 1-rank and an 8-rank run start from the same weights.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,12 +69,14 @@ def comm_codecs(precision: str, device: torch.device) -> Optional[dict]:
                                                   backward_precision=backward), device=device)
 
 
-def init_tables(dmp: DistributedModelParallel, tables: List[EmbeddingBagConfig], seed: int) -> None:
-    """Fill each locally owned shard with U(-1/sqrt(rows), 1/sqrt(rows)), as the original DLRM."""
+def init_tables(dmp: DistributedModelParallel, tables: List[EmbeddingBagConfig],
+                bounds: Dict[str, float], seed: int) -> None:
+    """Fill each locally owned shard of each table with U(-bound, bound): 1/sqrt(rows) for a
+    full table, as the original DLRM; compositional parts have their own (compositional.py)."""
     state = dmp.state_dict()
     for index, table in enumerate(tables):
         weight = state[_state_key(state, table.name)]
-        bound = table.num_embeddings ** -0.5
+        bound = bounds[table.name]
         for shard in weight.local_shards():
             row0, col0 = shard.metadata.shard_offsets
             rows, cols = shard.tensor.shape

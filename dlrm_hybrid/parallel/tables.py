@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
+from dlrm_hybrid.model.compositional import lookups_of
+
 BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2}
 OPTIMIZER_STATE_PER_ROW = {  # fp32 values per row of a shard with `cols` columns
     "sgd": lambda cols: 0,
@@ -51,7 +53,10 @@ class TableSpec:
 
 
 def table_specs(cfg, spec) -> List[TableSpec]:
-    """The tables a config's model has over a dataset's features (`spec`: a DataSpec)."""
+    """The tables a config's model has over a dataset's features (`spec`: a DataSpec): one per
+    feature, or its parts (model/compositional.py), each part seeing all of its feature's ids."""
     m = cfg.model
-    return [TableSpec(name, rows, m.embedding_dim, m.embedding_precision, cfg.optim.embedding, hot)
-            for name, rows, hot in zip(spec.table_names, spec.cardinalities, spec.mean_hotness)]
+    return [TableSpec(part.table, part.rows, part.dim, m.embedding_precision, cfg.optim.embedding,
+                      hot, lookup.slots)
+            for lookup, hot in zip(lookups_of(m, spec), spec.mean_hotness)
+            for part in lookup.parts]

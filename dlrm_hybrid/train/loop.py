@@ -15,7 +15,7 @@ from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
 from dlrm_hybrid.parallel.job_plan import job_plan
-from dlrm_hybrid.parallel.plan_report import describe
+from dlrm_hybrid.parallel.plan_report import describe, describe_lookups
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
 from dlrm_hybrid.parallel.tables import table_specs
@@ -120,8 +120,11 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
     plan = job_plan(cfg, table_specs(cfg, spec), env)
     say(describe(plan))
+    if any(lookup.technique != "full" for lookup in model.lookups):
+        say(describe_lookups(model.lookups, cfg))
     dmp = shard_model(model, plan, env.device, env.local_world_size, cfg.parallel.comm_precision)
-    init_tables(dmp, tables, cfg.train.seed)
+    bounds = {part.table: part.init_bound for lookup in model.lookups for part in lookup.parts}
+    init_tables(dmp, tables, bounds, cfg.train.seed)
     return dmp, plan
 
 

@@ -1,0 +1,123 @@
+"""The two steps around the embedding lookup that compositional features need
+(compositional.py): their ids become the parts' ids before it, and the parts' pooled vectors
+become one vector per feature after it.
+
+`LookupIds` has no parameters and reads only the batch, so torchrec's train pipeline runs it
+with the id exchange, ahead of the step (`pipeline_postproc`); the lookup itself is the sharded
+EmbeddingBagCollection, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrm_hybrid.model.compositional import FeatureLookup
+
+
+class LookupIds(nn.Module):
+    """The dataset's features (one key each) -> the parts' lookup keys, in `lookups` order:
+    hash: id mod m; qr: id // c and id % c (int64 floor division; ids are non-negative), for a
+    multi-hot `mult` spread over id slots."""
+
+    def __init__(self, lookups: List[FeatureLookup]) -> None:
+        super().__init__()
+        self.lookups = lookups
+        self.keys = [k for lookup in lookups for k in lookup.keys]
+
+    def forward(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        features = sparse.to_dict()
+        values: List[torch.Tensor] = []
+        lengths: List[torch.Tensor] = []
+        for lookup in self.lookups:
+            ids, counts = features[lookup.feature].values(), features[lookup.feature].lengths()
+            if lookup.technique == "hash":
+                values.append(torch.remainder(ids, lookup.modulus))
+                lengths.append(counts)
+                continue
+            if lookup.technique == "full":
+                values.append(ids)
+                lengths.append(counts)
+                continue
+            if lookup.slots > 1:
+                ids, counts = id_slots(ids, counts, lookup.slots)
+            c = lookup.modulus
+            values += [torch.div(ids, c, rounding_mode="floor"), torch.remainder(ids, c)]
+            lengths += [counts, counts]
+        return KeyedJaggedTensor.from_lengths_sync(self.keys, torch.cat(values),
+                                                   torch.cat(lengths))
+
+
+def id_slots(ids: torch.Tensor, lengths: torch.Tensor, slots: int
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Bags of at most `slots` ids as `slots` groups of one-id bags: group j holds each bag's
+    j-th id (an empty bag where it has fewer). Returns the ids group by group, each group in bag
+    order, and the [slots * B] lengths (0 or 1)."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    position = (torch.arange(ids.numel(), device=ids.device)
+                - torch.repeat_interleave(starts, lengths, output_size=ids.numel()))
+    order = torch.argsort(position, stable=True)
+    slot = torch.arange(slots, device=lengths.device, dtype=lengths.dtype)
+    return ids[order], (lengths[None, :] > slot[:, None]).to(lengths.dtype).reshape(-1)
+
+
+class CombineParts(nn.Module):
+    """[B, S, D] pooled slots in lookup order -> [B, F, D], one vector per feature.
+
+    A full or hashed table is one slot, and so is a `concat` feature (its two half-width parts
+    are adjacent: together they are its vector). An `add` feature is two slots, summed; a `mult`
+    feature of h id slots is 2h (Q's, then R's), multiplied pairwise and summed. Features are
+    computed in groups of one kind (a gather, at most one product and one sum each), then put
+    back in feature order."""
+
+    def __init__(self, lookups: List[FeatureLookup]) -> None:
+        super().__init__()
+        groups: Dict[Tuple[str, int], List[Tuple[int, List[int]]]] = {}
+        slot = 0
+        for index, lookup in enumerate(lookups):
+            width = _slot_count(lookup)
+            kind = ("add" if lookup.operation == "add" else
+                    "mult" if lookup.operation == "mult" else "one")
+            groups.setdefault((kind, width), []).append((index, list(range(slot, slot + width))))
+            slot += width
+        self.kinds = list(groups)
+        for number, members in enumerate(groups.values()):
+            self.register_buffer(f"slots_{number}", torch.tensor([s for _, s in members]),
+                                 persistent=False)
+        order = [index for members in groups.values() for index, _ in members]
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        self.register_buffer("inverse", torch.tensor(inverse), persistent=False)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        batch, dim = pooled.shape[0], pooled.shape[2]
+        out = []
+        for number, (kind, width) in enumerate(self.kinds):
+            slots: torch.Tensor = getattr(self, f"slots_{number}")
+            picked = pooled.index_select(1, slots.reshape(-1)).view(batch, -1, width, dim)
+            if kind == "one":
+                out.append(picked[:, :, 0])
+            elif kind == "add":
+                out.append(picked.sum(2))
+            else:
+                half = width // 2
+                out.append((picked[:, :, :half] * picked[:, :, half:]).sum(2))
+        return torch.cat(out, 1).index_select(1, self.inverse)
+
+
+def _slot_count(lookup: FeatureLookup) -> int:
+    """Pooled D-wide slots a feature takes in the lookup's output."""
+    if lookup.technique != "qr" or lookup.operation == "concat":
+        return 1
+    return 2 * lookup.slots
+
+
+def composed_lookup(lookups: List[FeatureLookup]
+                    ) -> Tuple[Optional[LookupIds], Optional[CombineParts]]:
+    """The id transform and the combination a model's lookups need (None where they need none:
+    full tables only; hashing and concat need no combination)."""
+    ids = LookupIds(lookups) if any(l.technique != "full" for l in lookups) else None
+    combine = (CombineParts(lookups) if any(_slot_count(l) > 1 for l in lookups) else None)
+    return ids, combine

@@ -1,0 +1,164 @@
+"""Compositional embeddings (Shi et al., KDD 2020) and the hashing trick: which tables a feature
+is looked up in when `model.compositional` replaces its full table by smaller ones.
+
+- `hash`: one table of m rows (`t_<feature>_h`); id -> id mod m.
+- `qr`: a quotient table Q of ceil(n / c) rows (`t_<feature>_q`) and a remainder table R of c
+  rows (`t_<feature>_r`); an id's vector is combine(Q[id // c], R[id % c]), integer floor
+  division on int64 ids, combine being `mult` (elementwise), `add`, or `concat` (each part half
+  the width, so the result keeps `embedding_dim`).
+
+A multi-hot bag's vector is the sum over its ids of that combination. `add` and `concat` are
+linear, so pooling each part over the bag gives exactly that. `mult` is not: the sum of
+Q_j * R_j is not (sum Q)(sum R), which facebookresearch/dlrm's QREmbeddingBag computes. A
+multi-hot `mult` feature of at most h ids is therefore looked up as h one-id slots (slot j holds
+each bag's j-th id, or none): its parts pool one vector per slot, which are multiplied and
+summed (composed_lookup.py). That costs h pooled vectors per part and sample instead of one,
+which the placer counts (TableSpec.bags).
+
+The parts are ordinary tables: the placer balances them and torchrec shards them (table- or
+column-wise, on any ranks) like every other. Datasets are unchanged: ids are transformed at lookup.
+
+This module is plain Python (no torch), so that `plan` stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from dlrm_hybrid.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Part:
+    """One embedding table the model really has."""
+
+    table: str
+    keys: Tuple[str, ...]  # its lookup keys: one, or one per id slot
+    rows: int
+    dim: int
+    init_bound: float  # initialised U(-init_bound, init_bound)
+
+
+@dataclass(frozen=True)
+class FeatureLookup:
+    """How one categorical feature is looked up."""
+
+    feature: str
+    rows: int  # the feature's cardinality
+    hotness: int  # ids per bag, at most
+    dim: int  # width of its looked-up vector (model.embedding_dim)
+    technique: str  # full | hash | qr
+    modulus: int  # hash: buckets m; qr: collisions c; full: 0
+    operation: str  # qr: mult | add | concat; otherwise ""
+    parts: Tuple[Part, ...]
+
+    @property
+    def slots(self) -> int:
+        """Pooled vectors per part and sample: one per id slot for a multi-hot `mult`."""
+        return len(self.parts[0].keys)
+
+    @property
+    def keys(self) -> List[str]:
+        return [k for p in self.parts for k in p.keys]
+
+
+def init_bounds(rows: int, technique: str, operation: str) -> float:
+    """U(-b, b) bound of each part such that a looked-up vector has the variance of the full
+    table's initialisation, U(-a, a) with a = 1/sqrt(n) (the original DLRM's), i.e. a^2 / 3 per
+    component, n being the feature's cardinality whatever the technique:
+
+    - full, hash, concat (each component comes from one part): b = a.
+    - add (the sum of two independent zero-mean parts): b = a / sqrt(2), each part a^2 / 6.
+    - mult (the product of two independent zero-mean parts, variance the product of theirs):
+      (b^2 / 3)^2 = a^2 / 3, so b = (3 a^2)^(1/4).
+
+    Both parts are zero-mean (facebookresearch/dlrm set only the lower bound, making every weight
+    positive, and `add` diverged: its issue 326)."""
+    a = rows ** -0.5
+    if technique == "qr" and operation == "add":
+        return a / math.sqrt(2)
+    if technique == "qr" and operation == "mult":
+        return (3 * a * a) ** 0.25
+    return a
+
+
+def feature_lookups(feature_names: Sequence[str], cardinalities: Sequence[int],
+                    hotness: Sequence[int], dim: int, rules: Sequence) -> List[FeatureLookup]:
+    """Each feature's lookup under `rules` (model.compositional): the first rule naming or
+    selecting a feature decides; a rule selected by `rows_above` leaves a table it would not
+    shrink full; one naming a feature it would not shrink is a ConfigError."""
+    known = set(feature_names)
+    for i, rule in enumerate(rules):
+        unknown = [f for f in rule.features if f not in known]
+        if unknown:
+            raise ConfigError(f"model.compositional[{i}].features: {unknown[0]} is not a "
+                              f"categorical feature; they are {_names(feature_names)}")
+    lookups = []
+    for feature, rows, hot in zip(feature_names, cardinalities, hotness):
+        index, rule = _rule_for(feature, rows, rules)
+        lookup = _lookup(feature, rows, hot, dim, rule)
+        if rule is not None and lookup.technique == "full" and rule.technique != "full":
+            if rule.features:
+                raise ConfigError(
+                    f"model.compositional[{index}]: {rule.technique} would not make {feature}'s "
+                    f"table of {rows:,} rows smaller; lower "
+                    f"{'buckets' if rule.technique == 'hash' else 'collisions'} or leave it full")
+        lookups.append(lookup)
+    return lookups
+
+
+def _rule_for(feature: str, rows: int, rules: Sequence):
+    for index, rule in enumerate(rules):
+        if feature in rule.features or (not rule.features and rows > rule.rows_above):
+            return index, rule
+    return None, None
+
+
+def _lookup(feature: str, rows: int, hotness: int, dim: int, rule) -> FeatureLookup:
+    technique = "full" if rule is None else rule.technique
+    if technique == "hash" and rule.buckets < rows:
+        part = Part(f"t_{feature}_h", (f"{feature}_h",), rule.buckets, dim,
+                    init_bounds(rows, "hash", ""))
+        return FeatureLookup(feature, rows, hotness, dim, "hash", rule.buckets, "", (part,))
+    if technique == "qr" and _qr_rows(rows, rule.collisions, rule.operation, dim) < rows * dim:
+        c, op = rule.collisions, rule.operation
+        width = dim // 2 if op == "concat" else dim
+        slots = hotness if op == "mult" and hotness > 1 else 1
+        bound = init_bounds(rows, "qr", op)
+        q_keys = tuple(f"{feature}_q{j}" for j in range(slots)) if slots > 1 else (f"{feature}_q",)
+        r_keys = tuple(f"{feature}_r{j}" for j in range(slots)) if slots > 1 else (f"{feature}_r",)
+        parts = (Part(f"t_{feature}_q", q_keys, -(-rows // c), width, bound),
+                 Part(f"t_{feature}_r", r_keys, c, width, bound))
+        return FeatureLookup(feature, rows, hotness, dim, "qr", c, op, parts)
+    part = Part(f"t_{feature}", (feature,), rows, dim, init_bounds(rows, "full", ""))
+    return FeatureLookup(feature, rows, hotness, dim, "full", 0, "", (part,))
+
+
+def _qr_rows(rows: int, c: int, operation: str, dim: int) -> int:
+    """Weights of the two parts (as rows x width), to compare with the full table's."""
+    width = dim // 2 if operation == "concat" else dim
+    return (-(-rows // c) + c) * width
+
+
+def _names(names: Sequence[str]) -> str:
+    return ", ".join(names) if len(names) <= 8 else f"{names[0]} .. {names[-1]}"
+
+
+def lookups_of(model_cfg, spec) -> List[FeatureLookup]:
+    """The lookups of a config's model over a dataset's features (`spec`: a DataSpec)."""
+    return feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
+                           model_cfg.embedding_dim, model_cfg.compositional)
+
+
+def describe(lookup: FeatureLookup) -> Optional[str]:
+    """'cat_0 (40,000,000 rows): qr mult c=4 -> t_cat_0_q 10,000,000x128 + t_cat_0_r 4x128', or
+    None for a full table."""
+    if lookup.technique == "full":
+        return None
+    how = (f"hash m={lookup.modulus:,}" if lookup.technique == "hash"
+           else f"qr {lookup.operation} c={lookup.modulus:,}")
+    slots = f", {lookup.slots} id slots" if lookup.slots > 1 else ""
+    parts = " + ".join(f"{p.table} {p.rows:,}x{p.dim}" for p in lookup.parts)
+    return f"{lookup.feature} ({lookup.rows:,} rows): {how} -> {parts}{slots}"
