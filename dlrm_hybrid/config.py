@@ -170,7 +170,12 @@ def load_config(path: Optional[str], overrides: List[str] = (), world_size: int 
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set train.max_steps=40")
-        _assign(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}: {text!r} is not a valid YAML value "
+                              f"({str(e).splitlines()[0]}); quote it or fix its brackets")
+        _assign(raw, key.strip(), value)
     cfg = _build(Config, raw, "")
     validate(cfg, world_size)
     return cfg

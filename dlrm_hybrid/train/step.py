@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import warnings
 from typing import Iterator
@@ -77,9 +78,14 @@ class _Pipeline(TrainPipelineSparseDist):
     step through the fp16 loss scaler. It calls `optimizer.zero_grad()` itself."""
 
     def __init__(self, step: TrainStep, device: torch.device) -> None:
+        # pipeline_postproc: compositional features' id transform (model.lookup_ids, no
+        # parameters) runs ahead with the id exchange; without it the lookup is not pipelined.
         super().__init__(step.dmp, step.optimizer, device, execute_all_batches=True,
+                         pipeline_postproc=True,
                          custom_model_fwd=lambda batch: _loss_and_output(step.forward(batch)))
         self.precision = step.precision
+        if device.type == "cpu":  # CPU has no streams to race on; torchrec warns of NaNs anyway
+            logging.getLogger("torchrec.distributed.train_pipeline.postproc").setLevel(logging.ERROR)
 
     def _backward(self, losses: torch.Tensor) -> None:
         self.precision.backward(losses)
