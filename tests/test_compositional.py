@@ -232,7 +232,8 @@ def test_one_and_two_ranks_reshard_resume_eval_and_export_alike(tmp_path):
 
     common = [DEMO_RULES, "train.max_steps=12", "train.log_every=1", "checkpoint.every=6",
               "data.val_samples=4096", "train.progress_bar=false", "optim.dense=sgd",
-              "optim.dense_lr=0.5", "checkpoint.resume=auto"]
+              "optim.dense_lr=0.5", "checkpoint.resume=auto",
+              "optim.embedding=adagrad"]  # row-wise Adagrad's column shards keep their own row statistic
     # On 2 ranks, a quotient table and a half-width concat part are split column-wise.
     result = run_cli(["plan", "--config", "configs/demo.yaml", "--world-size", "2",
                       "--out", str(tmp_path / "plan.json"), "--set", DEMO_RULES])

@@ -28,6 +28,8 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     cfg = load_config(config or str(checkpoint_config_path(path)), overrides, env.world_size)
     # Evaluation updates nothing: any fused kernel serves (fbgemm's CPU build has no Adam).
     cfg.optim.embedding = "sgd"
+    if not any(o.strip().startswith("parallel.plan=") for o in overrides):
+        cfg.parallel.plan = ""  # the training run's plan file is for its world size, not this one's
     log = MetricsLog(Path(cfg.train.run_dir), env.rank)
     dataset = open_dataset(cfg.data)
     require_samples(dataset, (split,), "eval")
