@@ -63,6 +63,9 @@ class DataConfig:
     train_samples: int = 1_000_000
     val_samples: int = 65_536
     zipf_exponent: float = 1.1  # category frequency skew, as in click logs
+    # frequency: id 0 is the most frequent value, 1 the next (as `preprocess` numbers them) |
+    # scattered: a fixed pseudo-random relabelling of that order (as numbering by first appearance)
+    id_order: str = "frequency"
     teacher_dim: int = 8  # width of the planted teacher's latent vectors
     teacher_scale: float = 1.0  # logit scale of the teacher: higher means an easier task
 
@@ -140,6 +143,7 @@ CHOICES = {
     "model.interaction": ("dot", "cat", "dcn"),
     "data.loader": ("torch", "dali"),
     "data.hotness_distribution": ("fixed", "uniform"),
+    "data.id_order": ("frequency", "scattered"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.strategy": ("greedy", "nvidia"),
     "parallel.comm_precision": ("fp32", "fp16", "bf16"),

@@ -83,6 +83,18 @@ def test_category_frequencies_are_zipf_skewed():
     assert counts[:10].sum() > 0.3 * len(ids)
 
 
+def test_scattered_ids_relabel_the_same_frequencies():
+    """data.id_order=scattered: the same values with the same counts, the frequent ones no
+    longer neighbours (the quotient of QR embeddings groups neighbours)."""
+    scattered = DataConfig(**{**CFG.__dict__, "id_order": "scattered"})
+    ordered = SyntheticClicks(CFG).batch("train", 0, 4096).sparse["cat_0"].values().numpy()
+    ids = SyntheticClicks(scattered).batch("train", 0, 4096).sparse["cat_0"].values().numpy()
+    assert ids.min() >= 0 and ids.max() < 1000
+    assert sorted(np.bincount(ids, minlength=1000)) == sorted(np.bincount(ordered, minlength=1000))
+    top = np.argsort(-np.bincount(ids, minlength=1000))[:8]
+    assert len(set((top // 4).tolist())) == 8  # no two of the 8 most frequent share a quotient row
+
+
 def test_validation_split_is_covered_once_with_padding_masked():
     data = SyntheticClicks(CFG)
     batches = list(rank_batches(data, "val", 512, 1, 2))  # rank 1 of 2

@@ -52,6 +52,15 @@ def zipf_ids(u: np.ndarray, rows: int, exponent: float) -> np.ndarray:
     return np.minimum(x.astype(np.int64) - 1, rows - 1)
 
 
+SCATTER_MULTIPLIER = 2_654_435_761  # a prime above any table size: coprime to every row count
+
+
+def scatter_ids(ids: np.ndarray, rows: int) -> np.ndarray:
+    """A bijection of 0..rows-1 (id -> (p * id + rows // 2) mod rows, p prime) that moves the
+    frequent low ids apart: what id numbering by first appearance or by hashing looks like."""
+    return (ids * SCATTER_MULTIPLIER + rows // 2) % rows
+
+
 class SyntheticClicks(ClickDataset):
     """The planted-teacher dataset described by a `DataConfig`."""
 
@@ -61,6 +70,7 @@ class SyntheticClicks(ClickDataset):
         self.spec = DataSpec.from_config(data_cfg)
         self.seed = data_cfg.seed
         self.exponent = data_cfg.zipf_exponent
+        self.scattered = data_cfg.id_order == "scattered"
         self.teacher_dim = data_cfg.teacher_dim
         self.sizes = {"train": data_cfg.train_samples, "val": data_cfg.val_samples,
                       "test": data_cfg.val_samples}
@@ -103,7 +113,8 @@ class SyntheticClicks(ClickDataset):
             stride = np.uint64(max(64, hot))
             slots = index[:, None] * stride + np.arange(hot, dtype=np.uint64)
             u = counter_uniform(self.seed, self.STREAM_IDS + 16 * table, slots.reshape(-1))
-            out.append(zipf_ids(u, rows, self.exponent).reshape(len(index), hot))
+            ids = zipf_ids(u, rows, self.exponent).reshape(len(index), hot)
+            out.append(scatter_ids(ids, rows) if self.scattered else ids)
         return out
 
     def _lengths(self, index: np.ndarray) -> list:
