@@ -58,6 +58,31 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path, embed
         assert_same_losses(step_losses(run_dir), expected, range(7, 13))
 
 
+def test_rowwise_adagrad_column_shards_that_cannot_reshard_say_why(tmp_path):
+    """Row-wise Adagrad keeps a statistic per row of each column shard: a checkpoint whose table
+    was split otherwise cannot load, and the error says so and how to resume (not "other
+    model settings", which would send the user hunting for a config change)."""
+    result = run_cli(["plan", "--config", "configs/demo.yaml", "--world-size", "2",
+                      "--out", str(tmp_path / "plan.json")])
+    assert result.returncode == 0, failure(result)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan["tables"]["t_cat_0"].update(sharding="column_wise", ranks=[0, 1], columns=[8, 8])
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    split = sets("optim.embedding=rowwise_adagrad", "train.max_steps=2",
+                 f"train.run_dir={tmp_path / 'two'}", f"parallel.plan={tmp_path / 'plan.json'}")
+    assert run_cli(["train", "--config", "configs/demo.yaml", *split], nproc=2).returncode == 0
+    step_2 = tmp_path / "two" / "checkpoints" / "step_2"
+    result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+        "optim.embedding=rowwise_adagrad", "train.max_steps=4", f"checkpoint.resume={step_2}",
+        f"train.run_dir={tmp_path / 'one'}")])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {step_2}: table t_cat_0 is split into other column shards here than in the run "
+        f"that wrote it, and row-wise Adagrad keeps one statistic per row of each shard, which "
+        f"cannot be resharded; resume on that run's world size with its plan "
+        f"(parallel.plan=<its run_dir>/plan.json)")
+
+
 def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path):
     steps = ["train.max_steps=150", "checkpoint.every=25"]
     clean = tmp_path / "clean"

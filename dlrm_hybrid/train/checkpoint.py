@@ -152,6 +152,13 @@ def _load_error(path: Path, error: BaseException) -> DataError:
         error, CheckpointException) else [error]
     for cause in causes:
         text = str(cause).splitlines()[0] if str(cause) else ""
+        rowwise = re.search(r"Size mismatch .* for optim\.state\..*\.(\w+)\.weight\.\w+\.momentum1", text)
+        if isinstance(cause, ValueError) and rowwise and "rowwise_adagrad" in _optimizer_of(path):
+            return DataError(
+                f"{path}: table {rowwise.group(1)} is split into other column shards here than "
+                f"in the run that wrote it, and row-wise Adagrad keeps one statistic per row of "
+                f"each shard, which cannot be resharded; resume on that run's world size with "
+                f"its plan (parallel.plan=<its run_dir>/plan.json)")
         if isinstance(cause, ValueError) and ("Size mismatch" in text or "Missing key" in text):
             return DataError(f"{path}: does not fit this model ({text}); it was trained with other "
                              f"model or table settings: use the config it was written with")
@@ -159,6 +166,14 @@ def _load_error(path: Path, error: BaseException) -> DataError:
     text = str(cause).splitlines()[0] if str(cause) else ""
     return DataError(f"{path}: cannot load checkpoint ({type(cause).__name__}: {text}); it is "
                      f"truncated or corrupt, resume from an older one or checkpoint.resume=none")
+
+
+def _optimizer_of(path: Path) -> str:
+    """The embedding optimizer a checkpoint was trained with ("" if unreadable)."""
+    try:
+        return load_config(str(path / CONFIG)).optim.embedding
+    except ConfigError:
+        return ""
 
 
 def checkpoint_config_path(path: Path) -> Path:
