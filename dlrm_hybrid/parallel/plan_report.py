@@ -21,7 +21,7 @@ def describe(plan: Plan) -> str:
              f"{'host':>4} {'rank':>5} {'shards':>6} {'rows':>13} {'weights':>10} {'optimizer':>10} "
              f"{'total':>10} {'budget':>7} {'a2a/step':>10} {'lookup/step':>11}  tables"]
     for rank in range(plan.world_size):
-        shards = [s for s in plan.shards if s.rank == rank]
+        shards = plan.shards_on(rank)
         specs = [plan.tables[s.table] for s in shards]
         rows = sum(t.rows for t in specs)
         weights = sum(t.rows * s.cols * BYTES_PER_WEIGHT[t.precision] for t, s in zip(specs, shards))

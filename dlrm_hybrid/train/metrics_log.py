@@ -34,7 +34,7 @@ class MetricsLog:
         if self.rank_logs:
             self._rank_file = open(self.run_dir / f"rank_{self.rank}.jsonl", mode)
             shards = [f"{s.table}[{s.col_offset}:{s.col_offset + s.cols}]"
-                      for s in plan.shards if s.rank == self.rank]
+                      for s in plan.shards_on(self.rank)]
             self.record_rank({"rank": self.rank, "shards": shards})
 
     def record(self, event: dict) -> None:
