@@ -48,6 +48,39 @@ def done_fields(stdout: str) -> dict:
     return {k: float(v) for k, v in (item.split("=") for item in last.split()[1:])}
 
 
+def exported_val_scores(checkpoint: Path, exported: Path):
+    """(logits, labels) of the validation split scored by an `export`ed file of `checkpoint`,
+    in one unsharded model built from the checkpoint's config."""
+    import torch
+
+    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.data.synthetic import SyntheticClicks
+    from dlrm_hybrid.model.dlrm import build_model
+
+    cfg = load_config(str(checkpoint / "config.yaml"))
+    data = SyntheticClicks(cfg.data)
+    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
+    model.load_state_dict(torch.load(exported, weights_only=True))
+    batch = data.batch("val", 0, cfg.data.val_samples)
+    with torch.no_grad():
+        return model(batch.dense, batch.sparse), batch.labels
+
+
+def assert_eval_and_export_reproduce(checkpoint: Path, val_auc: float, exported: Path) -> None:
+    """`eval` of `checkpoint` prints the run's validation AUC, and the model its `export` wrote
+    scores the same AUC in one unsharded process."""
+    import torch
+    from torchmetrics.functional.classification import binary_auroc
+
+    result = run_cli(["eval", "--checkpoint", str(checkpoint), "--split", "val"])
+    assert result.returncode == 0, failure(result)
+    assert f"val_auc={val_auc:.5f}" in result.stdout.strip().splitlines()[-1]
+    result = run_cli(["export", "--checkpoint", str(checkpoint), "--out", str(exported)])
+    assert result.returncode == 0, failure(result)
+    logits, labels = exported_val_scores(checkpoint, exported)
+    assert abs(binary_auroc(torch.sigmoid(logits), labels.long()).item() - val_auc) < 1e-5
+
+
 def train_with_each_loader(data_path, run_root: Path, env, batch: int, steps: int) -> dict:
     """{loader: TrainResult} of the demo model trained on `data_path`, shuffled, same seeds."""
     from dlrm_hybrid.config import load_config

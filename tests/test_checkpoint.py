@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, TORCHRUN, failure, run_cli
+from conftest import ROOT, TORCHRUN, assert_eval_and_export_reproduce, failure, run_cli
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.errors import DataError, TrainingDiverged
@@ -219,29 +219,11 @@ def test_a_run_diverging_before_its_first_checkpoint_publishes_none(tmp_path):
 def test_eval_and_export_reproduce_the_training_run(tmp_path, process_group):
     """`eval` scores a checkpoint like the run's own final evaluation; `export` gives one file
     that an unsharded model on one process loads strictly and scores the same."""
-    import torch
-    from torchmetrics.functional.classification import binary_auroc
-
-    from dlrm_hybrid.data.synthetic import SyntheticClicks
-    from dlrm_hybrid.model.dlrm import build_model
-
     cfg = load_config(str(ROOT / "configs/demo.yaml"), [
         *COMMON, "train.max_steps=30", f"train.run_dir={tmp_path}"])
     final = train(cfg, process_group).metrics
-    step = tmp_path / "checkpoints" / "step_30"
-    result = run_cli(["eval", "--checkpoint", str(step), "--split", "val"])
-    assert result.returncode == 0, failure(result)
-    assert f"val_auc={final['val_auc']:.5f}" in result.stdout.strip().splitlines()[-1]
-
-    result = run_cli(["export", "--checkpoint", str(step), "--out", str(tmp_path / "model.pt")])
-    assert result.returncode == 0, failure(result)
-    data = SyntheticClicks(cfg.data)
-    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
-    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
-    batch = data.batch("val", 0, cfg.data.val_samples)
-    with torch.no_grad():
-        auc = binary_auroc(torch.sigmoid(model(batch.dense, batch.sparse)), batch.labels.long())
-    assert abs(auc.item() - final["val_auc"]) < 1e-5
+    assert_eval_and_export_reproduce(tmp_path / "checkpoints" / "step_30", final["val_auc"],
+                                     tmp_path / "model.pt")
 
     bad = run_cli(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x.pt")])
     assert bad.returncode == 2 and "is not a complete checkpoint" in bad.stderr

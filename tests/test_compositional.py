@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from conftest import ROOT, failure, read_metrics, run_cli
+from conftest import ROOT, assert_eval_and_export_reproduce, failure, read_metrics, run_cli
 from dlrm_hybrid.config import CompositionalRule, ConfigError, load_config
 from dlrm_hybrid.model.composed_lookup import LookupIds
 from dlrm_hybrid.model.compositional import feature_lookups
@@ -225,11 +225,6 @@ def test_one_and_two_ranks_reshard_resume_eval_and_export_alike(tmp_path):
     per-step losses; a 2-rank checkpoint
     resumes on 1 rank with the 2-rank run's losses; `eval` of the final checkpoint reproduces
     the run's evaluation, and its export, in one unsharded model, scores the same."""
-    from torchmetrics.functional.classification import binary_auroc
-
-    from dlrm_hybrid.data.synthetic import SyntheticClicks
-    from dlrm_hybrid.model.dlrm import build_model
-
     common = [DEMO_RULES, "train.max_steps=12", "train.log_every=1", "checkpoint.every=6",
               "data.val_samples=4096", "train.progress_bar=false", "optim.dense=sgd",
               "optim.dense_lr=0.5", "checkpoint.resume=auto",
@@ -258,17 +253,5 @@ def test_one_and_two_ranks_reshard_resume_eval_and_export_alike(tmp_path):
             assert abs(losses["resumed"][step] - loss) <= 1e-4 * loss, (step, losses)
 
     final = [e for e in read_metrics(tmp_path / "two") if "val_auc" in e][-1]
-    step_12 = tmp_path / "two" / "checkpoints" / "step_12"
-    result = run_cli(["eval", "--checkpoint", str(step_12), "--split", "val"])
-    assert result.returncode == 0, failure(result)
-    assert f"val_auc={final['val_auc']:.5f}" in result.stdout.strip().splitlines()[-1]
-    result = run_cli(["export", "--checkpoint", str(step_12), "--out", str(tmp_path / "m.pt")])
-    assert result.returncode == 0, failure(result)
-    cfg = load_config(str(step_12 / "config.yaml"))
-    data = SyntheticClicks(cfg.data)
-    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
-    model.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
-    batch = data.batch("val", 0, cfg.data.val_samples)
-    with torch.no_grad():
-        auc = binary_auroc(torch.sigmoid(model(batch.dense, batch.sparse)), batch.labels.long())
-    assert abs(auc.item() - final["val_auc"]) < 1e-5
+    assert_eval_and_export_reproduce(tmp_path / "two" / "checkpoints" / "step_12",
+                                     final["val_auc"], tmp_path / "m.pt")

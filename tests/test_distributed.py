@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, done_fields, failure, read_metrics, run_cli
+from conftest import ROOT, done_fields, exported_val_scores, failure, read_metrics, run_cli
 
 # Dense SGD: Adagrad's first steps move each weight by +-lr whatever its gradient's size, so
 # the sign of a near-zero gradient (rounding of another reduction order) would decide them.
@@ -31,22 +31,11 @@ def train_losses(tmp_path, nproc, optimizer):
 
 def validation_logits(run_dir):
     """The final checkpoint's click logits on the validation split, in one unsharded model."""
-    import torch
-
-    from dlrm_hybrid.config import load_config
-    from dlrm_hybrid.data.synthetic import SyntheticClicks
-    from dlrm_hybrid.model.dlrm import build_model
     from dlrm_hybrid.train.inference import export_checkpoint
 
     checkpoint = run_dir / "checkpoints" / "step_20"
     export_checkpoint(str(checkpoint), str(run_dir / "model.pt"))
-    cfg = load_config(str(checkpoint / "config.yaml"))
-    data = SyntheticClicks(cfg.data)
-    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
-    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
-    batch = data.batch("val", 0, cfg.data.val_samples)
-    with torch.no_grad():
-        return model(batch.dense, batch.sparse)
+    return exported_val_scores(checkpoint, run_dir / "model.pt")[0]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
