@@ -141,7 +141,7 @@ def config(run_dir, *overrides):
 
 def test_initial_vectors_have_the_full_tables_scale(tmp_path, process_group):
     """Each technique's looked-up vectors start with the spread of the full table's
-    U(-1/sqrt(n), 1/sqrt(n)) init, n being the feature's rows (compositional.init_bounds)."""
+    U(-1/sqrt(n), 1/sqrt(n)) init, n being the feature's rows (compositional.init_bound)."""
     from dlrm_hybrid.data.synthetic import SyntheticClicks
     from dlrm_hybrid.train.loop import build_sharded_model
 

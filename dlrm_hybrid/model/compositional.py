@@ -64,7 +64,7 @@ class FeatureLookup:
         return [k for p in self.parts for k in p.keys]
 
 
-def init_bounds(rows: int, technique: str, operation: str) -> float:
+def init_bound(rows: int, technique: str, operation: str) -> float:
     """U(-b, b) bound of each part such that a looked-up vector has the variance of the full
     table's initialisation, U(-a, a) with a = 1/sqrt(n) (the original DLRM's), i.e. a^2 / 3 per
     component, n being the feature's cardinality whatever the technique:
@@ -120,23 +120,23 @@ def _lookup(feature: str, rows: int, hotness: int, dim: int, rule) -> FeatureLoo
     technique = "full" if rule is None else rule.technique
     if technique == "hash" and rule.buckets < rows:
         part = Part(f"t_{feature}_h", (f"{feature}_h",), rule.buckets, dim,
-                    init_bounds(rows, "hash", ""))
+                    init_bound(rows, "hash", ""))
         return FeatureLookup(feature, rows, hotness, dim, "hash", rule.buckets, "", (part,))
-    if technique == "qr" and _qr_rows(rows, rule.collisions, rule.operation, dim) < rows * dim:
+    if technique == "qr" and _qr_weights(rows, rule.collisions, rule.operation, dim) < rows * dim:
         c, op = rule.collisions, rule.operation
         width = dim // 2 if op == "concat" else dim
         slots = hotness if op == "mult" and hotness > 1 else 1
-        bound = init_bounds(rows, "qr", op)
+        bound = init_bound(rows, "qr", op)
         q_keys = tuple(f"{feature}_q{j}" for j in range(slots)) if slots > 1 else (f"{feature}_q",)
         r_keys = tuple(f"{feature}_r{j}" for j in range(slots)) if slots > 1 else (f"{feature}_r",)
         parts = (Part(f"t_{feature}_q", q_keys, -(-rows // c), width, bound),
                  Part(f"t_{feature}_r", r_keys, c, width, bound))
         return FeatureLookup(feature, rows, hotness, dim, "qr", c, op, parts)
-    part = Part(f"t_{feature}", (feature,), rows, dim, init_bounds(rows, "full", ""))
+    part = Part(f"t_{feature}", (feature,), rows, dim, init_bound(rows, "full", ""))
     return FeatureLookup(feature, rows, hotness, dim, "full", 0, "", (part,))
 
 
-def _qr_rows(rows: int, c: int, operation: str, dim: int) -> int:
+def _qr_weights(rows: int, c: int, operation: str, dim: int) -> int:
     """Weights of the two parts (as rows x width), to compare with the full table's."""
     width = dim // 2 if operation == "concat" else dim
     return (-(-rows // c) + c) * width
