@@ -57,11 +57,11 @@ def variants(reductions):
 
 
 def large_table_bytes(cfg, spec) -> int:
-    from dlrm_hybrid.parallel.tables import table_specs
+    """fp32 weight bytes of the large tables, or of their parts."""
+    from dlrm_hybrid.model.compositional import lookups_of
 
-    large = {f"t_cat_{i}" for i in range(len(LARGE))}  # and their parts, t_cat_<i>_q/_r/_h
-    return sum(t.rows * t.dim * 4 for t in table_specs(cfg, spec)
-               if t.name in large or t.name[:-2] in large)
+    return sum(part.rows * part.dim * 4 for lookup in lookups_of(cfg.model, spec)
+               if lookup.rows > THRESHOLD for part in lookup.parts)
 
 
 def main() -> None:

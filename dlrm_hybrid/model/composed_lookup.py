@@ -34,12 +34,8 @@ class LookupIds(nn.Module):
         lengths: List[torch.Tensor] = []
         for lookup in self.lookups:
             ids, counts = features[lookup.feature].values(), features[lookup.feature].lengths()
-            if lookup.technique == "hash":
-                values.append(torch.remainder(ids, lookup.modulus))
-                lengths.append(counts)
-                continue
-            if lookup.technique == "full":
-                values.append(ids)
+            if lookup.technique != "qr":
+                values.append(ids if lookup.technique == "full" else ids % lookup.modulus)
                 lengths.append(counts)
                 continue
             if lookup.slots > 1:

@@ -99,12 +99,11 @@ def feature_lookups(feature_names: Sequence[str], cardinalities: Sequence[int],
     for feature, rows, hot in zip(feature_names, cardinalities, hotness):
         index, rule = _rule_for(feature, rows, rules)
         lookup = _lookup(feature, rows, hot, dim, rule)
-        if rule is not None and lookup.technique == "full" and rule.technique != "full":
-            if rule.features:
-                raise ConfigError(
-                    f"model.compositional[{index}]: {rule.technique} would not make {feature}'s "
-                    f"table of {rows:,} rows smaller; lower "
-                    f"{'buckets' if rule.technique == 'hash' else 'collisions'} or leave it full")
+        if rule is not None and rule.features and lookup.technique != rule.technique:
+            raise ConfigError(
+                f"model.compositional[{index}]: {rule.technique} would not make {feature}'s "
+                f"table of {rows:,} rows smaller; lower "
+                f"{'buckets' if rule.technique == 'hash' else 'collisions'} or leave it full")
         lookups.append(lookup)
     return lookups
 
@@ -127,13 +126,16 @@ def _lookup(feature: str, rows: int, hotness: int, dim: int, rule) -> FeatureLoo
         width = dim // 2 if op == "concat" else dim
         slots = hotness if op == "mult" and hotness > 1 else 1
         bound = init_bound(rows, "qr", op)
-        q_keys = tuple(f"{feature}_q{j}" for j in range(slots)) if slots > 1 else (f"{feature}_q",)
-        r_keys = tuple(f"{feature}_r{j}" for j in range(slots)) if slots > 1 else (f"{feature}_r",)
-        parts = (Part(f"t_{feature}_q", q_keys, -(-rows // c), width, bound),
-                 Part(f"t_{feature}_r", r_keys, c, width, bound))
+        parts = (Part(f"t_{feature}_q", _keys(f"{feature}_q", slots), -(-rows // c), width, bound),
+                 Part(f"t_{feature}_r", _keys(f"{feature}_r", slots), c, width, bound))
         return FeatureLookup(feature, rows, hotness, dim, "qr", c, op, parts)
     part = Part(f"t_{feature}", (feature,), rows, dim, init_bound(rows, "full", ""))
     return FeatureLookup(feature, rows, hotness, dim, "full", 0, "", (part,))
+
+
+def _keys(name: str, slots: int) -> Tuple[str, ...]:
+    """A part's lookup keys: `name`, or `name0`.. `name<h-1>` for h id slots."""
+    return tuple(f"{name}{j}" for j in range(slots)) if slots > 1 else (name,)
 
 
 def _qr_weights(rows: int, c: int, operation: str, dim: int) -> int:

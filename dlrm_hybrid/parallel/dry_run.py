@@ -57,9 +57,9 @@ def run(args) -> None:
                          args.gpus_per_node) for s in strategies]
     for plan in plans:
         print(describe(plan) + "\n")
-    lookups = lookups_of(cfg.model, spec)
-    if any(lookup.technique != "full" for lookup in lookups):
-        print(describe_lookups(lookups, cfg) + "\n")
+    replaced = describe_lookups(lookups_of(cfg.model, spec), cfg)
+    if replaced:
+        print(replaced + "\n")
     if args.compare:
         print(compare(plans))
     if args.out:

@@ -44,7 +44,7 @@ def describe(plan: Plan) -> str:
 
 def describe_lookups(lookups: List[FeatureLookup], cfg) -> str:
     """Each hashed or QR feature's parts, and the bytes (weights and optimizer state) they take
-    against the full table's."""
+    against the full table's; "" when every table is full."""
     size = lambda name, rows, dim: TableSpec(name, rows, dim, cfg.model.embedding_precision,  # noqa: E731
                                              cfg.optim.embedding).bytes
     lines = ["compositional embeddings (weights + optimizer state: full table -> parts):"]
@@ -57,6 +57,8 @@ def describe_lookups(lookups: List[FeatureLookup], cfg) -> str:
         parts = sum(size(p.table, p.rows, p.dim) for p in lookup.parts)
         full_total, parts_total = full_total + full, parts_total + parts
         lines.append(f"  {text}: {format_bytes(full)} -> {format_bytes(parts)}")
+    if len(lines) == 1:
+        return ""
     saved = full_total - parts_total
     lines.append(f"  {len(lines) - 1} features: {format_bytes(full_total)} -> "
                  f"{format_bytes(parts_total)}, {format_bytes(saved)} saved "

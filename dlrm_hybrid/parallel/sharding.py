@@ -7,7 +7,7 @@ what makes a 1-rank and an 8-rank run start from the same weights.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,9 +18,9 @@ from torchrec.distributed.fbgemm_qcomm_codec import (CommType, QCommsConfig,
 from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
                                                 table_wise)
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from dlrm_hybrid.compat import sharding_env
+from dlrm_hybrid.model.compositional import Part
 from dlrm_hybrid.model.dlrm import DLRM
 from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
 from dlrm_hybrid.parallel.placement import Plan
@@ -69,30 +69,28 @@ def comm_codecs(precision: str, device: torch.device) -> Optional[dict]:
                                                   backward_precision=backward), device=device)
 
 
-def init_tables(dmp: DistributedModelParallel, tables: List[EmbeddingBagConfig],
-                bounds: Dict[str, float], seed: int) -> None:
-    """Fill each locally owned shard of each table with U(-bound, bound): 1/sqrt(rows) for a
-    full table, as the original DLRM; compositional parts have their own (compositional.py)."""
+def init_tables(dmp: DistributedModelParallel, tables: List[Part], seed: int) -> None:
+    """Fill each locally owned shard of each table with U(-b, b), b its `init_bound`:
+    1/sqrt(rows) for a full table, as the original DLRM (compositional.py)."""
     state = dmp.state_dict()
     for index, table in enumerate(tables):
-        weight = state[_state_key(state, table.name)]
-        bound = bounds[table.name]
+        weight = state[_state_key(state, table.table)]
         for shard in weight.local_shards():
             row0, col0 = shard.metadata.shard_offsets
             rows, cols = shard.tensor.shape
             with torch.no_grad():
                 for start in range(row0 - row0 % INIT_ROW_BLOCK, row0 + rows, INIT_ROW_BLOCK):
-                    block = _table_block(seed, index, start, table, bound)
+                    block = _table_block(seed, index, start, table)
                     lo, hi = max(start, row0), min(start + block.shape[0], row0 + rows)
                     shard.tensor[lo - row0:hi - row0].copy_(
                         block[lo - start:hi - start, col0:col0 + cols])
 
 
-def _table_block(seed: int, table_index: int, start: int, table: EmbeddingBagConfig,
-                 bound: float) -> torch.Tensor:
+def _table_block(seed: int, table_index: int, start: int, table: Part) -> torch.Tensor:
     gen = torch.Generator().manual_seed(hash((seed, table_index, start)) & 0x7FFFFFFFFFFFFFFF)
-    rows = min(INIT_ROW_BLOCK, table.num_embeddings - start)
-    return torch.empty(rows, table.embedding_dim).uniform_(-bound, bound, generator=gen)
+    rows = min(INIT_ROW_BLOCK, table.rows - start)
+    bound = table.init_bound
+    return torch.empty(rows, table.dim).uniform_(-bound, bound, generator=gen)
 
 
 def _state_key(state: dict, table_name: str) -> str:

@@ -116,15 +116,14 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     """The DLRM with its tables placed, sharded and initialised, the MLPs wrapped in DDP."""
     torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
     model = build_model(cfg.model, spec)
-    tables = model.embedding_bags.embedding_bag_configs()
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
     plan = job_plan(cfg, table_specs(cfg, spec), env)
     say(describe(plan))
-    if any(lookup.technique != "full" for lookup in model.lookups):
-        say(describe_lookups(model.lookups, cfg))
+    replaced = describe_lookups(model.lookups, cfg)
+    if replaced:
+        say(replaced)
     dmp = shard_model(model, plan, env.device, env.local_world_size, cfg.parallel.comm_precision)
-    bounds = {part.table: part.init_bound for lookup in model.lookups for part in lookup.parts}
-    init_tables(dmp, tables, bounds, cfg.train.seed)
+    init_tables(dmp, [part for lookup in model.lookups for part in lookup.parts], cfg.train.seed)
     return dmp, plan
 
 
