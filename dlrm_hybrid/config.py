@@ -41,7 +41,7 @@ class ModelConfig:
     embedding_precision: str = "fp32"  # fp32 | fp16
     bottom_mlp: List[int] = field(default_factory=lambda: [64, 16])
     top_mlp: List[int] = field(default_factory=lambda: [64, 32, 1])
-    interaction: str = "dot"  # dot | cat | dcn
+    interaction: str = "dot"  # dot | cat | dcn | fm (factorization machine, README)
     self_interaction: bool = False  # dot: also include each vector's dot with itself
     dcn_layers: int = 3
     dcn_low_rank: int = 512
@@ -78,6 +78,9 @@ class ParallelConfig:
     strategy: str = "greedy"  # greedy | nvidia
     plan: str = ""  # a plan file from `dlrm_hybrid plan --out`, used as it is
     comm_precision: str = "fp32"  # fp32 | fp16 | bf16: pooled embeddings and their gradients in the all-to-all
+    # pooled: owners send each sample's pooled vectors | des: owners send their partial sums of
+    # the first operation on them (cat, fm only) | auto: the one that sends fewer bytes
+    exchange: str = "auto"
 
 
 @dataclass
@@ -140,13 +143,14 @@ class Config:
 
 CHOICES = {
     "model.embedding_precision": ("fp32", "fp16"),
-    "model.interaction": ("dot", "cat", "dcn"),
+    "model.interaction": ("dot", "cat", "dcn", "fm"),
     "data.loader": ("torch", "dali"),
     "data.hotness_distribution": ("fixed", "uniform"),
     "data.id_order": ("frequency", "scattered"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.strategy": ("greedy", "nvidia"),
     "parallel.comm_precision": ("fp32", "fp16", "bf16"),
+    "parallel.exchange": ("pooled", "des", "auto"),
     "train.precision": ("fp32", "tf32", "bf16", "fp16"),
     "train.pipeline": ("auto", "enabled", "disabled"),
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
@@ -270,6 +274,10 @@ def validate(cfg: Config, world_size: int) -> None:
             f"data.hotness: give one positive value or one per table ({len(d.cardinalities)})")
     for i, rule in enumerate(m.compositional):
         _validate_rule(rule, f"model.compositional[{i}]", m.embedding_dim)
+        if m.interaction == "fm" and rule.technique == "qr":
+            raise ConfigError(f"model.compositional[{i}]: interaction fm needs one vector and one "
+                              f"first-order weight per id, which qr parts do not give; use hash")
+    _validate_exchange(cfg)
     for key in ("train.eval_every", "checkpoint.every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
@@ -278,6 +286,24 @@ def validate(cfg: Config, world_size: int) -> None:
     if memory is not None and reserve >= memory:
         raise ConfigError(f"parallel.reserve_per_rank: {cfg.parallel.reserve_per_rank} leaves nothing "
                           f"of parallel.memory_per_rank ({cfg.parallel.memory_per_rank}) for tables")
+
+
+def _validate_exchange(cfg: Config) -> None:
+    m, exchange = cfg.model, cfg.parallel.exchange
+    if exchange != "des":
+        return
+    if m.interaction not in ("cat", "fm"):
+        raise ConfigError(f"parallel.exchange: des needs an interaction whose first operation on "
+                          f"the embeddings is linear (cat or fm); {m.interaction} multiplies "
+                          f"pooled vectors of different tables, so use pooled or auto")
+    if any(r.technique == "qr" and r.operation != "concat" for r in m.compositional):
+        raise ConfigError("parallel.exchange: des needs each column of a feature's vector from "
+                          "one table, which qr mult and add parts are not (their product or sum "
+                          "is); use concat or hash, or pooled")
+    if cfg.train.cuda_graphs or cfg.train.precision == "fp16":
+        raise ConfigError("parallel.exchange: des runs neither under train.cuda_graphs nor with "
+                          "fp16's loss scaler (both cut the step where the pooled embeddings "
+                          "enter, which des moves to the owners); use pooled")
 
 
 def _validate_rule(rule: CompositionalRule, key: str, dim: int) -> None:

@@ -21,7 +21,7 @@ from dlrm_hybrid.model.compositional import FeatureLookup
 class LookupIds(nn.Module):
     """The dataset's features (one key each) -> the parts' lookup keys, in `lookups` order:
     hash: id mod m; qr: id // c and id % c (int64 floor division; ids are non-negative), for a
-    multi-hot `mult` spread over id slots."""
+    multi-hot `mult` spread over id slots; fm's first-order key: the vector's ids again."""
 
     def __init__(self, lookups: List[FeatureLookup]) -> None:
         super().__init__()
@@ -35,8 +35,10 @@ class LookupIds(nn.Module):
         for lookup in self.lookups:
             ids, counts = features[lookup.feature].values(), features[lookup.feature].lengths()
             if lookup.technique != "qr":
-                values.append(ids if lookup.technique == "full" else ids % lookup.modulus)
-                lengths.append(counts)
+                ids = ids if lookup.technique == "full" else ids % lookup.modulus
+                copies = 2 if lookup.first_order else 1  # fm: the first-order table's ids too
+                values += [ids] * copies
+                lengths += [counts] * copies
                 continue
             if lookup.slots > 1:
                 ids, counts = id_slots(ids, counts, lookup.slots)
@@ -106,6 +108,7 @@ def composed_lookup(lookups: List[FeatureLookup]
                     ) -> Tuple[Optional[LookupIds], Optional[CombineParts]]:
     """The id transform and the combination a model's lookups need (None where they need none:
     full tables only; hashing and concat need no combination)."""
-    ids = LookupIds(lookups) if any(l.technique != "full" for l in lookups) else None
+    ids = (LookupIds(lookups) if any(l.technique != "full" or l.first_order for l in lookups)
+           else None)
     combine = (CombineParts(lookups) if any(_slot_count(l) > 1 for l in lookups) else None)
     return ids, combine

@@ -18,13 +18,18 @@ which the placer counts (TableSpec.bags).
 The parts are ordinary tables: the placer balances them and torchrec shards them (table- or
 column-wise, on any ranks) like every other. Datasets are unchanged: ids are transformed at lookup.
 
+With `model.interaction: fm`, each feature also has a first-order weight per id: a table
+`w_<feature>` looked up with the feature's ids (hashed where the feature is). fbgemm's tables are
+at least 4 wide, so it is 4 wide and the weight is its first column; the other three are never
+read, so they get no gradient and stay as initialised.
+
 This module is plain Python (no torch), so that `plan` stays fast.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 from dlrm_hybrid.config import ConfigError
@@ -52,7 +57,12 @@ class FeatureLookup:
     technique: str  # full | hash | qr
     modulus: int  # hash: buckets m; qr: collisions c; full: 0
     operation: str  # qr: mult | add | concat; otherwise ""
-    parts: Tuple[Part, ...]
+    parts: Tuple[Part, ...]  # the tables its vector comes from
+    first_order: Optional[Part] = None  # fm: its first-order weights' table
+
+    @property
+    def tables(self) -> Tuple[Part, ...]:
+        return self.parts + ((self.first_order,) if self.first_order else ())
 
     @property
     def slots(self) -> int:
@@ -61,7 +71,8 @@ class FeatureLookup:
 
     @property
     def keys(self) -> List[str]:
-        return [k for p in self.parts for k in p.keys]
+        """Its lookup keys, those of the vector's parts first."""
+        return [k for p in self.tables for k in p.keys]
 
 
 def init_bound(rows: int, technique: str, operation: str) -> float:
@@ -84,11 +95,16 @@ def init_bound(rows: int, technique: str, operation: str) -> float:
     return a
 
 
+FIRST_ORDER_WIDTH = 4  # fbgemm's narrowest table; the weight is column 0
+
+
 def feature_lookups(feature_names: Sequence[str], cardinalities: Sequence[int],
-                    hotness: Sequence[int], dim: int, rules: Sequence) -> List[FeatureLookup]:
+                    hotness: Sequence[int], dim: int, rules: Sequence,
+                    first_order: bool = False) -> List[FeatureLookup]:
     """Each feature's lookup under `rules` (model.compositional): the first rule naming or
     selecting a feature decides; a rule selected by `rows_above` leaves a table it would not
-    shrink full; one naming a feature it would not shrink is a ConfigError."""
+    shrink full; one naming a feature it would not shrink is a ConfigError. `first_order` adds
+    each feature's first-order weight table (fm)."""
     known = set(feature_names)
     for i, rule in enumerate(rules):
         unknown = [f for f in rule.features if f not in known]
@@ -104,6 +120,10 @@ def feature_lookups(feature_names: Sequence[str], cardinalities: Sequence[int],
                 f"model.compositional[{index}]: {rule.technique} would not make {feature}'s "
                 f"table of {rows:,} rows smaller; lower "
                 f"{'buckets' if rule.technique == 'hash' else 'collisions'} or leave it full")
+        if first_order:
+            (part,) = lookup.parts  # full or hashed: fm allows no qr
+            lookup = replace(lookup, first_order=Part(
+                f"w_{feature}", (f"{feature}_w",), part.rows, FIRST_ORDER_WIDTH, part.init_bound))
         lookups.append(lookup)
     return lookups
 
@@ -151,7 +171,8 @@ def _names(names: Sequence[str]) -> str:
 def lookups_of(model_cfg, spec) -> List[FeatureLookup]:
     """The lookups of a config's model over a dataset's features (`spec`: a DataSpec)."""
     return feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
-                           model_cfg.embedding_dim, model_cfg.compositional)
+                           model_cfg.embedding_dim, model_cfg.compositional,
+                           first_order=model_cfg.interaction == "fm")
 
 
 def describe(lookup: FeatureLookup) -> Optional[str]:

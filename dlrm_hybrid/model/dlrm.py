@@ -9,7 +9,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from torch.nn.functional import binary_cross_entropy_with_logits
+from torch.nn.functional import binary_cross_entropy_with_logits, linear
 from torchrec.models.dlrm import DenseArch, OverArch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.embeddings import embedding_tables
-from dlrm_hybrid.model.interactions import build_interaction
+from dlrm_hybrid.model.interactions import FactorizationMachine, build_interaction
 
 
 class DLRM(nn.Module):
@@ -42,6 +42,9 @@ class DLRM(nn.Module):
             interaction, len(lookups), bottom_mlp[-1], self.embedding_dim,
             self_interaction, dcn_layers, dcn_low_rank)
         self.over_arch = OverArch(width, top_mlp)
+        # pooled: the lookup returns pooled vectors; des: per-sample partial sums of the first
+        # operation on them, added up over their owners (parallel/exchange.py sets it).
+        self.exchange = "pooled"
         # Set by the training step: fp16 loss scaling cuts the backward in two here, and
         # CUDA Graphs replace `dense_loss` by its captured version.
         self.embedding_grad_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
@@ -53,7 +56,8 @@ class DLRM(nn.Module):
         """Click logits [B]; given `labels`, the step's mean log loss instead (training)."""
         if is_fx_symbolic_tracing():  # torchrec's train pipeline: it looks for the lookup's input
             return self.embedding_bags(self._lookup_input(sparse))
-        pooled = self.pooled_embeddings(sparse)
+        pooled = (self.pooled_embeddings(sparse) if self.exchange == "pooled"
+                  else self.embedding_bags(self._lookup_input(sparse)).values())
         if labels is None:
             return self.logits(dense, pooled)
         if self.embedding_grad_transform is not None and pooled.requires_grad:
@@ -64,10 +68,10 @@ class DLRM(nn.Module):
         return sparse if self.lookup_ids is None else self.lookup_ids(sparse)
 
     def pooled_embeddings(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """[B, F, D] in feature order. A sharded collection returns its keys grouped by owner
-        rank: one gather puts them back in lookup order (none when it already matches), in
-        pieces as wide as the narrowest key (D, or D/2 with `concat` parts); then compositional
-        features combine their parts."""
+        """[B, F, D] in feature order (fm: flat, then the first-order columns). A sharded
+        collection returns its keys grouped by owner rank: one gather puts them back in lookup
+        order (none when it already matches), in pieces as wide as the narrowest key (D, or
+        D/2 with `concat` parts, 4 with fm); then compositional features combine their parts."""
         pooled = self.embedding_bags(self._lookup_input(sparse))
         values = pooled.values()
         if pooled.keys() != self._pooled_keys:
@@ -76,11 +80,31 @@ class DLRM(nn.Module):
         if self._pooled_order is not None:
             piece = values.shape[1] // len(self._pooled_order)
             values = values.view(values.shape[0], -1, piece).index_select(1, self._pooled_order)
+        if isinstance(self.interaction, FactorizationMachine):
+            return values.reshape(values.shape[0], -1)
         slots = values.reshape(values.shape[0], -1, self.embedding_dim)
         return slots if self.combine_parts is None else self.combine_parts(slots)
 
     def logits(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        return self.over_arch(self.interaction(self.dense_arch(dense), pooled)).squeeze(1)
+        """`pooled`: the pooled embeddings, or with des the owners' summed partial results."""
+        bottom = self.dense_arch(dense)
+        if self.exchange == "pooled":
+            return self.over_arch(self.interaction(bottom, pooled)).squeeze(1)
+        if isinstance(self.interaction, FactorizationMachine):
+            return self.over_arch(self.interaction.from_sums(bottom, pooled)).squeeze(1)
+        # cat: the owners sent sum_t W_t e_t; the first top layer adds W_dense x + b.
+        first, *rest = self.over_arch.model[0]._mlp
+        weight = first._linear.weight
+        hidden = first._activation_fn(
+            linear(bottom, weight[:, :bottom.shape[1]], first._linear.bias) + pooled)
+        for layer in rest:
+            hidden = layer(hidden)
+        return self.over_arch.model[1](hidden).squeeze(1)
+
+    def first_top_layer(self) -> nn.Linear:
+        """The top MLP's first layer: with `cat`, its weight's columns past the bottom MLP's
+        width are the W_t of the pooled vectors, in feature order."""
+        return self.over_arch.model[0]._mlp[0]._linear
 
     def dense_loss(self, dense: torch.Tensor, pooled: torch.Tensor,
                    labels: torch.Tensor) -> torch.Tensor:

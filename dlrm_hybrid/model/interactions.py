@@ -75,6 +75,39 @@ class CatInteraction(nn.Module):
         return torch.cat((dense_features, sparse_features.flatten(1)), dim=1)
 
 
+class FactorizationMachine(nn.Module):
+    """`fm`: a factorization machine over the features' vectors e_t and first-order weights w_t
+    (the FM part of DeepFM; Rendle 2010 with one-hot fields): first order sum_t w_t, second
+    order sum_{s<t} e_s . e_t = 1/2 (||sum_t e_t||^2 - sum_t ||e_t||^2). Its output, the
+    bottom-MLP output followed by those two numbers, feeds the top MLP.
+
+    Both terms need only per-sample sums over the tables, [sum_t e_t, sum_t ||e_t||^2,
+    sum_t w_t] (`fm_sums`): with `parallel.exchange: des` the tables' owners add up their share
+    of them (parallel/exchange.py) and `from_sums` takes it from there."""
+
+    def __init__(self, num_features: int, dim: int) -> None:
+        super().__init__()
+        self.num_features, self.dim = num_features, dim
+
+    def forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """`pooled`: [B, F * D + F * 4], the vectors, then each first-order table's 4 columns."""
+        split = self.num_features * self.dim
+        vectors = pooled[:, :split].unflatten(1, (self.num_features, self.dim))
+        first_order = pooled[:, split:].unflatten(1, (self.num_features, -1))[:, :, 0]
+        return self.from_sums(dense_features, fm_sums(vectors, first_order))
+
+    def from_sums(self, dense_features: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        vector_sum, squares, first = sums[:, :self.dim], sums[:, self.dim], sums[:, self.dim + 1]
+        second = 0.5 * ((vector_sum * vector_sum).sum(1) - squares)
+        return torch.cat((dense_features, first[:, None], second[:, None]), dim=1)
+
+
+def fm_sums(vectors: torch.Tensor, first_order: torch.Tensor) -> torch.Tensor:
+    """[B, F, D] vectors and [B, F] first-order weights -> [B, D + 2]: their sums over F."""
+    squares = (vectors * vectors).sum((1, 2))
+    return torch.cat((vectors.sum(1), squares[:, None], first_order.sum(1)[:, None]), dim=1)
+
+
 def build_interaction(kind: str, num_sparse: int, dense_dim: int, embedding_dim: int,
                       self_interaction: bool = False, dcn_layers: int = 3,
                       dcn_low_rank: int = 512) -> Tuple[nn.Module, int]:
@@ -89,4 +122,6 @@ def build_interaction(kind: str, num_sparse: int, dense_dim: int, embedding_dim:
         width = (num_sparse + 1) * embedding_dim
         crossnet = LowRankCrossNet(in_features=width, num_layers=dcn_layers, low_rank=dcn_low_rank)
         return InteractionDCNArch(num_sparse, crossnet), width
+    if kind == "fm":
+        return FactorizationMachine(num_sparse, embedding_dim), dense_dim + 2
     raise ValueError(f"model.interaction: unknown interaction {kind!r}")

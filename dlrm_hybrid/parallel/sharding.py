@@ -12,6 +12,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import (CommType, QCommsConfig,
                                                      get_qcomm_codecs_registry)
@@ -22,7 +23,9 @@ from torchrec.distributed.types import ShardingPlan
 from dlrm_hybrid.compat import sharding_env
 from dlrm_hybrid.model.compositional import Part
 from dlrm_hybrid.model.dlrm import DLRM
+from dlrm_hybrid.model.interactions import CatInteraction
 from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
+from dlrm_hybrid.parallel.exchange import install_exchange
 from dlrm_hybrid.parallel.placement import Plan
 
 INIT_ROW_BLOCK = 65536  # rows generated per seeded block
@@ -42,19 +45,28 @@ def sharding_plan(model: DLRM, plan: Plan, local_world_size: int,
 
 
 def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size: int,
-                comm_precision: str = "fp32") -> DistributedModelParallel:
+                comm_precision: str = "fp32", exchange: str = "pooled"
+                ) -> DistributedModelParallel:
     """Shard the embeddings by `plan`; the rest becomes data-parallel (DDP). A job of one rank
     has nothing to all-reduce and skips DDP (1-2 ms per step of its hooks and copies on CPU).
-    On CPU the tables go onto huge pages, and SGD ones use every core (cpu_lookup.py)."""
+    On CPU the tables go onto huge pages, and SGD ones use every core (cpu_lookup.py).
+    `exchange` (pooled | des) is what the owners send back (exchange.py); with des and `cat`,
+    the first top layer's weight stays out of DDP."""
     env = sharding_env(dist.group.WORLD)
-    sharder = EmbeddingBagCollectionSharder(
-        qcomm_codecs_registry=comm_codecs(comm_precision, device))
-    dmp = DistributedModelParallel(model, env=env, device=device, sharders=[sharder],
-                                   plan=sharding_plan(model, plan, local_world_size, device.type),
-                                   init_data_parallel=plan.world_size > 1)
+    codecs = comm_codecs(comm_precision, device)
+    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs)
+    model_parallel = ([f"over_arch.{name}" for name, p in model.over_arch.named_parameters()
+                       if p is model.first_top_layer().weight]
+                      if exchange == "des" and isinstance(model.interaction, CatInteraction) else [])
+    dmp = DistributedModelParallel(
+        model, env=env, device=device, sharders=[sharder],
+        plan=sharding_plan(model, plan, local_world_size, device.type),
+        init_data_parallel=plan.world_size > 1,
+        data_parallel_wrapper=DefaultDataParallelWrapper(params_to_ignore=model_parallel))
     dmp.module.to(device)  # what the DDP wrapper does first
     if device.type == "cpu":
         speed_up_cpu_tables(dmp)
+    install_exchange(dmp, exchange, plan.world_size, comm_precision, codecs)
     return dmp
 
 

@@ -59,4 +59,4 @@ def table_specs(cfg, spec) -> List[TableSpec]:
     return [TableSpec(part.table, part.rows, part.dim, m.embedding_precision, cfg.optim.embedding,
                       hot, lookup.slots)
             for lookup, hot in zip(lookups_of(m, spec), spec.mean_hotness)
-            for part in lookup.parts]
+            for part in lookup.tables]

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dlrm_hybrid.config import Config, ConfigError, load_config
 from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.parallel.exchange import make_replicas_current
 from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
 
 META, CONFIG = "meta.json", "config.yaml"
@@ -52,6 +53,7 @@ def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg, extra: Opti
     if env.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
+    make_replicas_current(dmp, optimizer)
     dist.barrier()
     dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=partial)
     dist.barrier()

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
+from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
 from dlrm_hybrid.parallel.plan_report import describe, describe_lookups
 from dlrm_hybrid.parallel.process_group import DistEnv
@@ -68,7 +69,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
         train_time += time.perf_counter() - start
         if step % cfg.train.log_every == 0 or step == steps:
             log.record_rank({"step": step, "local_loss": loss_sum.item() / window,
-                             "train_seconds": train_time})
+                             "train_seconds": train_time, **dmp.module.exchange_counter.take(window)})
             losses.append(global_mean(loss_sum, env) / window)
             guard.check_loss(losses[-1], step)
             log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1],
@@ -122,8 +123,11 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     replaced = describe_lookups(model.lookups, cfg)
     if replaced:
         say(replaced)
-    dmp = shard_model(model, plan, env.device, env.local_world_size, cfg.parallel.comm_precision)
-    init_tables(dmp, [part for lookup in model.lookups for part in lookup.parts], cfg.train.seed)
+    exchange, why = choose_exchange(cfg, plan)
+    say(f"embedding exchange: {exchange} ({why})")
+    dmp = shard_model(model, plan, env.device, env.local_world_size, cfg.parallel.comm_precision,
+                      exchange)
+    init_tables(dmp, [part for lookup in model.lookups for part in lookup.tables], cfg.train.seed)
     return dmp, plan
 
 
