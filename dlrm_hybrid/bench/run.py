@@ -45,8 +45,11 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
         warmup = max(warmup, WARMUP_STEPS + 2)
     ours_run = _Timed(ours, batches, device)
     ours_run.warm_up(warmup)
+    counter = dmp.module.exchange_counter
+    counter.take(0)
     rounds = [steps // ROUNDS + (r < steps % ROUNDS) for r in range(ROUNDS)]
     ours_run.timed(rounds[0])
+    exchange = counter.take(rounds[0])
     peak_gib = _peak_memory_gib(device)
 
     ours.pause()
@@ -73,8 +76,14 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
                     peaks.bandwidth, peaks.flops_per_s)
     x, y = ours_run.samples_per_s(B), ref_run.samples_per_s(B)
     cpu = cpu_capability()
+    path = dmp.module.exchange
     print(_report(cfg, device, steps, precision, cpu, x, y, data_ms, split, roof, peaks, peak_gib))
-    print(_last_line(precision, x, y, x / roof.samples_per_s, peak_gib, cpu), flush=True)
+    print(f"  embedding exchange: {path}, rank {env.rank} sends {exchange['exchange_fwd_bytes']:,.0f} "
+          f"+ {exchange['exchange_bwd_bytes']:,.0f} bytes per step (forward + backward, counted; "
+          f"one rank exchanges nothing: `plan --world-size N` gives both paths' bytes at N)")
+    print(_last_line(precision, x, y, x / roof.samples_per_s, peak_gib, cpu)
+          + f" exchange={path} exchange_bytes="
+            f"{exchange['exchange_fwd_bytes'] + exchange['exchange_bwd_bytes']:.0f}", flush=True)
 
 
 def _last_line(precision: Precision, ours: float, ref: float, roofline_fraction: float,

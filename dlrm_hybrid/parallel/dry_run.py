@@ -9,6 +9,7 @@ from typing import List, Optional
 
 from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
 from dlrm_hybrid.data.spec import data_spec
+from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
 from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.model.compositional import lookups_of
@@ -57,6 +58,7 @@ def run(args) -> None:
                          args.gpus_per_node) for s in strategies]
     for plan in plans:
         print(describe(plan) + "\n")
+    print(describe_exchange(plans[0], cfg) + "\n")
     replaced = describe_lookups(lookups_of(cfg.model, spec), cfg)
     if replaced:
         print(replaced + "\n")

@@ -1,0 +1,61 @@
+"""Run under torchrun by test_des_exchange.py: the same short trainings with each embedding
+exchange, on this world size; rank 0 writes their per-step losses to OUT/losses.json.
+
+usage: des_job.py OUT [--resume]   (--resume: also the cross-path checkpoint runs)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dlrm_hybrid.config import load_config  # noqa: E402
+from dlrm_hybrid.parallel.process_group import init_distributed, shutdown  # noqa: E402
+from dlrm_hybrid.train.loop import train  # noqa: E402
+
+# Dense SGD for the equivalence: Adagrad's first steps move each weight by +-lr whatever its
+# gradient's size, so rounding of another summation order would decide near-zero ones.
+COMMON = ["train.max_steps=6", "train.log_every=1", "train.eval_every=0",
+          "train.progress_bar=false", "train.rank_logs=true", "data.train_samples=40000",
+          "data.val_samples=4096", "optim.dense=sgd", "optim.dense_lr=0.5",
+          "checkpoint.resume=none"]
+
+
+def run(out: Path, name: str, overrides, env) -> list:
+    cfg = load_config(str(ROOT / "configs/demo.yaml"),
+                      COMMON + overrides + [f"train.run_dir={out / name}"])
+    return train(cfg, env).losses
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    env = init_distributed("gloo")
+    losses = {}
+    for interaction in ("cat", "fm"):
+        for optimizer in ("sgd", "rowwise_adagrad"):
+            for exchange in ("pooled", "des"):
+                name = f"{interaction}-{optimizer}-{exchange}"
+                losses[name] = run(out, name, [f"model.interaction={interaction}",
+                                               f"optim.embedding={optimizer}",
+                                               f"parallel.exchange={exchange}"], env)
+    if "--resume" in sys.argv:
+        # cat with dense Adagrad: its state for the W_t columns must travel too. Each path's
+        # checkpoint at step 3 resumed by the other, against the first path's own steps 4-6.
+        cat = ["model.interaction=cat", "optim.dense=adagrad", "optim.dense_lr=0.05",
+               "checkpoint.every=3"]
+        for first, then in (("des", "pooled"), ("pooled", "des")):
+            losses[f"resume-{first}"] = run(out, f"resume-{first}",
+                                            cat + [f"parallel.exchange={first}"], env)
+            step_3 = out / f"resume-{first}" / "checkpoints" / "step_3"
+            losses[f"resume-{first}-then-{then}"] = run(
+                out, f"resume-{first}-then-{then}",
+                cat + [f"parallel.exchange={then}", f"checkpoint.resume={step_3}"], env)
+    if env.is_main:
+        (out / "losses.json").write_text(json.dumps(losses))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
