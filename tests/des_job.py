@@ -1,7 +1,8 @@
 """Run under torchrun by test_des_exchange.py: the same short trainings with each embedding
 exchange, on this world size; rank 0 writes their per-step losses to OUT/losses.json.
 
-usage: des_job.py OUT [--resume]   (--resume: also the cross-path checkpoint runs)
+usage: des_job.py OUT [--more]   (--more: also the cross-path checkpoints, compositional
+                                  features and the train pipeline)
 """
 
 import json
@@ -40,7 +41,7 @@ def main() -> None:
                 losses[name] = run(out, name, [f"model.interaction={interaction}",
                                                f"optim.embedding={optimizer}",
                                                f"parallel.exchange={exchange}"], env)
-    if "--resume" in sys.argv:
+    if "--more" in sys.argv:
         # cat with dense Adagrad: its state for the W_t columns must travel too. Each path's
         # checkpoint at step 3 resumed by the other, against the first path's own steps 4-6.
         cat = ["model.interaction=cat", "optim.dense=adagrad", "optim.dense_lr=0.05",
@@ -52,6 +53,19 @@ def main() -> None:
             losses[f"resume-{first}-then-{then}"] = run(
                 out, f"resume-{first}-then-{then}",
                 cat + [f"parallel.exchange={then}", f"checkpoint.resume={step_3}"], env)
+        # Compositional features (QR concat, hashing) and torchrec's train pipeline.
+        hashed = "{technique: hash, features: [cat_1], buckets: 100}"
+        for interaction, rules in (("cat", f"[{{technique: qr, features: [cat_0], collisions: 4, "
+                                           f"operation: concat}}, {hashed}]"),
+                                   ("fm", f"[{hashed}]")):
+            for exchange in ("pooled", "des"):
+                losses[f"parts-{interaction}-{exchange}"] = run(
+                    out, f"parts-{interaction}-{exchange}",
+                    [f"model.interaction={interaction}", f"model.compositional={rules}",
+                     f"parallel.exchange={exchange}"], env)
+        losses["cat-sgd-des-pipelined"] = run(
+            out, "pipelined", ["model.interaction=cat", "optim.embedding=sgd",
+                               "parallel.exchange=des", "train.pipeline=enabled"], env)
     if env.is_main:
         (out / "losses.json").write_text(json.dumps(losses))
     shutdown()

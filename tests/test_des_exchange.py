@@ -43,8 +43,9 @@ def test_des_and_pooled_give_the_same_losses(tmp_path, nproc):
     """cat and fm, SGD and row-wise Adagrad tables, on 1, 2 and 4 gloo ranks (4 splits a
     table column-wise): per-step losses within 1e-5. On 2 ranks, each path's checkpoint resumes
     in the other with the first path's own losses (dense Adagrad: its state for the W_t columns
-    travels too), and the bytes each rank logs are those the exchange sends."""
-    losses = run_job(tmp_path, nproc, *(["--resume"] if nproc == 2 else []))
+    travels too); QR concat and hashed features, and torchrec's train pipeline, keep the
+    losses; the bytes each rank logs are those the exchange sends."""
+    losses = run_job(tmp_path, nproc, *(["--more"] if nproc == 2 else []))
     for interaction in ("cat", "fm"):
         for optimizer in ("sgd", "rowwise_adagrad"):
             name = f"{interaction}-{optimizer}"
@@ -58,6 +59,10 @@ def test_des_and_pooled_give_the_same_losses(tmp_path, nproc):
     for first, then in (("des", "pooled"), ("pooled", "des")):
         assert_same(losses[f"resume-{first}"][3:], losses[f"resume-{first}-then-{then}"],
                     f"{first} checkpoint resumed with {then}")
+    for interaction in ("cat", "fm"):  # QR concat (cat) and hashed features take part
+        assert_same(losses[f"parts-{interaction}-pooled"], losses[f"parts-{interaction}-des"],
+                    f"{interaction} with compositional features")
+    assert_same(losses["cat-sgd-pooled"], losses["cat-sgd-des-pipelined"], "des pipelined")
     job, local = tmp_path / "job2", BATCH // 2
     # fm des: a reduce-scatter of [2B, D + 2] and its all-gather back: B (D + 2) fp32 each way.
     for rank in (0, 1):

@@ -132,8 +132,7 @@ def local_columns(ebc, index: int, rank: int) -> List[Tuple[str, int]]:
 
 def key_positions(lookups: List[FeatureLookup]) -> Dict[str, Tuple[int, int, bool]]:
     """Lookup key -> (feature index, where its columns start in the feature's vector,
-    whether it is a first-order table). `add` parts both start at 0 (their sum is the
-    vector), `concat` parts at 0 and D/2."""
+    whether it is a first-order table): 0, or D/2 for a `concat` feature's second part."""
     positions = {}
     for f, lookup in enumerate(lookups):
         for part_index, part in enumerate(lookup.parts):
