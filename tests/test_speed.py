@@ -252,8 +252,9 @@ def test_bench_prints_the_comparison_line():
     lines, fields, _ = run_bench("train.precision=bf16")
     ran = "bf16" if cpu_has_native(torch.bfloat16) else "fp32"
     keys = ["precision", "requested", "samples_per_s", "baseline_samples_per_s", "ratio",
-            "roofline_fraction", "peak_mem_gib", "cpu"]
+            "roofline_fraction", "peak_mem_gib", "cpu", "exchange", "exchange_bytes"]
     assert list(fields) == [k for k in keys if k != "requested" or ran != "bf16"]
+    assert fields["exchange"] == "pooled" and fields["exchange_bytes"] == "0"  # one process
     check_report(lines, fields, ran)
     assert fields.get("requested", "bf16") == "bf16"
     assert fields["cpu"] == re.sub(r",\s*", ",", cpu_capability()).replace(" ", "-")
