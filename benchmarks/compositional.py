@@ -80,12 +80,12 @@ def main() -> None:
     from dlrm_hybrid.data.synthetic import SyntheticClicks
     from dlrm_hybrid.parallel.process_group import init_distributed
     from dlrm_hybrid.train.loop import train
+    from dlrm_hybrid.train.precision import cpu_description
 
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     env = init_distributed("gloo")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), "unknown CPU")
-    print(f"{args.steps} steps x 2,048 samples, 1 process, {os.cpu_count()} cores ({cpu})")
+    print(f"{args.steps} steps x 2,048 samples, 1 process, {os.cpu_count()} cores "
+          f"({cpu_description()})")
     print("| ids | technique | reduction | large tables | val AUC | AUC - oracle | val logloss "
           "| oracle AUC | seconds |")
     print("|---|---|---|---|---|---|---|---|---|")

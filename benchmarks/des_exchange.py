@@ -86,9 +86,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                if l.startswith("model name")), "unknown CPU")
-    print(f"{args.ranks} gloo ranks on {os.cpu_count()} cores ({cpu}), {args.steps} steps each")
+    from dlrm_hybrid.train.precision import cpu_description
+
+    print(f"{args.ranks} gloo ranks on {os.cpu_count()} cores ({cpu_description()}), "
+          f"{args.steps} steps each")
     print("| shape | interaction | pooled bytes/step/rank | des bytes/step/rank | des/pooled "
           "measured | formula | pooled samples/s | des samples/s |")
     print("|---|---|---|---|---|---|---|---|")

@@ -91,7 +91,6 @@ def install_exchange(dmp, path: str, world_size: int, comm_precision: str,
     else:
         _PartialExchange(model, ebc, world_size, counter, codecs)
         model.exchange = "des"
-    return counter
 
 
 def _count_pooled(ebc, counter: ExchangeCounter) -> None:

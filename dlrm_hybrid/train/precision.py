@@ -36,6 +36,17 @@ def cpu_capability() -> str:
         f"{name} {'native' if ok else 'emulated'}" for name, ok in native.items()])
 
 
+def cpu_description() -> str:
+    """The CPU's model name and what it offers torch, for benchmark headers."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            name = next((line.split(":", 1)[1].strip() for line in cpuinfo
+                         if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        name = "unknown CPU"
+    return f"{name}; {cpu_capability()}"
+
+
 def effective_precision(name: str, device: torch.device, fallback: bool = True) -> str:
     """The precision a step computes in: `name`, or fp32 (with a one-line warning) where this
     device would emulate it and `fallback` allows."""
