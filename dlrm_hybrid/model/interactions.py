@@ -64,8 +64,19 @@ class DotInteraction(nn.Module):
         self.register_buffer("mirrored", cols * n + rows, persistent=False)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
-        pairs = PairwiseDots.apply(dense_features, sparse_features, self.flat_pairs, self.mirrored)
+        if torch.jit.is_scripting():  # a served model (serve/): no autograd, plain ops
+            vectors = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+            gram = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)
+            pairs = torch.gather(gram, 1, self.flat_pairs.expand(gram.shape[0], -1))
+        else:
+            pairs = _pairwise_dots(dense_features, sparse_features, self.flat_pairs, self.mirrored)
         return torch.cat((dense_features, pairs), dim=1)
+
+
+@torch.jit.unused
+def _pairwise_dots(dense: torch.Tensor, sparse: torch.Tensor, flat_pairs: torch.Tensor,
+                   mirrored: torch.Tensor) -> torch.Tensor:
+    return PairwiseDots.apply(dense, sparse, flat_pairs, mirrored)
 
 
 class CatInteraction(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -45,8 +45,18 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
 
 def export_checkpoint(checkpoint: str, out: str) -> int:
     """Write the model's full (unsharded) state dict to `out`, atomically; returns its tensor
-    count. Loads the model entries only (the optimizer state can be twice the model's size)."""
-    path = Path(checkpoint)
+    count."""
+    state = read_model_state(Path(checkpoint))
+    target = Path(out)
+    partial = target.with_name(target.name + ".partial")
+    torch.save(state, partial)
+    partial.replace(target)
+    return len(state)
+
+
+def read_model_state(path: Path) -> Dict[str, torch.Tensor]:
+    """A checkpoint's model, unsharded, in this process. Loads the model entries only (the
+    optimizer state can be twice the model's size)."""
     checkpoint_config_path(path)  # a complete checkpoint, or a one-line error
     reader = checkpoint_reader(path)  # a crafted file is refused here, before anything runs
     try:
@@ -56,8 +66,4 @@ def export_checkpoint(checkpoint: str, out: str) -> int:
     except Exception as e:  # DCP wraps I/O and format errors in several exception types
         raise DataError(f"{path}: cannot read checkpoint ({type(e).__name__}); it is truncated "
                         f"or corrupt") from None
-    target = Path(out)
-    partial = target.with_name(target.name + ".partial")
-    torch.save(dict(state), partial)
-    partial.replace(target)
-    return len(state)
+    return dict(state)

@@ -1,0 +1,212 @@
+"""`export`: a checkpoint -> a served model file (TorchScript, embedding tables quantized row-wise
+by fbgemm) and a JSON description of it (also stored inside the file).
+
+Why TorchScript and not torch.export: the scripted file carries the code of the whole model
+(the id transform, the MLPs, the interaction) and loads with `torch.jit.load` once fbgemm_gpu is
+imported, on any batch size and bag length. torch.export would need symbolic shapes for the
+data-dependent parts (bag lengths, the ids each table receives) and its loader needs the
+fbgemm ops' shape functions as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+from torchrec.models.dlrm import InteractionDCNArch
+
+from dlrm_hybrid.config import load_config
+from dlrm_hybrid.data.spec import data_spec
+from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.model.compositional import FeatureLookup, Part
+from dlrm_hybrid.model.dlrm import DLRM, build_model
+from dlrm_hybrid.model.embeddings import table_order
+from dlrm_hybrid.model.interactions import FactorizationMachine
+from dlrm_hybrid.serve.scoring_model import ScoringModel, StackedCrossNet
+from dlrm_hybrid.train.checkpoint import checkpoint_config_path, read_meta
+from dlrm_hybrid.train.inference import read_model_state
+
+QUANTIZATIONS = ("fp32", "fp16", "int8", "int4")
+DESCRIPTION = "model.json"  # the description's name inside the file and the sidecar's suffix
+FORMAT = "dlrm_hybrid.scoring_model/1"
+TABLE_PREFIX = "embedding_bags.embedding_bags."  # a table's weight in the model's state dict
+
+
+def export_model(checkpoint: str, out: str, quantize: str = "fp32",
+                 table_overrides: Sequence[str] = ()) -> dict:
+    """Write the served model of `checkpoint` to `out` and its description to
+    `<out stem>.json`, each atomically; returns the description."""
+    path = Path(checkpoint)
+    cfg = load_config(str(checkpoint_config_path(path)))
+    spec = data_spec(cfg.data)
+    model = build_model(cfg.model, spec)
+    precisions = table_precisions([p.table for p in table_order(model.lookups)], quantize,
+                                  table_overrides)
+    weights = read_model_state(path)
+    scoring = scoring_model(model, weights, precisions)
+    description = {
+        "format": FORMAT,
+        "load": "import torch, fbgemm_gpu; model = torch.jit.load(path)",
+        "inputs": "model(dense [B, num_dense] float32, ids [B, F] or [B, F, H] int64, "
+                  "lengths [B, F] or None) -> [B] click probabilities",
+        "num_dense": spec.num_dense,
+        "features": [{"name": lookup.feature, "cardinality": lookup.rows,
+                      "hotness": lookup.hotness, "technique": lookup.technique}
+                     for lookup in model.lookups],
+        "interaction": cfg.model.interaction,
+        "quantization": {"default": quantize, "tables": precisions},
+        "tables": table_sizes(scoring.embeddings, precisions),
+        "source": {"checkpoint": str(path.resolve()), "step": read_meta(path)["step"],
+                   "model": dataclasses.asdict(cfg.model)},
+        "torch": torch.__version__,
+    }
+    text = json.dumps(description, indent=1)
+    scripted = torch.jit.script(scoring)
+    target = Path(out)
+    _write_both(target, lambda p: torch.jit.save(scripted, str(p), _extra_files={DESCRIPTION: text}),
+                description_path(target), lambda p: p.write_text(text + "\n"))
+    return description
+
+
+def description_path(artifact: Path) -> Path:
+    return artifact.with_suffix(".json") if artifact.suffix != ".json" else Path(f"{artifact}.desc.json")
+
+
+def table_precisions(tables: List[str], default: str, overrides: Sequence[str]) -> Dict[str, str]:
+    """Each table's quantization: `default`, or NAME=PRECISION from `overrides`."""
+    if default not in QUANTIZATIONS:
+        raise UserError(f"--quantize: {default!r} is not one of {', '.join(QUANTIZATIONS)}")
+    precisions = dict.fromkeys(tables, default)
+    for item in overrides:
+        name, _, precision = item.partition("=")
+        if name not in precisions:
+            raise UserError(f"--quantize-table {item}: no table {name!r}; the tables are "
+                            f"{', '.join(tables)}")
+        if precision not in QUANTIZATIONS:
+            raise UserError(f"--quantize-table {item}: {precision!r} is not one of "
+                            f"{', '.join(QUANTIZATIONS)}")
+        precisions[name] = precision
+    return precisions
+
+
+def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
+                  precisions: Dict[str, str]) -> ScoringModel:
+    """The served form of `model` (built on the meta device) with the checkpoint's `weights`."""
+    parts = table_order(model.lookups)
+    dense = {k: v for k, v in weights.items() if not k.startswith(TABLE_PREFIX)}
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    missing = [k for k in missing if not k.startswith(TABLE_PREFIX)]
+    if missing or unexpected:
+        raise UserError(f"checkpoint: does not fit its own config's model (missing "
+                        f"{missing[:3]}, unexpected {unexpected[:3]})")
+    tables = quantized_tables(parts, {p.table: weights[f"{TABLE_PREFIX}{p.table}.weight"]
+                                      for p in parts}, precisions)
+    keys = lookup_keys(model.lookups)
+    model.eval().requires_grad_(False)
+    return ScoringModel(
+        tables, _num_dense(model),
+        [lookup.feature for lookup in model.lookups], [lookup.rows for lookup in model.lookups],
+        [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys], [k[3] for k in keys],
+        model.embedding_dim, model.dense_arch, _scriptable(model.interaction), model.over_arch,
+        model.combine_parts, isinstance(model.interaction, FactorizationMachine))
+
+
+def _scriptable(interaction: torch.nn.Module) -> torch.nn.Module:
+    """dcn's cross network in a form TorchScript compiles; the other interactions as they are."""
+    if isinstance(interaction, InteractionDCNArch):
+        return InteractionDCNArch(interaction.F, StackedCrossNet(interaction.crossnet))
+    return interaction
+
+
+def _num_dense(model: DLRM) -> int:
+    return next(model.dense_arch.parameters()).shape[1]
+
+
+def lookup_keys(lookups: List[FeatureLookup]) -> List[tuple]:
+    """(feature index, transform, modulus, slot) of every lookup key, in the tables' order (the
+    order of ScoringModel's arguments)."""
+    feature_of = {}
+    for index, lookup in enumerate(lookups):
+        for part in lookup.tables:
+            feature_of[part.table] = (index, lookup, part)
+    keys = []
+    for part in table_order(lookups):
+        index, lookup, _ = feature_of[part.table]
+        transform = _transform(lookup, part)
+        for slot in range(len(part.keys)):
+            keys.append((index, transform, lookup.modulus, slot if len(part.keys) > 1 else -1))
+    return keys
+
+
+def _transform(lookup: FeatureLookup, part: Part) -> int:
+    if lookup.technique == "hash":
+        return 1
+    if lookup.technique == "qr":
+        return 2 if part.table.endswith("_q") else 3
+    return 0
+
+
+def quantized_tables(parts: List[Part], weights: Dict[str, torch.Tensor],
+                     precisions: Dict[str, str]) -> torch.nn.Module:
+    """fbgemm's inference tables, in host memory, holding `weights` quantized row-wise."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (EmbeddingLocation,
+                                                                      PoolingMode)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        IntNBitTableBatchedEmbeddingBagsCodegen)
+    from fbgemm_gpu.tbe.utils import quantize_embs
+
+    types = {name: SparseType(name) for name in QUANTIZATIONS}
+    for part in parts:
+        if precisions[part.table] == "int4" and part.dim % 2:
+            raise UserError(f"--quantize: int4 packs two values per byte and table {part.table} "
+                            f"is {part.dim} wide; give it int8 (--quantize-table "
+                            f"{part.table}=int8)")
+    table_of = {part.table: t for t, part in enumerate(parts)}
+    tables = IntNBitTableBatchedEmbeddingBagsCodegen(
+        [(p.table, p.rows, p.dim, types[precisions[p.table]], EmbeddingLocation.HOST)
+         for p in parts],
+        feature_table_map=[table_of[p.table] for p in parts for _ in p.keys],
+        pooling_mode=PoolingMode.SUM, device="cpu", output_dtype=SparseType.FP32,
+        indices_dtype=torch.int64)
+    tables.initialize_weights()
+    quantized = []
+    for part in parts:
+        weight = weights[part.table].float()
+        if tuple(weight.shape) != (part.rows, part.dim):
+            raise UserError(f"checkpoint: table {part.table} is {tuple(weight.shape)}, its config "
+                            f"says ({part.rows}, {part.dim})")
+        with warnings.catch_warnings():  # fbgemm copies scale and bias with torch.tensor(t)
+            warnings.simplefilter("ignore", UserWarning)
+            quantized.append(quantize_embs(weight, types[precisions[part.table]]))
+    tables.assign_embedding_weights(quantized)
+    return tables
+
+
+def table_sizes(tables, precisions: Dict[str, str]) -> List[dict]:
+    """Each table's name, shape, quantization and bytes (rows x (data + scale and bias))."""
+    out = []
+    for (name, rows, dim, _, _), (weight, scale_shift) in zip(tables.embedding_specs,
+                                                                tables.split_embedding_weights()):
+        size = weight.numel() + (0 if scale_shift is None else scale_shift.numel())
+        out.append({"name": name, "rows": rows, "dim": dim, "quantization": precisions[name],
+                    "bytes": int(size)})
+    return out
+
+
+def _write_both(first: Path, write_first, second: Path, write_second) -> None:
+    """Both files or neither: each is written beside its name, then both are renamed."""
+    partials = [p.with_name(p.name + ".partial") for p in (first, second)]
+    try:
+        write_first(partials[0])
+        write_second(partials[1])
+        os.replace(partials[0], first)
+        os.replace(partials[1], second)
+    finally:
+        for partial in partials:
+            partial.unlink(missing_ok=True)

@@ -1,0 +1,152 @@
+"""The served model: a trained DLRM whose embedding tables are fbgemm's inference tables
+(`IntNBitTableBatchedEmbeddingBagsCodegen`: row-wise int8/int4, or fp16/fp32, per table), taking
+plain tensors and returning click probabilities. It is written for `torch.jit.script`, so the
+exported file runs with torch and fbgemm_gpu only.
+
+Why fbgemm's table directly and not torchrec's quantized EmbeddingBagCollection (which wraps the
+same kernel): that one takes a KeyedJaggedTensor, so every caller of the artifact would need
+torchrec to build its input. Here the id transform that training's KJT path does
+(composed_lookup.LookupIds: hashing, QR parts, fm's first-order keys) is done on plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+
+class ScoringModel(nn.Module):
+    """forward(dense [B, num_dense] float32, ids [B, F] or [B, F, H] int64, lengths [B, F] or
+    None) -> [B] click probabilities. ids[b, f] holds sample b's ids of categorical feature f
+    (padded to the widest bag H); lengths[b, f] says how many of them it has (None: all H).
+    `score_bags` takes the jagged layout instead: ids of feature 0 for every sample, then of
+    feature 1, ... (torchrec's KeyedJaggedTensor order) and their lengths [F, B]."""
+
+    def __init__(self, embeddings: nn.Module, num_dense: int, feature_names: List[str],
+                 cardinalities: List[int], key_feature: List[int], key_transform: List[int],
+                 key_modulus: List[int], key_slot: List[int], embedding_dim: int,
+                 dense_arch: nn.Module, interaction: nn.Module, over_arch: nn.Module,
+                 combine_parts: Optional[nn.Module], flat_pooled: bool) -> None:
+        """Lookup keys (the embedding table's features, in its output order) each read one
+        categorical feature (`key_feature`), transform its ids (0: none, 1: mod m, 2: floor
+        division by m, 3: remainder by m; m = `key_modulus`) and keep one id slot of every bag
+        (`key_slot` j: the bag's j-th id, -1: all)."""
+        super().__init__()
+        self.embeddings = embeddings
+        self.num_dense = num_dense
+        self.feature_names = feature_names
+        self.register_buffer("cardinalities", torch.tensor(cardinalities, dtype=torch.int64))
+        self.key_feature = key_feature
+        self.key_transform = key_transform
+        self.key_modulus = key_modulus
+        self.key_slot = key_slot
+        self.embedding_dim = embedding_dim
+        self.dense_arch = dense_arch
+        self.interaction = interaction
+        self.over_arch = over_arch
+        self.combine_parts = combine_parts
+        self.flat_pooled = flat_pooled
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor,
+                lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if ids.dim() == 2:
+            ids = ids.unsqueeze(2)
+        if ids.dim() != 3 or ids.shape[1] != len(self.feature_names):
+            raise ValueError(f"ids: expected [B, {len(self.feature_names)}] or "
+                             f"[B, {len(self.feature_names)}, H], got {list(ids.shape)}")
+        batch, features, width = ids.shape[0], ids.shape[1], ids.shape[2]
+        by_feature = ids.transpose(0, 1)  # [F, B, H]
+        if lengths is None:
+            counts = torch.full([features, batch], width, dtype=torch.int64, device=ids.device)
+            return self.score_bags(dense, by_feature.reshape(-1), counts)
+        if list(lengths.shape) != [batch, features]:
+            raise ValueError(f"lengths: expected [{batch}, {features}], got {list(lengths.shape)}")
+        counts = lengths.transpose(0, 1).to(torch.int64)
+        if bool((counts < 0).any()) or bool((counts > width).any()):
+            raise ValueError(f"lengths: each must be in [0, {width}] (the ids' last dimension)")
+        used = torch.arange(width, device=ids.device) < counts.unsqueeze(2)
+        return self.score_bags(dense, torch.masked_select(by_feature, used), counts)
+
+    @torch.jit.export
+    def score_bags(self, dense: torch.Tensor, values: torch.Tensor,
+                   lengths: torch.Tensor) -> torch.Tensor:
+        features = len(self.feature_names)
+        if dense.dim() != 2 or dense.shape[1] != self.num_dense:
+            raise ValueError(f"dense: expected [B, {self.num_dense}], got {list(dense.shape)}")
+        if list(lengths.shape) != [features, dense.shape[0]]:
+            raise ValueError(f"lengths: expected [{features}, {dense.shape[0]}] (features x "
+                             f"samples), got {list(lengths.shape)}")
+        lengths = lengths.to(torch.int64)
+        values = values.to(torch.int64)
+        if int(lengths.sum()) != values.numel():
+            raise ValueError(f"values: {values.numel()} ids, but lengths add up to "
+                             f"{int(lengths.sum())}")
+        self._check_ids(values, lengths)
+        indices, offsets = self._lookup_input(values, lengths)
+        pooled = self.embeddings(indices, offsets)
+        if not self.flat_pooled:
+            pooled = pooled.reshape(pooled.shape[0], -1, self.embedding_dim)
+            combine = self.combine_parts
+            if combine is not None:
+                pooled = combine(pooled)
+        logits = self.over_arch(self.interaction(self.dense_arch(dense.float()), pooled))
+        return torch.sigmoid(logits.squeeze(1))
+
+    def _check_ids(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        """An id outside its feature's table would read another row (or memory): refuse it."""
+        feature_of = torch.repeat_interleave(
+            torch.arange(lengths.shape[0], device=values.device), lengths.sum(1))
+        bad = (values < 0) | (values >= self.cardinalities[feature_of])
+        if bool(bad.any()):
+            first = int(torch.nonzero(bad)[0, 0])
+            f = int(feature_of[first])
+            raise ValueError(f"ids: {int(values[first])} is out of range for feature "
+                             f"{self.feature_names[f]}, whose ids are 0..{int(self.cardinalities[f]) - 1}")
+
+    def _lookup_input(self, values: torch.Tensor, lengths: torch.Tensor):
+        """Indices and offsets of every lookup key's bags, key after key (fbgemm's layout)."""
+        sizes: List[int] = lengths.sum(1).tolist()
+        per_feature = torch.split(values, sizes)
+        keys_ids: List[torch.Tensor] = []
+        keys_lengths: List[torch.Tensor] = []
+        for k in range(len(self.key_feature)):
+            f = self.key_feature[k]
+            ids, counts = per_feature[f], lengths[f]
+            slot = self.key_slot[k]
+            if slot >= 0:
+                starts = torch.cumsum(counts, 0) - counts
+                position = (torch.arange(ids.numel(), device=ids.device)
+                            - torch.repeat_interleave(starts, counts))
+                ids, counts = ids[position == slot], (counts > slot).to(torch.int64)
+            transform, m = self.key_transform[k], self.key_modulus[k]
+            if transform == 1 or transform == 3:
+                ids = torch.remainder(ids, m)
+            elif transform == 2:
+                ids = torch.div(ids, m, rounding_mode="floor")
+            keys_ids.append(ids)
+            keys_lengths.append(counts)
+        counts = torch.cat(keys_lengths)
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
+        offsets[1:] = torch.cumsum(counts, 0)
+        return torch.cat(keys_ids), offsets
+
+
+class StackedCrossNet(nn.Module):
+    """torchrec's LowRankCrossNet (DCN-v2, low rank) with its layers' kernels stacked into
+    tensors: the same arithmetic, but TorchScript can loop over it (it cannot index torchrec's
+    ParameterList with a loop variable)."""
+
+    def __init__(self, crossnet: nn.Module) -> None:
+        super().__init__()
+        self.register_buffer("v", torch.stack(list(crossnet.V_kernels)).detach())
+        self.register_buffer("w", torch.stack(list(crossnet.W_kernels)).detach())
+        self.register_buffer("bias", torch.stack(list(crossnet.bias)).detach())
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for layer in range(self.v.shape[0]):
+            x = x0 * (torch.nn.functional.linear(torch.nn.functional.linear(x, self.v[layer]),
+                                                 self.w[layer]) + self.bias[layer]) + x
+        return x
