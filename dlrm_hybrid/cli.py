@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import List, Optional
 
 from dlrm_hybrid.config import load_config
@@ -22,7 +23,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = _parser().parse_args(argv)
     _quiet_library_noise()
     commands = {"train": run_train, "plan": dry_run.run, "synth": run_synth, "eval": run_eval,
-                "export": run_export, "preprocess": run_preprocess, "bench": run_bench}
+                "export": run_export, "predict": run_predict, "preprocess": run_preprocess,
+                "bench": run_bench}
     try:
         commands[args.command](args)
     except UserError as e:
@@ -43,9 +45,26 @@ def _parser() -> argparse.ArgumentParser:
         "eval", help="AUC and log loss of a checkpoint on a split (default: test)"))
     evaluate.add_argument("--checkpoint", required=True, help="a step_<n> checkpoint folder")
     evaluate.add_argument("--split", default="test", choices=("test", "val"))
-    export = commands.add_parser("export", help="a checkpoint's model as one unsharded file")
+    export = commands.add_parser(
+        "export", help="a checkpoint as a served model: one TorchScript file (+ its .json)")
     export.add_argument("--checkpoint", required=True, help="a step_<n> checkpoint folder")
-    export.add_argument("--out", required=True, help="file to write (torch.save format)")
+    export.add_argument("--out", required=True, help="file to write, e.g. model.pt")
+    export.add_argument("--quantize", default="fp32", metavar="fp32|fp16|int8|int4",
+                        help="embedding tables' precision (row-wise int8/int4; default fp32)")
+    export.add_argument("--quantize-table", dest="table_overrides", action="append", default=[],
+                        metavar="TABLE=PRECISION", help="another precision for one table, e.g. "
+                        "t_cat_0=int4 (repeatable)")
+    export.add_argument("--state-dict", action="store_true", help="write the unsharded fp32 "
+                        "state dict (torch.save) instead, e.g. to fine-tune elsewhere")
+    predict = commands.add_parser(
+        "predict", help="score a split-binary dataset or a CSV/TSV with an exported model")
+    predict.add_argument("--model", required=True, help="a file `export` wrote")
+    predict.add_argument("--data", required=True,
+                         help="a split-binary folder, or a .csv/.tsv file of preprocessed rows")
+    predict.add_argument("--split", default="test", choices=("test", "val", "train"),
+                         help="which split of a split-binary folder (default test)")
+    predict.add_argument("--out", required=True, help="file to write, one probability per line")
+    predict.add_argument("--batch-size", type=int, default=4096, help="rows per call (4096)")
     bench = _config_arguments(commands.add_parser(
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
@@ -81,11 +100,33 @@ def run_eval(args) -> None:
 
 
 def run_export(args) -> None:
-    from dlrm_hybrid.train.inference import export_checkpoint
+    if args.state_dict:
+        from dlrm_hybrid.train.inference import export_checkpoint
 
-    count = export_checkpoint(args.checkpoint, args.out)
-    print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it with "
-          f"weights_only=True into dlrm_hybrid.model.dlrm.build_model(...))")
+        count = export_checkpoint(args.checkpoint, args.out)
+        print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it with "
+              f"weights_only=True into dlrm_hybrid.model.dlrm.build_model(...))")
+        return
+    from dlrm_hybrid.serve.export import description_path, export_model
+
+    description = export_model(args.checkpoint, args.out, args.quantize, args.table_overrides)
+    tables = sum(t["bytes"] for t in description["tables"])
+    fp32 = sum(4 * t["rows"] * t["dim"] for t in description["tables"])
+    print(f"wrote {args.out} ({os.path.getsize(args.out):,} bytes, TorchScript; embedding tables "
+          f"{args.quantize}: {tables:,} bytes, {tables / fp32:.1%} of fp32) and "
+          f"{description_path(Path(args.out))}; load: import torch, fbgemm_gpu; "
+          f"model = torch.jit.load('{args.out}')")
+
+
+def run_predict(args) -> None:
+    from dlrm_hybrid.serve.predict import predict
+
+    if args.batch_size < 1:
+        raise UserError("predict: --batch-size must be at least 1")
+    result = predict(args.model, args.data, args.out, args.split, args.batch_size)
+    metrics = "".join(f" {k}={'nan' if v is None else f'{v:.5f}'}" for k, v in result.items()
+                      if k != "samples")
+    print(f"predict: wrote {args.out} samples={result['samples']}{metrics}")
 
 
 def run_synth(args) -> None:

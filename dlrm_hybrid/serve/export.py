@@ -41,7 +41,8 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
                  table_overrides: Sequence[str] = ()) -> dict:
     """Write the served model of `checkpoint` to `out` and its description to
     `<out stem>.json`, each atomically; returns the description."""
-    path = Path(checkpoint)
+    path, target = Path(checkpoint), Path(out)
+    require_folder_of(target)
     cfg = load_config(str(checkpoint_config_path(path)))
     spec = data_spec(cfg.data)
     model = build_model(cfg.model, spec)
@@ -67,10 +68,14 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
     }
     text = json.dumps(description, indent=1)
     scripted = torch.jit.script(scoring)
-    target = Path(out)
     _write_both(target, lambda p: torch.jit.save(scripted, str(p), _extra_files={DESCRIPTION: text}),
                 description_path(target), lambda p: p.write_text(text + "\n"))
     return description
+
+
+def require_folder_of(out: Path) -> None:
+    if not out.parent.is_dir():
+        raise UserError(f"--out: folder {out.parent} does not exist; create it first")
 
 
 def description_path(artifact: Path) -> Path:

@@ -1,0 +1,110 @@
+"""Rows to score from a CSV or TSV file (`predict`): per line an optional label, the dense
+values, then one field per categorical feature with its ids, already preprocessed (the row
+indices of the model's tables); a multi-hot feature's ids are separated by spaces. A first line
+that is not all numbers is a header. Read in chunks, so a file of any size scores in bounded
+memory."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional
+
+import numpy as np
+
+from dlrm_hybrid.errors import DataError
+
+
+@dataclass
+class ScoringRows:
+    """A chunk of rows to score."""
+
+    dense: np.ndarray  # [B, num_dense] float32
+    ids: List[np.ndarray]  # per categorical feature, [B, widest bag] int64, padded
+    lengths: List[np.ndarray]  # per categorical feature, [B] ids used
+    labels: Optional[np.ndarray]  # [B] float32, when the data has them
+    locate: Callable[[int], str]  # where row i of the chunk comes from, for error messages
+
+
+def text_row_chunks(path: Path, num_dense: int, num_features: int, rows_per_chunk: int
+                    ) -> Iterator[ScoringRows]:
+    delimiter = "\t" if path.suffix in (".tsv", ".txt") or _first_line_has_tab(path) else ","
+    fields = num_dense + num_features
+    with open(path, newline="") as stream:
+        reader = csv.reader(stream, delimiter=delimiter)
+        chunk: List[List[str]] = []
+        first_line, labelled = 1, None
+        for row in reader:
+            line = reader.line_num
+            if not chunk and line == 1 and not _numbers(row):
+                first_line = 2
+                continue  # a header
+            if labelled is None:
+                if len(row) not in (fields, fields + 1):
+                    raise DataError(f"{path}:{line}: {len(row)} fields; the model takes "
+                                    f"{num_dense} dense values and {num_features} categorical "
+                                    f"features ({fields} fields, or {fields + 1} with a label first)")
+                labelled = len(row) == fields + 1
+            if len(row) != fields + labelled:
+                raise DataError(f"{path}:{line}: {len(row)} fields, the lines before have "
+                                f"{fields + labelled}")
+            chunk.append(row)
+            if len(chunk) == rows_per_chunk:
+                yield _parse(path, chunk, first_line, num_dense, labelled)
+                first_line, chunk = line + 1, []
+        if chunk:
+            yield _parse(path, chunk, first_line, num_dense, bool(labelled))
+
+
+def _first_line_has_tab(path: Path) -> bool:
+    with open(path, newline="") as stream:
+        return "\t" in stream.readline()
+
+
+def _numbers(row: List[str]) -> bool:
+    try:
+        for field in row:
+            for token in field.split():
+                float(token)
+        return True
+    except ValueError:
+        return False
+
+
+def _parse(path: Path, rows: List[List[str]], first_line: int, num_dense: int,
+           labelled: bool) -> ScoringRows:
+    """Lines are consecutive in a chunk (csv quoting of newlines is not a thing in this data)."""
+    locate = lambda i: f"{path}:{first_line + i}"  # noqa: E731
+    start = 1 if labelled else 0
+    labels = dense = None
+    column = ""
+    try:
+        if labelled:
+            column = "label"
+            labels = np.array([float(r[0]) for r in rows], dtype=np.float32)
+        column = "dense"
+        dense = np.array([[float(v) for v in r[start:start + num_dense]] for r in rows],
+                         dtype=np.float32)
+    except ValueError:
+        bad = next(i for i, r in enumerate(rows) if not _numbers(r[:start + num_dense]))
+        raise DataError(f"{locate(bad)}: a {column} field is not a number") from None
+    ids, lengths = [], []
+    for f in range(len(rows[0]) - start - num_dense):
+        bags = []
+        for i, r in enumerate(rows):
+            try:
+                bag = [int(token) for token in r[start + num_dense + f].split()]
+            except ValueError:
+                raise DataError(f"{locate(i)}: categorical feature {f} is not integer ids "
+                                f"({r[start + num_dense + f]!r}); give preprocessed ids") from None
+            if not bag:
+                raise DataError(f"{locate(i)}: categorical feature {f} is empty; give it an id")
+            bags.append(bag)
+        count = np.array([len(b) for b in bags], dtype=np.int64)
+        padded = np.zeros((len(rows), int(count.max())), dtype=np.int64)
+        for i, bag in enumerate(bags):
+            padded[i, :len(bag)] = bag
+        ids.append(padded)
+        lengths.append(count)
+    return ScoringRows(dense, ids, lengths, labels, locate)

@@ -1,0 +1,140 @@
+"""`predict`: score a split-binary dataset, or a CSV/TSV file of preprocessed rows, with an
+exported model file, writing one click probability per line (in row order) and, where the data
+has labels, printing AUC and log loss. The output appears whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+from dlrm_hybrid.data.text_rows import ScoringRows, text_row_chunks
+from dlrm_hybrid.errors import DataError, UserError
+from dlrm_hybrid.serve.export import DESCRIPTION, FORMAT, require_folder_of
+
+
+def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
+    """An `export`ed file and the description stored in it."""
+    import fbgemm_gpu  # noqa: F401  registers the embedding kernels the file calls
+
+    if not path.is_file():
+        raise UserError(f"--model: {path} does not exist; give a file `export` wrote")
+    extra = {DESCRIPTION: ""}
+    try:
+        module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+        description = json.loads(extra[DESCRIPTION])
+    except (RuntimeError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise DataError(f"{path}: not a readable model file ({reason}); it is truncated or "
+                        f"corrupt, export it again") from None
+    if description.get("format") != FORMAT:
+        raise DataError(f"{path}: was not written by `export` (format "
+                        f"{description.get('format')!r}, expected {FORMAT})")
+    return module, description
+
+
+def predict(model_path: str, data: str, out: str, split: str = "test",
+            batch_size: int = 4096) -> dict:
+    """Score every row of `data`; returns {"samples", and "auc", "logloss" when labelled}."""
+    target = Path(out)
+    require_folder_of(target)
+    module, description = load_scoring_model(Path(model_path))
+    cardinalities = [f["cardinality"] for f in description["features"]]
+    names = [f["name"] for f in description["features"]]
+    chunks = _chunks(Path(data), split, description, batch_size)
+    partial = target.with_name(target.name + ".partial")
+    probabilities, labels = [], []
+    try:
+        with open(partial, "w") as stream, torch.inference_mode():
+            for rows in chunks:
+                _check_ids(rows, names, cardinalities)
+                p = _score(module, rows)
+                np.savetxt(stream, p, fmt="%.7g")
+                probabilities.append(p)
+                if rows.labels is not None:
+                    labels.append(rows.labels)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    scores = np.concatenate(probabilities) if probabilities else np.zeros(0, np.float32)
+    result = {"samples": len(scores)}
+    if labels:
+        result.update(_metrics(scores, np.concatenate(labels)))
+    return result
+
+
+def _chunks(path: Path, split: str, description: dict, batch_size: int
+            ) -> Iterator[ScoringRows]:
+    num_dense, features = description["num_dense"], description["features"]
+    if path.is_dir():
+        return _split_binary_chunks(path, split, num_dense, features, batch_size)
+    if not path.is_file():
+        raise UserError(f"--data: {path} does not exist; give a split-binary folder or a "
+                        f".csv/.tsv file")
+    return text_row_chunks(path, num_dense, len(features), batch_size)
+
+
+def _split_binary_chunks(path: Path, split: str, num_dense: int, features: List[dict],
+                         batch_size: int) -> Iterator[ScoringRows]:
+    dataset = SplitBinaryDataset(str(path))
+    spec = dataset.spec
+    if spec.num_dense != num_dense or len(spec.cardinalities) != len(features):
+        raise DataError(f"{path}: {spec.num_dense} dense and {len(spec.cardinalities)} "
+                        f"categorical features, the model takes {num_dense} and {len(features)}; "
+                        f"score data preprocessed like its training data")
+    for name, rows, feature in zip(spec.feature_names, spec.cardinalities, features):
+        if rows != feature["cardinality"]:
+            raise DataError(f"{path}: feature {name} has {rows:,} ids (feature_spec.yaml), the "
+                            f"model's table for {feature['name']} {feature['cardinality']:,}; "
+                            f"score data preprocessed like its training data")
+    if split not in dataset.sizes:
+        raise UserError(f"--split: {path} has no {split} split; it has {', '.join(dataset.sizes)}")
+    return _read_split(dataset, split, batch_size)
+
+
+def _read_split(dataset: SplitBinaryDataset, split: str, batch_size: int
+                ) -> Iterator[ScoringRows]:
+    total = dataset.num_samples(split)
+    for first in range(0, total, batch_size):
+        c = dataset.columns(split, first, min(batch_size, total - first))
+        lengths = c.lengths or [np.full(len(c.labels), i.shape[1], np.int64) for i in c.ids]
+        yield ScoringRows(c.dense, c.ids, lengths, c.labels,
+                          lambda i, first=first: f"{split} sample {first + i:,}")
+
+
+def _check_ids(rows: ScoringRows, names: List[str], cardinalities: List[int]) -> None:
+    for name, ids, lengths, rows_of_table in zip(names, rows.ids, rows.lengths, cardinalities):
+        used = np.arange(ids.shape[1]) < lengths[:, None]
+        bad = used & ((ids < 0) | (ids >= rows_of_table))
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise DataError(f"{rows.locate(int(i))}: id {ids[i, j]} of feature {name} is outside "
+                            f"its table (0..{rows_of_table - 1}); the data was preprocessed for "
+                            f"another model")
+
+
+def _score(module, rows: ScoringRows) -> np.ndarray:
+    """The jagged layout (score_bags): no padding across features of different hotness."""
+    values = np.concatenate([ids[np.arange(ids.shape[1]) < n[:, None]]
+                             for ids, n in zip(rows.ids, rows.lengths)])
+    lengths = np.stack(rows.lengths)
+    p = module.score_bags(torch.from_numpy(rows.dense), torch.from_numpy(values),
+                          torch.from_numpy(lengths.astype(np.int64)))
+    return p.numpy()
+
+
+def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict:
+    from torchmetrics.functional.classification import binary_auroc
+
+    clicks = int(labels.sum())
+    p = np.clip(scores.astype(np.float64), 1e-7, 1 - 1e-7)
+    logloss = float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
+    auc: Optional[float] = None
+    if 0 < clicks < len(labels):
+        auc = binary_auroc(torch.from_numpy(scores), torch.from_numpy(labels).long()).item()
+    return {"auc": auc, "logloss": logloss}
