@@ -75,7 +75,8 @@ def assert_eval_and_export_reproduce(checkpoint: Path, val_auc: float, exported:
     result = run_cli(["eval", "--checkpoint", str(checkpoint), "--split", "val"])
     assert result.returncode == 0, failure(result)
     assert f"val_auc={val_auc:.5f}" in result.stdout.strip().splitlines()[-1]
-    result = run_cli(["export", "--checkpoint", str(checkpoint), "--out", str(exported)])
+    result = run_cli(["export", "--checkpoint", str(checkpoint), "--out", str(exported),
+                      "--state-dict"])
     assert result.returncode == 0, failure(result)
     logits, labels = exported_val_scores(checkpoint, exported)
     assert abs(binary_auroc(torch.sigmoid(logits), labels.long()).item() - val_auc) < 1e-5

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from dlrm_hybrid.data.batch import Columns
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.text_rows import ScoringRows, text_row_chunks
 from dlrm_hybrid.errors import DataError, UserError
@@ -27,11 +28,14 @@ def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
     extra = {DESCRIPTION: ""}
     try:
         module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
-        description = json.loads(extra[DESCRIPTION])
+        description = json.loads(extra[DESCRIPTION] or "{}")
     except (RuntimeError, ValueError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
         raise DataError(f"{path}: not a readable model file ({reason}); it is truncated or "
                         f"corrupt, export it again") from None
+    if not extra[DESCRIPTION]:
+        raise DataError(f"{path}: a TorchScript file without {DESCRIPTION}, so not one `export` "
+                        f"wrote; export the checkpoint with this program")
     if description.get("format") != FORMAT:
         raise DataError(f"{path}: was not written by `export` (format "
                         f"{description.get('format')!r}, expected {FORMAT})")
@@ -53,7 +57,7 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
         with open(partial, "w") as stream, torch.inference_mode():
             for rows in chunks:
                 _check_ids(rows, names, cardinalities)
-                p = _score(module, rows)
+                p = score(module, rows)
                 np.savetxt(stream, p, fmt="%.7g")
                 probabilities.append(p)
                 if rows.labels is not None:
@@ -64,7 +68,7 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
     scores = np.concatenate(probabilities) if probabilities else np.zeros(0, np.float32)
     result = {"samples": len(scores)}
     if labels:
-        result.update(_metrics(scores, np.concatenate(labels)))
+        result.update(metrics(scores, np.concatenate(labels)))
     return result
 
 
@@ -101,10 +105,13 @@ def _read_split(dataset: SplitBinaryDataset, split: str, batch_size: int
                 ) -> Iterator[ScoringRows]:
     total = dataset.num_samples(split)
     for first in range(0, total, batch_size):
-        c = dataset.columns(split, first, min(batch_size, total - first))
-        lengths = c.lengths or [np.full(len(c.labels), i.shape[1], np.int64) for i in c.ids]
-        yield ScoringRows(c.dense, c.ids, lengths, c.labels,
-                          lambda i, first=first: f"{split} sample {first + i:,}")
+        yield scoring_rows(dataset.columns(split, first, min(batch_size, total - first)),
+                           lambda i, first=first: f"{split} sample {first + i:,}")
+
+
+def scoring_rows(c: Columns, locate: Callable[[int], str]) -> ScoringRows:
+    lengths = c.lengths or [np.full(len(c.labels), i.shape[1], np.int64) for i in c.ids]
+    return ScoringRows(c.dense, c.ids, lengths, c.labels, locate)
 
 
 def _check_ids(rows: ScoringRows, names: List[str], cardinalities: List[int]) -> None:
@@ -118,17 +125,20 @@ def _check_ids(rows: ScoringRows, names: List[str], cardinalities: List[int]) ->
                             f"another model")
 
 
-def _score(module, rows: ScoringRows) -> np.ndarray:
-    """The jagged layout (score_bags): no padding across features of different hotness."""
+def score(module, rows: ScoringRows) -> np.ndarray:
+    return module.score_bags(*bags_input(rows)).numpy()
+
+
+def bags_input(rows: ScoringRows) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """score_bags' arguments (the jagged layout: no padding across features of different
+    hotness)."""
     values = np.concatenate([ids[np.arange(ids.shape[1]) < n[:, None]]
                              for ids, n in zip(rows.ids, rows.lengths)])
-    lengths = np.stack(rows.lengths)
-    p = module.score_bags(torch.from_numpy(rows.dense), torch.from_numpy(values),
-                          torch.from_numpy(lengths.astype(np.int64)))
-    return p.numpy()
+    lengths = np.stack(rows.lengths).astype(np.int64)
+    return torch.from_numpy(rows.dense), torch.from_numpy(values), torch.from_numpy(lengths)
 
 
-def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict:
+def metrics(scores: np.ndarray, labels: np.ndarray) -> dict:
     from torchmetrics.functional.classification import binary_auroc
 
     clicks = int(labels.sum())

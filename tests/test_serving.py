@@ -1,0 +1,306 @@
+"""Served models: `export` at each precision gives a file that loads without this package and
+scores like the trained model; `predict` scores split-binary and CSV/TSV rows; bad input is a
+one-line error that leaves no output behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchmetrics.functional.classification import binary_auroc
+
+from conftest import ROOT, failure, run_cli
+from dlrm_hybrid.config import load_config
+from dlrm_hybrid.data.synth_dataset import write_synthetic
+from dlrm_hybrid.data.synthetic import SyntheticClicks
+from dlrm_hybrid.errors import DataError, UserError
+from dlrm_hybrid.model.dlrm import build_model
+from dlrm_hybrid.model.embeddings import table_order
+from dlrm_hybrid.serve.export import QUANTIZATIONS, export_model, scoring_model, table_precisions
+from dlrm_hybrid.serve.predict import load_scoring_model, predict
+from dlrm_hybrid.train.inference import read_model_state
+from dlrm_hybrid.train.loop import train
+
+ROWS = 8192  # validation rows the precisions are compared on
+# Largest |p - p_fp32| allowed per precision, and largest AUC difference to the fp32 model: the
+# README's promise (int8 within 0.001 AUC; int4 is reported, and held to a loose bound).
+PROBABILITY_TOLERANCE = {"fp32": 1e-6, "fp16": 2e-3, "int8": 2e-2, "int4": 0.2}
+AUC_TOLERANCE = {"fp32": 1e-6, "fp16": 1e-4, "int8": 1e-3, "int4": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, process_group):
+    """The demo model after 150 steps (its multi-hot features included), checkpointed."""
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        "train.max_steps=150", "optim.decay_start_step=75", "optim.decay_steps=75",
+        f"data.val_samples={ROWS}", "train.progress_bar=false", "checkpoint.resume=none",
+        f"train.run_dir={run_dir}"])
+    train(cfg, process_group)
+    return run_dir / "checkpoints" / "step_150"
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """Every precision's file, and the validation rows with the trained model's probabilities."""
+    out = tmp_path_factory.mktemp("served")
+    for quantize in QUANTIZATIONS:
+        export_model(str(trained), str(out / f"{quantize}.pt"), quantize)
+    cfg = load_config(str(trained / "config.yaml"))
+    data = SyntheticClicks(cfg.data)
+    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
+    model.load_state_dict(read_model_state(trained))
+    model.eval()
+    batch, columns = data.batch("val", 0, ROWS), data.columns("val", 0, ROWS)
+    with torch.no_grad():
+        expected = torch.sigmoid(model(batch.dense, batch.sparse)).numpy()
+    widest = max(ids.shape[1] for ids in columns.ids)
+    ids = np.zeros((ROWS, len(columns.ids), widest), np.int64)
+    lengths = np.zeros((ROWS, len(columns.ids)), np.int64)
+    for f, feature_ids in enumerate(columns.ids):
+        ids[:, f, :feature_ids.shape[1]] = feature_ids
+        lengths[:, f] = feature_ids.shape[1]
+    np.savez(out / "rows.npz", dense=columns.dense, ids=ids, lengths=lengths,
+             labels=columns.labels, expected=expected)
+    return out
+
+
+FRESH_PROCESS = """
+import sys
+sys.modules["dlrm_hybrid"] = None  # importing this package (or torchrec) now fails
+sys.modules["torchrec"] = None
+import numpy as np
+import torch
+import fbgemm_gpu
+
+rows = np.load("rows.npz")
+dense, ids, lengths = (torch.from_numpy(rows[k]) for k in ("dense", "ids", "lengths"))
+results = {}
+for quantize in QUANTIZATIONS:
+    model = torch.jit.load(f"{quantize}.pt")
+    results[quantize] = model(dense, ids, lengths).numpy()
+    by_feature = ids.transpose(0, 1)
+    used = torch.arange(ids.shape[2]) < lengths.T.unsqueeze(2)
+    bags = model.score_bags(dense, torch.masked_select(by_feature, used), lengths.T.contiguous())
+    assert torch.equal(bags, torch.from_numpy(results[quantize])), quantize
+try:
+    model(dense[:2], ids[:2] + 10**6, lengths[:2])
+    raise SystemExit("an id outside its table was scored")
+except torch.jit.Error as e:
+    assert "is out of range for feature cat_0" in str(e), str(e)
+np.savez("results.npz", **results)
+assert not [m for m in sys.modules if m.startswith(("dlrm_hybrid", "torchrec")) and sys.modules[m]]
+"""
+
+
+def test_each_precision_loads_without_this_package_and_scores_like_the_trained_model(exported):
+    script = f"QUANTIZATIONS = {list(QUANTIZATIONS)}\n" + FRESH_PROCESS
+    result = subprocess.run([sys.executable, "-c", script], cwd=exported, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, scored = np.load(exported / "rows.npz"), np.load(exported / "results.npz")
+    labels = torch.from_numpy(rows["labels"]).long()
+    auc = {q: binary_auroc(torch.from_numpy(scored[q]), labels).item() for q in QUANTIZATIONS}
+    reference = binary_auroc(torch.from_numpy(rows["expected"]), labels).item()
+    for quantize in QUANTIZATIONS:
+        gap = np.abs(scored[quantize] - rows["expected"]).max()
+        assert gap <= PROBABILITY_TOLERANCE[quantize], (quantize, gap)
+        assert abs(auc[quantize] - reference) <= AUC_TOLERANCE[quantize], (quantize, auc, reference)
+    assert np.abs(scored["int4"] - rows["expected"]).max() > 0  # quantized: not the fp32 tables
+    sizes = {q: json.loads((exported / f"{q}.json").read_text())["tables"] for q in QUANTIZATIONS}
+    fp32_bytes = sum(t["bytes"] for t in sizes["fp32"])
+    rows_total = sum(t["rows"] for t in sizes["fp32"])
+    dims = sizes["fp32"][0]["dim"]  # the demo's tables are all this wide
+    assert sum(t["bytes"] for t in sizes["int8"]) == rows_total * (dims + 4)  # + fp16 scale, bias
+    assert sum(t["bytes"] for t in sizes["int4"]) == rows_total * (dims // 2 + 4)
+    assert fp32_bytes == rows_total * dims * 4
+
+
+def test_the_readme_snippet_scores_an_exported_file(exported, tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    block = next(b for b in readme.split("```python")[1:] if "torch.jit.load" in b)
+    snippet = textwrap.dedent(block.split("```")[0])
+    (tmp_path / "model.pt").write_bytes((exported / "int8.pt").read_bytes())
+    rows = np.load(exported / "rows.npz")
+    one_hot = rows["ids"][:5, :, 0]
+    script = ("import sys\nsys.modules['dlrm_hybrid'] = None\nimport numpy as np, torch\n"
+              f"rows = np.load({str(exported / 'rows.npz')!r})\n"
+              "dense, ids = torch.from_numpy(rows['dense'][:5]), "
+              "torch.from_numpy(rows['ids'][:5, :, 0].copy())\n"
+              + snippet + "\nnp.save('p.npy', probabilities.numpy())\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    module, _ = load_scoring_model(tmp_path / "model.pt")
+    lengths = torch.ones(5, one_hot.shape[1], dtype=torch.int64)
+    expected = module(torch.from_numpy(rows["dense"][:5]), torch.from_numpy(one_hot.copy()), lengths)
+    assert np.allclose(np.load(tmp_path / "p.npy"), expected.numpy(), atol=1e-7)
+
+
+VARIANTS = {
+    "dcn": ["model.interaction=dcn", "model.dcn_low_rank=8"],
+    "cat + qr concat": ["model.interaction=cat", "model.compositional=[{technique: qr, "
+                        "collisions: 4, operation: concat, rows_above: 200}]"],
+    "fm + hash": ["model.interaction=fm",
+                  "model.compositional=[{technique: hash, buckets: 300, rows_above: 300}]"],
+    "qr mult, multi-hot id slots": [
+        "model.compositional=[{technique: qr, collisions: 4, operation: mult, rows_above: 200}]"],
+    "qr add, variable bags": [
+        "model.compositional=[{technique: qr, collisions: 4, operation: add, rows_above: 200}]",
+        "data.hotness_distribution=uniform"],
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_interaction_and_lookup_kind_is_served_exactly_at_fp32(variant):
+    """The served model's id transform (hashing, QR parts and their id slots, fm's first-order
+    tables), combination and interaction reproduce the trained model's forward."""
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), VARIANTS[variant])
+    data = SyntheticClicks(cfg.data)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
+    for table in model.embedding_bags.parameters():
+        torch.nn.init.uniform_(table, -0.3, 0.3)
+    model.eval()
+    batch, columns = data.batch("val", 0, 512), data.columns("val", 0, 512)
+    with torch.no_grad():
+        expected = torch.sigmoid(model(batch.dense, batch.sparse))
+    unsharded = build_model(cfg.model, data.spec)
+    precisions = table_precisions([p.table for p in table_order(unsharded.lookups)], "fp32", [])
+    served = torch.jit.script(scoring_model(unsharded, model.state_dict(), precisions))
+    widest = max(ids.shape[1] for ids in columns.ids)
+    ids = torch.zeros(512, len(columns.ids), widest, dtype=torch.int64)
+    lengths = torch.zeros(512, len(columns.ids), dtype=torch.int64)
+    for f, feature_ids in enumerate(columns.ids):
+        ids[:, f, :feature_ids.shape[1]] = torch.from_numpy(feature_ids)
+        lengths[:, f] = (feature_ids.shape[1] if columns.lengths is None
+                         else torch.from_numpy(columns.lengths[f]))
+    got = served(torch.from_numpy(columns.dense), ids, lengths)
+    assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
+
+
+def test_predict_scores_split_binary_and_csv_rows_like_the_file_itself(exported, trained, tmp_path):
+    cfg = load_config(str(trained / "config.yaml"), ["data.train_samples=10"])
+    write_synthetic(cfg.data, str(tmp_path / "data"))
+    result = run_cli(["predict", "--model", str(exported / "int8.pt"), "--data",
+                      str(tmp_path / "data"), "--split", "val", "--out", str(tmp_path / "p.txt"),
+                      "--batch-size", "3000"])
+    assert result.returncode == 0, failure(result)
+    written = np.loadtxt(tmp_path / "p.txt")
+    module, _ = load_scoring_model(exported / "int8.pt")
+    rows = np.load(exported / "rows.npz")  # the same validation split, as the model reads it
+    dense = torch.from_numpy(rows["dense"]).half().float()  # split-binary stores float16
+    direct = module(dense, torch.from_numpy(rows["ids"]), torch.from_numpy(rows["lengths"])).numpy()
+    assert written.shape == (ROWS,) and np.abs(written - direct).max() < 1e-6
+    auc = binary_auroc(torch.from_numpy(direct), torch.from_numpy(rows["labels"]).long()).item()
+    assert f"samples={ROWS} auc={auc:.5f}" in result.stdout
+
+    csv = tmp_path / "rows.csv"
+    lines = ["label," + ",".join(f"I{i}" for i in range(13)) + "," +
+             ",".join(f"C{i}" for i in range(rows["ids"].shape[1]))]
+    for i in range(300):
+        bags = [" ".join(map(str, rows["ids"][i, f, :rows["lengths"][i, f]]))
+                for f in range(rows["ids"].shape[1])]
+        lines.append(",".join([str(int(rows["labels"][i])), *(repr(float(v)) for v in dense[i]),
+                               *bags]))
+    csv.write_text("\n".join(lines) + "\n")
+    predict(str(exported / "int8.pt"), str(csv), str(tmp_path / "c.txt"), batch_size=128)
+    assert np.abs(np.loadtxt(tmp_path / "c.txt") - direct[:300]).max() < 1e-6
+    tsv = tmp_path / "rows.tsv"  # no header, no label, tab-separated
+    tsv.write_text("\n".join("\t".join(line.split(",")[1:]) for line in lines[1:]) + "\n")
+    assert predict(str(exported / "int8.pt"), str(tsv), str(tmp_path / "t.txt")) == {"samples": 300}
+    assert np.abs(np.loadtxt(tmp_path / "t.txt") - direct[:300]).max() < 1e-6
+
+
+def _csv_rows(exported: Path, path: Path, edit=None) -> Path:
+    rows = np.load(exported / "rows.npz")
+    lines = []
+    for i in range(5):
+        ids = [str(rows["ids"][i, f, 0]) for f in range(rows["ids"].shape[1])]
+        lines.append([*(f"{v:.4f}" for v in rows["dense"][i]), *ids])
+    if edit:
+        edit(lines)
+    path.write_text("".join(",".join(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda lines: lines[2].__setitem__(13, "1000"),
+     r"rows\.csv:3: id 1000 of feature cat_0 is outside its table \(0\.\.999\)"),
+    (lambda lines: lines[1].pop(), r"rows\.csv:2: 20 fields, the lines before have 21"),
+    (lambda lines: lines[3].__setitem__(4, "x"), r"rows\.csv:4: a dense field is not a number"),
+    (lambda lines: lines[0].__setitem__(15, ""), r"rows\.csv:1: categorical feature 2 is empty"),
+])
+def test_bad_rows_are_one_line_errors_and_keep_the_old_output(exported, tmp_path, edit, message):
+    out = tmp_path / "p.txt"
+    out.write_text("an earlier result\n")
+    with pytest.raises(DataError, match=message):
+        predict(str(exported / "fp32.pt"), str(_csv_rows(exported, tmp_path / "rows.csv", edit)),
+                str(out), batch_size=2)
+    assert out.read_text() == "an earlier result\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "rows.csv"]
+
+
+def test_data_of_another_shape_is_refused_before_anything_is_written(exported, trained, tmp_path):
+    cfg = load_config(str(trained / "config.yaml"), ["data.train_samples=10", "data.val_samples=10"])
+    other_sizes = load_config(str(trained / "config.yaml"), [
+        "data.train_samples=10", "data.val_samples=10",
+        f"data.cardinalities={[1000, 500, 250, 100, 50, 20, 10, 7]}"]).data
+    fewer = load_config(str(trained / "config.yaml"), [
+        "data.train_samples=10", "data.val_samples=10", "data.cardinalities=[1000, 500]",
+        "data.hotness=[1]"]).data
+    write_synthetic(cfg.data, str(tmp_path / "same"))
+    write_synthetic(other_sizes, str(tmp_path / "sizes"))
+    write_synthetic(fewer, str(tmp_path / "fewer"))
+    model = str(exported / "fp32.pt")
+    with pytest.raises(DataError, match=r"sizes: feature cat_7 has 7 ids \(feature_spec.yaml\), "
+                                        r"the model's table for cat_7 5"):
+        predict(model, str(tmp_path / "sizes"), str(tmp_path / "p.txt"))
+    with pytest.raises(DataError, match=r"fewer: 13 dense and 2 categorical features, the model "
+                                        r"takes 13 and 8"):
+        predict(model, str(tmp_path / "fewer"), str(tmp_path / "p.txt"))
+    with pytest.raises(UserError, match=r"--out: folder .*nowhere does not exist"):
+        predict(model, str(tmp_path / "same"), str(tmp_path / "nowhere" / "p.txt"))
+    assert not (tmp_path / "p.txt").exists()
+
+
+def test_a_corrupt_or_foreign_model_file_is_a_one_line_error(exported, tmp_path):
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes((exported / "int8.pt").read_bytes()[:5000])
+    foreign = tmp_path / "foreign.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 1)), str(foreign))
+    rows = str(_csv_rows(exported, tmp_path / "rows.csv"))
+    with pytest.raises(DataError, match=r"truncated.pt: not a readable model file .* export it again"):
+        predict(str(truncated), rows, str(tmp_path / "p.txt"))
+    with pytest.raises(DataError, match=r"foreign.pt: a TorchScript file without model.json"):
+        predict(str(foreign), rows, str(tmp_path / "p.txt"))
+    result = run_cli(["predict", "--model", str(truncated), "--data", rows,
+                      "--out", str(tmp_path / "p.txt")])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {truncated}: not a readable")
+    assert not (tmp_path / "p.txt").exists()
+
+
+def test_export_refuses_unknown_tables_and_precisions_without_writing(trained, tmp_path):
+    out = tmp_path / "m.pt"
+    with pytest.raises(UserError, match=r"--quantize-table t_cat_9=int8: no table 't_cat_9'; "
+                                        r"the tables are t_cat_0, "):
+        export_model(str(trained), str(out), "int8", ["t_cat_9=int8"])
+    with pytest.raises(UserError, match=r"--quantize-table t_cat_1=int3: 'int3' is not one of"):
+        export_model(str(trained), str(out), "int8", ["t_cat_1=int3"])
+    with pytest.raises(UserError, match=r"--quantize: 'bf16' is not one of fp32, fp16, int8, int4"):
+        export_model(str(trained), str(out), "bf16")
+    assert list(tmp_path.iterdir()) == []
+    description = export_model(str(trained), str(out), "int4", ["t_cat_0=fp16"])
+    assert description["quantization"]["tables"]["t_cat_0"] == "fp16"
+    assert description["tables"][0] == {"name": "t_cat_0", "rows": 1000, "dim": 16,
+                                        "quantization": "fp16", "bytes": 1000 * 16 * 2}
+    assert description["source"]["step"] == 150
+    assert json.loads(out.with_suffix(".json").read_text()) == description
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "m.pt"]
