@@ -183,6 +183,11 @@ def test_every_interaction_and_lookup_kind_is_served_exactly_at_fp32(variant):
                          else torch.from_numpy(columns.lengths[f]))
     got = served(torch.from_numpy(columns.dense), ids, lengths)
     assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
+    if "id slots" in variant:  # cat_2 (3 ids a bag) is looked up in 3 slots: a 4th id is refused
+        longer = lengths.clone()
+        longer[:, 2] = 4
+        with pytest.raises(torch.jit.Error, match="feature cat_2 takes at most 3 ids per sample"):
+            served(torch.from_numpy(columns.dense), torch.cat([ids, ids[:, :, :1]], 2), longer)
 
 
 def test_predict_scores_split_binary_and_csv_rows_like_the_file_itself(exported, trained, tmp_path):
@@ -304,3 +309,20 @@ def test_export_refuses_unknown_tables_and_precisions_without_writing(trained, t
     assert description["source"]["step"] == 150
     assert json.loads(out.with_suffix(".json").read_text()) == description
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "m.pt"]
+
+
+def test_a_bag_longer_than_a_qr_mult_features_id_slots_is_refused(tmp_path, process_group):
+    """qr `mult` looks a multi-hot feature up in one slot per id of its training hotness: a
+    longer bag at serving time would lose ids silently, so predict stops, naming the feature."""
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        "model.compositional=[{technique: qr, collisions: 4, operation: mult, rows_above: 200}]",
+        "train.max_steps=2", "data.val_samples=1024", "train.progress_bar=false",
+        "checkpoint.resume=none", f"train.run_dir={tmp_path / 'run'}"])
+    train(cfg, process_group)
+    export_model(str(tmp_path / "run/checkpoints/step_2"), str(tmp_path / "qr.pt"), "int8")
+    row = ["0.5"] * 13 + ["1", "2", "3 4 5 6", "7", "8 9", "1", "2", "3"]  # cat_2: 4 ids, hotness 3
+    (tmp_path / "rows.tsv").write_text("\t".join(row) + "\n")
+    with pytest.raises(DataError, match=r"rows.tsv:1 \(a chunk of 1 rows\): lengths: feature "
+                                        r"cat_2 takes at most 3 ids per sample"):
+        predict(str(tmp_path / "qr.pt"), str(tmp_path / "rows.tsv"), str(tmp_path / "p.txt"))
+    assert not (tmp_path / "p.txt").exists()

@@ -117,6 +117,7 @@ def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
         tables, _num_dense(model),
         [lookup.feature for lookup in model.lookups], [lookup.rows for lookup in model.lookups],
         [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys], [k[3] for k in keys],
+        [lookup.slots if lookup.slots > 1 else 0 for lookup in model.lookups],
         model.embedding_dim, model.dense_arch, _scriptable(model.interaction), model.over_arch,
         model.combine_parts, isinstance(model.interaction, FactorizationMachine))
 

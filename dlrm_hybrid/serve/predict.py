@@ -4,6 +4,7 @@ has labels, printing AUC and log loss. The output appears whole or not at all.""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ from dlrm_hybrid.serve.export import DESCRIPTION, FORMAT, require_folder_of
 
 def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
     """An `export`ed file and the description stored in it."""
-    import fbgemm_gpu  # noqa: F401  registers the embedding kernels the file calls
+    importlib.import_module("fbgemm_gpu")  # registers the embedding kernels the file calls
 
     if not path.is_file():
         raise UserError(f"--model: {path} does not exist; give a file `export` wrote")
@@ -126,7 +127,13 @@ def _check_ids(rows: ScoringRows, names: List[str], cardinalities: List[int]) ->
 
 
 def score(module, rows: ScoringRows) -> np.ndarray:
-    return module.score_bags(*bags_input(rows)).numpy()
+    try:
+        return module.score_bags(*bags_input(rows)).numpy()
+    except torch.jit.Error as e:  # the model's own checks: its message is the last line
+        reason = next((line.split(": ", 1)[1] for line in reversed(str(e).splitlines())
+                       if line.startswith("builtins.")), str(e).splitlines()[-1])
+        raise DataError(f"{rows.locate(0)} (a chunk of {len(rows.dense)} rows): {reason}"
+                        ) from None
 
 
 def bags_input(rows: ScoringRows) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -26,13 +26,15 @@ class ScoringModel(nn.Module):
 
     def __init__(self, embeddings: nn.Module, num_dense: int, feature_names: List[str],
                  cardinalities: List[int], key_feature: List[int], key_transform: List[int],
-                 key_modulus: List[int], key_slot: List[int], embedding_dim: int,
+                 key_modulus: List[int], key_slot: List[int], max_ids: List[int],
+                 embedding_dim: int,
                  dense_arch: nn.Module, interaction: nn.Module, over_arch: nn.Module,
                  combine_parts: Optional[nn.Module], flat_pooled: bool) -> None:
         """Lookup keys (the embedding table's features, in its output order) each read one
         categorical feature (`key_feature`), transform its ids (0: none, 1: mod m, 2: floor
         division by m, 3: remainder by m; m = `key_modulus`) and keep one id slot of every bag
-        (`key_slot` j: the bag's j-th id, -1: all)."""
+        (`key_slot` j: the bag's j-th id, -1: all). A feature looked up by id slots takes at
+        most as many ids as it has slots (`max_ids`; 0: any number)."""
         super().__init__()
         self.embeddings = embeddings
         self.num_dense = num_dense
@@ -42,6 +44,7 @@ class ScoringModel(nn.Module):
         self.key_transform = key_transform
         self.key_modulus = key_modulus
         self.key_slot = key_slot
+        self.max_ids = max_ids
         self.embedding_dim = embedding_dim
         self.dense_arch = dense_arch
         self.interaction = interaction
@@ -80,6 +83,8 @@ class ScoringModel(nn.Module):
                              f"samples), got {list(lengths.shape)}")
         lengths = lengths.to(torch.int64)
         values = values.to(torch.int64)
+        if bool((lengths < 0).any()):
+            raise ValueError("lengths: must not be negative")
         if int(lengths.sum()) != values.numel():
             raise ValueError(f"values: {values.numel()} ids, but lengths add up to "
                              f"{int(lengths.sum())}")
@@ -95,7 +100,13 @@ class ScoringModel(nn.Module):
         return torch.sigmoid(logits.squeeze(1))
 
     def _check_ids(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
-        """An id outside its feature's table would read another row (or memory): refuse it."""
+        """An id outside its feature's table would read another row (or memory), and an id
+        past a feature's id slots would be left out: refuse them."""
+        for f in range(len(self.max_ids)):
+            limit = self.max_ids[f]
+            if limit > 0 and lengths.shape[1] > 0 and int(lengths[f].max()) > limit:
+                raise ValueError(f"lengths: feature {self.feature_names[f]} takes at most "
+                                 f"{limit} ids per sample (its training hotness)")
         feature_of = torch.repeat_interleave(
             torch.arange(lengths.shape[0], device=values.device), lengths.sum(1))
         bad = (values < 0) | (values >= self.cardinalities[feature_of])
