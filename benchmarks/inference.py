@@ -10,9 +10,10 @@ Without --checkpoint it first trains the demo (`configs/demo.yaml`, 2 gloo ranks
   file (target: int8 within 0.001), the eager model's AUC and, for the planted synthetic data, the
   oracle AUC;
 - speed, in this process on CPU: p50 and p99 latency of one call over --calls calls (after 10
-  untimed ones) at each batch size, and samples/s (batch / mean latency), for the fp32 eager
-  model (torchrec EmbeddingBagCollection fed a KeyedJaggedTensor) and each file
-  (`score_bags` on the same rows). Inputs are built before timing, for both.
+  untimed ones; the models take turns in 5 rounds) at each batch size, and samples/s (batch /
+  mean latency), for the fp32 eager model (torchrec EmbeddingBagCollection fed a
+  KeyedJaggedTensor) and each file (`score_bags` on the same rows). Inputs are built before
+  timing, for both.
 """
 
 from __future__ import annotations
@@ -57,16 +58,20 @@ def _path_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
 
 
-def timed(call, calls: int) -> np.ndarray:
-    """Seconds per call, `calls` of them, after 10 untimed."""
-    for _ in range(10):
-        call()
-    seconds = np.empty(calls)
-    for i in range(calls):
-        start = time.perf_counter()
-        call()
-        seconds[i] = time.perf_counter() - start
-    return seconds
+def timed(calls_by_model: dict, calls: int, rounds: int = 5) -> dict:
+    """Seconds per call of each model, `calls` each, after 10 untimed: in `rounds` rounds that
+    take turns, so that a slow spell of this shared machine hits every model alike."""
+    seconds = {name: [] for name in calls_by_model}
+    for call in calls_by_model.values():
+        for _ in range(10):
+            call()
+    for r in range(rounds):
+        for name, call in calls_by_model.items():
+            for _ in range(calls // rounds + (r < calls % rounds)):
+                start = time.perf_counter()
+                call()
+                seconds[name].append(time.perf_counter() - start)
+    return {name: np.array(s) for name, s in seconds.items()}
 
 
 def main() -> None:
@@ -113,23 +118,22 @@ def main() -> None:
               f"{quality[q]['auc'] - quality['fp32']['auc']:+.5f} | {quality[q]['logloss']:.5f} |")
 
     sizes = [int(b) for b in args.batches.split(",")]
+    cells = {name: [] for name in ["fp32 eager", *served]}
+    for size in sizes:
+        part = dataset.batch("val", 0, size)
+        inputs = bags_input(scoring_rows(dataset.columns("val", 0, size), str))
+        calls = {"fp32 eager": lambda: eager(part.dense, part.sparse)}
+        calls.update({q: (lambda m=module: m.score_bags(*inputs))
+                      for q, (module, _) in served.items()})
+        with torch.inference_mode():
+            for name, seconds in timed(calls, args.calls).items():
+                p50, p99 = np.percentile(seconds, [50, 99]) * 1e3
+                cells[name].append(f"{p50:.3f} / {p99:.3f} ({size / seconds.mean():,.0f})")
     print(f"\nlatency per call, ms p50 / p99 (samples/s), {args.calls} calls per cell")
     print("| model | " + " | ".join(f"batch {b:,}" for b in sizes) + " |")
     print("|---|" + "---|" * len(sizes))
-    for name in ["fp32 eager", *served]:
-        cells = []
-        for size in sizes:
-            with torch.inference_mode():
-                if name == "fp32 eager":
-                    part = dataset.batch("val", 0, size)
-                    seconds = timed(lambda: eager(part.dense, part.sparse), args.calls)
-                else:
-                    inputs = bags_input(scoring_rows(dataset.columns("val", 0, size), str))
-                    module = served[name][0]
-                    seconds = timed(lambda: module.score_bags(*inputs), args.calls)
-            p50, p99 = np.percentile(seconds, [50, 99]) * 1e3
-            cells.append(f"{p50:.3f} / {p99:.3f} ({size / seconds.mean():,.0f})")
-        print(f"| {name} | " + " | ".join(cells) + " |")
+    for name, row in cells.items():
+        print(f"| {name} | " + " | ".join(row) + " |")
     if torch.cuda.is_available():
         print("\n# a GPU is present, but the exported files keep their tables in host memory: "
               "GPU serving is not measured here")
