@@ -103,6 +103,10 @@ def run_export(args) -> None:
     if args.state_dict:
         from dlrm_hybrid.train.inference import export_checkpoint
 
+        if args.quantize != "fp32" or args.table_overrides:
+            raise UserError("export: --state-dict writes the fp32 weights for training; "
+                            "--quantize and --quantize-table are for the served model")
+
         count = export_checkpoint(args.checkpoint, args.out)
         print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it with "
               f"weights_only=True into dlrm_hybrid.model.dlrm.build_model(...))")

@@ -241,6 +241,9 @@ def _csv_rows(exported: Path, path: Path, edit=None) -> Path:
     (lambda lines: lines[1].pop(), r"rows\.csv:2: 20 fields, the lines before have 21"),
     (lambda lines: lines[3].__setitem__(4, "x"), r"rows\.csv:4: a dense field is not a number"),
     (lambda lines: lines[0].__setitem__(15, ""), r"rows\.csv:1: categorical feature 2 is empty"),
+    (lambda lines: lines[4].__setitem__(0, "nan"), r"rows\.csv:5: a dense value is not finite"),
+    (lambda lines: lines[1].__setitem__(14, str(2**70)),
+     r"rows\.csv:2: categorical feature 1 has an id beyond int64"),
 ])
 def test_bad_rows_are_one_line_errors_and_keep_the_old_output(exported, tmp_path, edit, message):
     out = tmp_path / "p.txt"
@@ -272,6 +275,8 @@ def test_data_of_another_shape_is_refused_before_anything_is_written(exported, t
         predict(model, str(tmp_path / "fewer"), str(tmp_path / "p.txt"))
     with pytest.raises(UserError, match=r"--out: folder .*nowhere does not exist"):
         predict(model, str(tmp_path / "same"), str(tmp_path / "nowhere" / "p.txt"))
+    with pytest.raises(UserError, match=r"--out: .*same is a folder; give a file name in it"):
+        predict(model, str(tmp_path / "same"), str(tmp_path / "same"))
     assert not (tmp_path / "p.txt").exists()
 
 

@@ -37,6 +37,8 @@ def text_row_chunks(path: Path, num_dense: int, num_features: int, rows_per_chun
         first_line, labelled = 1, None
         for row in reader:
             line = reader.line_num
+            if not row:
+                continue  # a blank line
             if not chunk and line == 1 and not _numbers(row):
                 first_line = 2
                 continue  # a header
@@ -89,6 +91,13 @@ def _parse(path: Path, rows: List[List[str]], first_line: int, num_dense: int,
     except ValueError:
         bad = next(i for i, r in enumerate(rows) if not _numbers(r[:start + num_dense]))
         raise DataError(f"{locate(bad)}: a {column} field is not a number") from None
+    if not np.isfinite(dense).all():
+        bad = int(np.argwhere(~np.isfinite(dense))[0, 0])
+        raise DataError(f"{locate(bad)}: a dense value is not finite (nan or inf); give the "
+                        f"preprocessed values")
+    if labels is not None and not np.isin(labels, (0.0, 1.0)).all():
+        bad = int(np.argwhere(~np.isin(labels, (0.0, 1.0)))[0, 0])
+        raise DataError(f"{locate(bad)}: the label is {labels[bad]:g}; labels are 0 or 1")
     ids, lengths = [], []
     for f in range(len(rows[0]) - start - num_dense):
         bags = []
@@ -104,7 +113,11 @@ def _parse(path: Path, rows: List[List[str]], first_line: int, num_dense: int,
         count = np.array([len(b) for b in bags], dtype=np.int64)
         padded = np.zeros((len(rows), int(count.max())), dtype=np.int64)
         for i, bag in enumerate(bags):
-            padded[i, :len(bag)] = bag
+            try:
+                padded[i, :len(bag)] = bag
+            except OverflowError:
+                raise DataError(f"{locate(i)}: categorical feature {f} has an id beyond int64; "
+                                f"give preprocessed ids") from None
         ids.append(padded)
         lengths.append(count)
     return ScoringRows(dense, ids, lengths, labels, locate)

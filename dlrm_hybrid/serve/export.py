@@ -74,6 +74,9 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
 
 
 def require_folder_of(out: Path) -> None:
+    """`out` can be written: its folder exists and it is not a folder itself."""
+    if out.is_dir():
+        raise UserError(f"--out: {out} is a folder; give a file name in it")
     if not out.parent.is_dir():
         raise UserError(f"--out: folder {out.parent} does not exist; create it first")
 

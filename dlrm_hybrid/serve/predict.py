@@ -48,6 +48,8 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
     """Score every row of `data`; returns {"samples", and "auc", "logloss" when labelled}."""
     target = Path(out)
     require_folder_of(target)
+    if target.resolve() == Path(data).resolve():
+        raise UserError(f"--out: {out} is the data being scored; write elsewhere")
     module, description = load_scoring_model(Path(model_path))
     cardinalities = [f["cardinality"] for f in description["features"]]
     names = [f["name"] for f in description["features"]]
