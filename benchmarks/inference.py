@@ -19,11 +19,13 @@ Without --checkpoint it first trains the demo (`configs/demo.yaml`, 2 gloo ranks
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Dict, List
 
 import numpy as np
 import torch
@@ -61,7 +63,7 @@ def _path_env() -> dict:
 def timed(calls_by_model: dict, calls: int, rounds: int = 5) -> dict:
     """Seconds per call of each model, `calls` each, after 10 untimed: in `rounds` rounds that
     take turns, so that a slow spell of this shared machine hits every model alike."""
-    seconds = {name: [] for name in calls_by_model}
+    seconds: Dict[str, List[float]] = {name: [] for name in calls_by_model}
     for call in calls_by_model.values():
         for _ in range(10):
             call()
@@ -118,13 +120,14 @@ def main() -> None:
               f"{quality[q]['auc'] - quality['fp32']['auc']:+.5f} | {quality[q]['logloss']:.5f} |")
 
     sizes = [int(b) for b in args.batches.split(",")]
-    cells = {name: [] for name in ["fp32 eager", *served]}
+    cells: Dict[str, List[str]] = {name: [] for name in ["fp32 eager", *served]}
     for size in sizes:
         part = dataset.batch("val", 0, size)
         inputs = bags_input(scoring_rows(dataset.columns("val", 0, size), str))
-        calls = {"fp32 eager": lambda: eager(part.dense, part.sparse)}
-        calls.update({q: (lambda m=module: m.score_bags(*inputs))
-                      for q, (module, _) in served.items()})
+        calls: Dict[str, Callable[[], object]] = {
+            "fp32 eager": lambda: eager(part.dense, part.sparse)}
+        for q, (module, _) in served.items():
+            calls[q] = functools.partial(module.score_bags, *inputs)
         with torch.inference_mode():
             for name, seconds in timed(calls, args.calls).items():
                 p50, p99 = np.percentile(seconds, [50, 99]) * 1e3

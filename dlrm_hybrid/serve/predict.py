@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from dlrm_hybrid.data.batch import Columns
+from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.text_rows import ScoringRows, text_row_chunks
 from dlrm_hybrid.errors import DataError, UserError
@@ -89,7 +90,7 @@ def _chunks(path: Path, split: str, description: dict, batch_size: int
 def _split_binary_chunks(path: Path, split: str, num_dense: int, features: List[dict],
                          batch_size: int) -> Iterator[ScoringRows]:
     dataset = SplitBinaryDataset(str(path))
-    spec = dataset.spec
+    spec: DataSpec = dataset.fspec.spec
     if spec.num_dense != num_dense or len(spec.cardinalities) != len(features):
         raise DataError(f"{path}: {spec.num_dense} dense and {len(spec.cardinalities)} "
                         f"categorical features, the model takes {num_dense} and {len(features)}; "
@@ -109,7 +110,11 @@ def _read_split(dataset: SplitBinaryDataset, split: str, batch_size: int
     total = dataset.num_samples(split)
     for first in range(0, total, batch_size):
         yield scoring_rows(dataset.columns(split, first, min(batch_size, total - first)),
-                           lambda i, first=first: f"{split} sample {first + i:,}")
+                           _sample_locator(split, first))
+
+
+def _sample_locator(split: str, first: int) -> Callable[[int], str]:
+    return lambda i: f"{split} sample {first + i:,}"
 
 
 def scoring_rows(c: Columns, locate: Callable[[int], str]) -> ScoringRows:

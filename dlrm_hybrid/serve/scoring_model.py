@@ -1,15 +1,14 @@
 """The served model: a trained DLRM whose embedding tables are fbgemm's inference tables
 (`IntNBitTableBatchedEmbeddingBagsCodegen`: row-wise int8/int4, or fp16/fp32, per table), taking
 plain tensors and returning click probabilities. It is written for `torch.jit.script`, so the
-exported file runs with torch and fbgemm_gpu only.
+exported file runs with torch and fbgemm_gpu only (and without `from __future__ import
+annotations`: TorchScript cannot resolve its class attributes' string annotations).
 
 Why fbgemm's table directly and not torchrec's quantized EmbeddingBagCollection (which wraps the
 same kernel): that one takes a KeyedJaggedTensor, so every caller of the artifact would need
 torchrec to build its input. Here the id transform that training's KJT path does
 (composed_lookup.LookupIds: hashing, QR parts, fm's first-order keys) is done on plain tensors.
 """
-
-from __future__ import annotations
 
 from typing import List, Optional
 
@@ -23,6 +22,8 @@ class ScoringModel(nn.Module):
     (padded to the widest bag H); lengths[b, f] says how many of them it has (None: all H).
     `score_bags` takes the jagged layout instead: ids of feature 0 for every sample, then of
     feature 1, ... (torchrec's KeyedJaggedTensor order) and their lengths [F, B]."""
+
+    cardinalities: torch.Tensor
 
     def __init__(self, embeddings: nn.Module, num_dense: int, feature_names: List[str],
                  cardinalities: List[int], key_feature: List[int], key_transform: List[int],
@@ -149,11 +150,15 @@ class StackedCrossNet(nn.Module):
     tensors: the same arithmetic, but TorchScript can loop over it (it cannot index torchrec's
     ParameterList with a loop variable)."""
 
+    v: torch.Tensor
+    w: torch.Tensor
+    bias: torch.Tensor
+
     def __init__(self, crossnet: nn.Module) -> None:
         super().__init__()
-        self.register_buffer("v", torch.stack(list(crossnet.V_kernels)).detach())
-        self.register_buffer("w", torch.stack(list(crossnet.W_kernels)).detach())
-        self.register_buffer("bias", torch.stack(list(crossnet.bias)).detach())
+        for name, kernels in (("v", crossnet.V_kernels), ("w", crossnet.W_kernels),
+                              ("bias", crossnet.bias)):
+            self.register_buffer(name, torch.stack(list(kernels)).detach())  # type: ignore
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
