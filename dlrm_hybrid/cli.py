@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", default="test", choices=("test", "val"))
     export = commands.add_parser(
         "export", help="a checkpoint as a served model: one TorchScript file (+ its .json)")
+    export.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="change the checkpoint's config, e.g. "
+                        "--set data.path=DIR where its dataset has moved (repeatable)")
     export.add_argument("--checkpoint", required=True, help="a step_<n> checkpoint folder")
     export.add_argument("--out", required=True, help="file to write, e.g. model.pt")
     export.add_argument("--quantize", default="fp32", metavar="fp32|fp16|int8|int4",
@@ -113,7 +116,8 @@ def run_export(args) -> None:
         return
     from dlrm_hybrid.serve.export import description_path, export_model
 
-    description = export_model(args.checkpoint, args.out, args.quantize, args.table_overrides)
+    description = export_model(args.checkpoint, args.out, args.quantize, args.table_overrides,
+                               args.overrides)
     tables = sum(t["bytes"] for t in description["tables"])
     fp32 = sum(4 * t["rows"] * t["dim"] for t in description["tables"])
     print(f"wrote {args.out} ({os.path.getsize(args.out):,} bytes, TorchScript; embedding tables "

@@ -306,6 +306,8 @@ def test_export_refuses_unknown_tables_and_precisions_without_writing(trained, t
         export_model(str(trained), str(out), "int8", ["t_cat_1=int3"])
     with pytest.raises(UserError, match=r"--quantize: 'bf16' is not one of fp32, fp16, int8, int4"):
         export_model(str(trained), str(out), "bf16")
+    with pytest.raises(UserError, match=r"data.path: cannot read .*moved/feature_spec.yaml"):
+        export_model(str(trained), str(out), overrides=[f"data.path={tmp_path / 'moved'}"])
     assert list(tmp_path.iterdir()) == []
     description = export_model(str(trained), str(out), "int4", ["t_cat_0=fp16"])
     assert description["quantization"]["tables"]["t_cat_0"] == "fp16"

@@ -38,12 +38,16 @@ TABLE_PREFIX = "embedding_bags.embedding_bags."  # a table's weight in the model
 
 
 def export_model(checkpoint: str, out: str, quantize: str = "fp32",
-                 table_overrides: Sequence[str] = ()) -> dict:
+                 table_overrides: Sequence[str] = (), overrides: Sequence[str] = ()) -> dict:
     """Write the served model of `checkpoint` to `out` and its description to
-    `<out stem>.json`, each atomically; returns the description."""
+    `<out stem>.json`, both or neither; returns the description. `overrides` change the
+    checkpoint's config (e.g. data.path, where its dataset has moved)."""
     path, target = Path(checkpoint), Path(out)
     require_folder_of(target)
-    cfg = load_config(str(checkpoint_config_path(path)))
+    if target.suffix == ".json":
+        raise UserError(f"--out: {out} would be overwritten by its own description "
+                        f"({DESCRIPTION}); name the model e.g. model.pt")
+    cfg = load_config(str(checkpoint_config_path(path)), list(overrides))
     spec = data_spec(cfg.data)
     model = build_model(cfg.model, spec)
     precisions = table_precisions([p.table for p in table_order(model.lookups)], quantize,
@@ -82,7 +86,7 @@ def require_folder_of(out: Path) -> None:
 
 
 def description_path(artifact: Path) -> Path:
-    return artifact.with_suffix(".json") if artifact.suffix != ".json" else Path(f"{artifact}.desc.json")
+    return artifact.with_suffix(".json")
 
 
 def table_precisions(tables: List[str], default: str, overrides: Sequence[str]) -> Dict[str, str]:
@@ -112,6 +116,10 @@ def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
     if missing or unexpected:
         raise UserError(f"checkpoint: does not fit its own config's model (missing "
                         f"{missing[:3]}, unexpected {unexpected[:3]})")
+    absent = [p.table for p in parts if f"{TABLE_PREFIX}{p.table}.weight" not in weights]
+    if absent:
+        raise UserError(f"checkpoint: has no table {absent[0]}, which its config's model has; "
+                        f"it was written by another version of the model")
     tables = quantized_tables(parts, {p.table: weights[f"{TABLE_PREFIX}{p.table}.weight"]
                                       for p in parts}, precisions)
     keys = lookup_keys(model.lookups)
@@ -139,16 +147,14 @@ def _num_dense(model: DLRM) -> int:
 def lookup_keys(lookups: List[FeatureLookup]) -> List[tuple]:
     """(feature index, transform, modulus, slot) of every lookup key, in the tables' order (the
     order of ScoringModel's arguments)."""
-    feature_of = {}
-    for index, lookup in enumerate(lookups):
-        for part in lookup.tables:
-            feature_of[part.table] = (index, lookup, part)
+    owner = {part.table: (index, lookup) for index, lookup in enumerate(lookups)
+             for part in lookup.tables}
     keys = []
     for part in table_order(lookups):
-        index, lookup, _ = feature_of[part.table]
-        transform = _transform(lookup, part)
+        index, lookup = owner[part.table]
         for slot in range(len(part.keys)):
-            keys.append((index, transform, lookup.modulus, slot if len(part.keys) > 1 else -1))
+            keys.append((index, _transform(lookup, part), lookup.modulus,
+                         slot if len(part.keys) > 1 else -1))
     return keys
 
 
