@@ -242,6 +242,8 @@ def _csv_rows(exported: Path, path: Path, edit=None) -> Path:
     (lambda lines: lines[3].__setitem__(4, "x"), r"rows\.csv:4: a dense field is not a number"),
     (lambda lines: lines[0].__setitem__(15, ""), r"rows\.csv:1: categorical feature 2 is empty"),
     (lambda lines: lines[4].__setitem__(0, "nan"), r"rows\.csv:5: a dense value is not finite"),
+    (lambda lines: [line.insert(0, "2" if i == 2 else "1") for i, line in enumerate(lines)],
+     r"rows\.csv:3: the label is 2; labels are 0 or 1"),
     (lambda lines: lines[1].__setitem__(14, str(2**70)),
      r"rows\.csv:2: categorical feature 1 has an id beyond int64"),
 ])
