@@ -112,6 +112,11 @@ class TrainConfig:
     precision_fallback: bool = True
     cuda_graphs: bool = False  # replay the dense part of each step as a CUDA graph (GPU only)
     pipeline: str = "auto"  # auto (enabled with CUDA) | enabled | disabled: overlap batch i+1's copy and id exchange with step i
+    # MLPerf's schedule: evaluate N times per epoch, every floor(train samples / (batch * N))
+    # steps, for at most one epoch in the dataset's order (max_steps 0: all N evaluations).
+    evals_per_epoch: int = 0
+    target_auc: float = 0.0  # > 0: stop at the first evaluation reaching this validation AUC
+    mlperf_log: str = ""  # a file: MLPerf Training's log of the run (mlperf-logging), rank 0
 
 
 @dataclass
@@ -159,7 +164,7 @@ CHOICES = {
 TECHNIQUES = ("full", "hash", "qr")
 QR_OPERATIONS = ("mult", "add", "concat")
 POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.num_dense", "data.train_samples", "data.val_samples",
-            "model.embedding_dim", "data.teacher_dim", "train.max_steps", "train.log_every")
+            "model.embedding_dim", "data.teacher_dim", "train.log_every")
 
 
 def load_config(path: Optional[str], overrides: List[str] = (), world_size: int = 1) -> Config:
@@ -278,6 +283,7 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"model.compositional[{i}]: interaction fm needs one vector and one "
                               f"first-order weight per id, which qr parts do not give; use hash")
     _validate_exchange(cfg)
+    _validate_schedule(cfg)
     for key in ("train.eval_every", "checkpoint.every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
@@ -286,6 +292,27 @@ def validate(cfg: Config, world_size: int) -> None:
     if memory is not None and reserve >= memory:
         raise ConfigError(f"parallel.reserve_per_rank: {cfg.parallel.reserve_per_rank} leaves nothing "
                           f"of parallel.memory_per_rank ({cfg.parallel.memory_per_rank}) for tables")
+
+
+def _validate_schedule(cfg: Config) -> None:
+    t = cfg.train
+    if t.max_steps < 0 or (t.max_steps == 0 and not t.evals_per_epoch):
+        raise ConfigError(f"train.max_steps: must be positive, got {t.max_steps} (0 means one "
+                          f"epoch only with train.evals_per_epoch)")
+    if t.evals_per_epoch < 0:
+        raise ConfigError(f"train.evals_per_epoch: must be >= 0, got {t.evals_per_epoch}")
+    if t.evals_per_epoch and t.eval_every:
+        raise ConfigError("train.eval_every: train.evals_per_epoch sets when to evaluate; leave "
+                          "eval_every at 0")
+    if t.evals_per_epoch and cfg.data.shuffle:
+        raise ConfigError("data.shuffle: train.evals_per_epoch trains one epoch in the dataset's "
+                          "order, as MLPerf's reference does; set data.shuffle=false")
+    if not 0 <= t.target_auc < 1:
+        raise ConfigError(f"train.target_auc: must be in [0, 1), got {t.target_auc}")
+    if t.mlperf_log and cfg.optim.embedding_lr != cfg.optim.dense_lr:
+        raise ConfigError(f"train.mlperf_log: MLPerf logs one learning rate, and "
+                          f"optim.embedding_lr ({cfg.optim.embedding_lr}) differs from "
+                          f"optim.dense_lr ({cfg.optim.dense_lr}); set them equal")
 
 
 def _validate_exchange(cfg: Config) -> None:

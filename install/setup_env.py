@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
+MLPERF_LOGGING = "mlperf-logging==4.1.68"  # train.mlperf_log (MLPerf Training logs)
 TABLE = Path(__file__).resolve().parent / "torch_versions.txt"
 PIP = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 
@@ -158,6 +159,9 @@ def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> di
         constraints.flush()
         pip("-c", constraints.name, f"{fbgemm}=={pair.fbgemm}", "-r", str(ROOT / "requirements.txt"))
     pip("--no-deps", f"torchrec=={pair.torchrec}")
+    # mllog and the compliance checker need only pyyaml; the pandas and scipy it declares serve
+    # its result summarizer and RCP checker, which this program does not use (about 60 MB).
+    pip("--no-deps", MLPERF_LOGGING)
     pip("--no-deps", "--no-build-isolation", "-e", str(ROOT))
     after = installed_torch()
     if (after["version"], after["file"]) != (torch_info["version"], torch_info["file"]):

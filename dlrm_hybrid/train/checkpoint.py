@@ -37,6 +37,7 @@ NAME = re.compile(r"step_(\d+)$")
 MAY_CHANGE = ("train.max_steps", "train.log_every", "train.eval_every", "train.run_dir",
               "train.progress_bar", "train.rank_logs", "train.precision",
               "train.precision_fallback", "train.cuda_graphs", "train.pipeline",
+              "train.evals_per_epoch", "train.target_auc", "train.mlperf_log",
               "data.loader", "data.prefetch", "parallel.", "checkpoint.")
 
 

@@ -1,7 +1,9 @@
-"""The training loop: place, shard, then step; evaluate every `eval_every` steps and at the end."""
+"""The training loop: place, shard, then step; evaluate on the run's schedule and at the end,
+or stop at the first evaluation that reaches the target AUC."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,9 @@ from dlrm_hybrid.train.checkpoint import (check_same_experiment, checkpoint_root
                                           checkpoint_to_resume, load_checkpoint, save_checkpoint)
 from dlrm_hybrid.train.divergence import DivergenceGuard
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
+from dlrm_hybrid.train.mlperf_log import MLPerfLog
 from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
+from dlrm_hybrid.train.run_schedule import RunSchedule, run_schedule
 from dlrm_hybrid.train.step import TrainStep
 
 
@@ -38,14 +42,24 @@ class TrainResult:
 
 
 def train(cfg: Config, env: DistEnv) -> TrainResult:
+    mlperf = MLPerfLog.open(cfg, env.rank, resuming=checkpoint_to_resume(cfg) is not None)
+    mlperf.init_start()
+    try:
+        return _train(cfg, env, mlperf)
+    finally:
+        mlperf.abort()  # a run that raised: run_stop aborted (nothing after a run_stop)
+
+
+def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
     dataset = open_dataset(cfg.data)
     require_samples(dataset, ("train", "val"), "training")
+    run = run_schedule(cfg, dataset.num_samples("train"))
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
     train_step = TrainStep(dmp, optimizer, schedule, cfg.train, env.device)
     first = resume(cfg, train_step, log)
-    B, steps = cfg.data.global_batch_size, cfg.train.max_steps
+    B, steps = cfg.data.global_batch_size, run.steps
     if first >= steps:
         log.say(f"nothing left to train: the checkpoint is at step {first} and train.max_steps "
                 f"is {steps}; raise train.max_steps to train further, or start anew with "
@@ -54,11 +68,14 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
         return TrainResult(first, [], {}, 0.0)
     log.begin(cfg, plan, applied_sharding(dmp), resumed=first > 0)
     guard = DivergenceGuard(checkpoint_root(cfg), env.device, first)
+    mlperf.run_start(cfg, platform(env), dataset.num_samples("train"), dataset.num_samples("val"))
+    target = TargetWatch(cfg.train.target_auc)
 
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
                           on_device=train_step.pipeline is None)  # else the pipeline copies
     losses, train_time = [], 0.0
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
+    step = first
     for step in tqdm(range(first + 1, steps + 1), initial=first, total=steps, desc="train",
                      unit="step", disable=not (env.is_main and cfg.train.progress_bar)):
         start = time.perf_counter()
@@ -80,22 +97,33 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
             guard.check_state(dmp, step)
             save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
                             train_step.state_dict())
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != steps:
+        if run.evaluates_at(step):
             train_step.pause()
-            evaluate_and_log(dmp, dataset, cfg, env, log, step)
+            metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
+            if target.reached(metrics, step, env):
+                mlperf.run_stop(True, run.epoch_num(step))
+                break
 
     batches.close()
     train_step.pause()
-    guard.check_state(dmp, steps)
-    path = save_checkpoint(checkpoint_root(cfg), steps, dmp, optimizer, env, cfg,
+    if window:  # stopped at the target between two loss events
+        losses.append(global_mean(loss_sum, env) / window)
+    guard.check_state(dmp, step)
+    path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
                            train_step.state_dict())
     log.say(f"checkpoint: {path}")
-    metrics = evaluate_and_log(dmp, dataset, cfg, env, log, steps)
-    samples_per_s = (steps - first) * B / train_time if train_time else 0.0
+    if not target.hit:
+        metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
+        mlperf.run_stop(target.reached(metrics, step, env), run.epoch_num(step))
+    if target.wanted:
+        seconds = target.fields()["time_to_target_s"]
+        log.record({"step": step, "target_auc": target.target_auc, "target_reached": target.hit,
+                    "time_to_target_s": seconds if target.hit else None})
+    samples_per_s = (step - first) * B / train_time if train_time else 0.0
     if env.is_main:
-        log.say(done_line(steps, losses[-1], metrics, samples_per_s))
+        log.say(done_line(step, losses[-1], metrics, samples_per_s, target.fields()))
     log.close()
-    return TrainResult(steps, losses, metrics, samples_per_s)
+    return TrainResult(step, losses, metrics, samples_per_s)
 
 
 def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> int:
@@ -131,16 +159,53 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     return dmp, plan
 
 
-def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog,
-                     step: int) -> Dict[str, float]:
+def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog, step: int,
+                     mlperf: MLPerfLog, run: RunSchedule) -> Dict[str, float]:
+    mlperf.eval_start(run.epoch_num(step))
     batches = make_loader(cfg.data, dataset, "val", env)
     metrics = evaluate(dmp, batches, env)
     batches.close()
     if metrics is None:
         return {}
+    mlperf.eval_stop(metrics["val_auc"], run.epoch_num(step))
     log.record({"step": step, **metrics})
     log.say(f"eval step {step}: {metrics_text(metrics)}")
     return metrics
+
+
+class TargetWatch:
+    """`train.target_auc`: whether an evaluation reached it, and how long after the run's start
+    (the training and evaluation before it, as MLPerf times a run)."""
+
+    def __init__(self, target_auc: float) -> None:
+        self.target_auc, self.wanted = target_auc, target_auc > 0
+        self.started = time.perf_counter()
+        self.hit, self.step, self.seconds = False, 0, math.nan
+
+    def reached(self, metrics: Dict[str, float], step: int, env: DistEnv) -> bool:
+        """Every rank learns rank 0's answer (only rank 0 has the metrics)."""
+        if not self.wanted:
+            return False
+        verdict = torch.tensor(float(metrics.get("val_auc", 0.0) >= self.target_auc),
+                               device=env.device)
+        dist.broadcast(verdict, src=0)
+        if verdict.item() and not self.hit:
+            self.hit, self.step = True, step
+            self.seconds = time.perf_counter() - self.started
+        return self.hit
+
+    def fields(self) -> Dict[str, float]:
+        """For the done line and metrics.jsonl: the target, and the seconds to it (nan: missed)."""
+        if not self.wanted:
+            return {}
+        return {"target_auc": self.target_auc, "time_to_target_s": self.seconds}
+
+
+def platform(env: DistEnv) -> str:
+    """MLPerf's submission_platform: ranks x device."""
+    device = (torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
+              else "CPU process")
+    return f"{env.world_size}x {device}"
 
 
 def global_mean(local_value: torch.Tensor, env: DistEnv) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from tqdm import tqdm
 
@@ -62,13 +63,18 @@ def _write(file, event: dict) -> None:
         file.flush()
 
 
-def done_line(steps: int, train_loss: float, metrics: dict, samples_per_s: float) -> str:
-    """The run's last printed line; `oracle_auc` only where the data knows the true answer."""
+def done_line(steps: int, train_loss: float, metrics: dict, samples_per_s: float,
+              target: Optional[dict] = None) -> str:
+    """The run's last printed line; `oracle_auc` only where the data knows the true answer;
+    with a target AUC, it and the seconds from the run's start to reaching it (nan: not)."""
     parts = [f"done: steps={steps}", f"train_loss={train_loss:.5f}",
              f"val_auc={metrics['val_auc']:.5f}", f"val_logloss={metrics['val_logloss']:.5f}"]
     if "oracle_auc" in metrics:
         parts.append(f"oracle_auc={metrics['oracle_auc']:.5f}")
     parts.append(f"samples_per_s={samples_per_s:.0f}")
+    if target:
+        parts += [f"target_auc={target['target_auc']:.5f}",
+                  f"time_to_target_s={target['time_to_target_s']:.1f}"]
     return " ".join(parts)
 
 

@@ -1,0 +1,42 @@
+"""How long a run trains and when it evaluates: `train.max_steps` and `train.eval_every`, or
+MLPerf's schedule (`train.evals_per_epoch`): N evaluations per epoch, every
+floor(train samples / (global batch * N)) steps, for at most one epoch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlrm_hybrid.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class RunSchedule:
+    steps: int  # the last step
+    eval_every: int  # steps between evaluations before the last step (0: only at the end)
+    batch: int  # global batch size
+    train_samples: int  # samples in one epoch of the training split
+
+    def evaluates_at(self, step: int) -> bool:
+        """An evaluation inside the run (the last step's comes after the checkpoint)."""
+        return bool(self.eval_every) and step % self.eval_every == 0 and step != self.steps
+
+    def epoch_num(self, step: int) -> float:
+        """Epochs trained after `step` steps (MLPerf's epoch_num)."""
+        return step * self.batch / self.train_samples
+
+
+def run_schedule(cfg: Config, train_samples: int) -> RunSchedule:
+    t, batch = cfg.train, cfg.data.global_batch_size
+    if not t.evals_per_epoch:
+        return RunSchedule(t.max_steps, t.eval_every, batch, train_samples)
+    every = train_samples // (batch * t.evals_per_epoch)
+    if every == 0:
+        raise ConfigError(f"train.evals_per_epoch: {t.evals_per_epoch} evaluations need at least "
+                          f"{t.evals_per_epoch} global batches of {batch:,}, and the training "
+                          f"split has {train_samples:,} samples")
+    epoch = every * t.evals_per_epoch  # the last evaluation's step; the rest of the epoch is unused
+    if t.max_steps > epoch:
+        raise ConfigError(f"train.max_steps: {t.max_steps} is more than one epoch of "
+                          f"{t.evals_per_epoch} evaluations every {every} steps ({epoch} steps); "
+                          f"use 0 for the whole epoch, or fewer")
+    return RunSchedule(t.max_steps or epoch, every, batch, train_samples)
