@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dlrm_hybrid.config import load_config
-from dlrm_hybrid.data import criteo_tsv, npy_days
+from dlrm_hybrid.data import criteo_tsv, multi_hot, npy_days
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.parallel import dry_run
 
@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                                   ).add_subparsers(dest="format", required=True)
     criteo_tsv.add_arguments(formats.add_parser("criteo", help="Criteo TSV (Kaggle or 1TB, .gz ok)"))
     npy_days.add_arguments(formats.add_parser("npy", help="torchrec/MLPerf day_N_*.npy files"))
+    multi_hot.add_arguments(formats.add_parser(
+        "multihot", help="MLPerf DLRM-DCNv2's multi-hot variant of a one-hot split-binary dataset"))
     return parser
 
 
@@ -145,7 +147,7 @@ def run_synth(args) -> None:
 
 
 def run_preprocess(args) -> None:
-    (criteo_tsv if args.format == "criteo" else npy_days).run(args)
+    {"criteo": criteo_tsv, "npy": npy_days, "multihot": multi_hot}[args.format].run(args)
 
 
 def run_bench(args) -> None:

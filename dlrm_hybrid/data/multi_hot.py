@@ -1,0 +1,108 @@
+"""`preprocess multihot`: MLPerf DLRM-DCNv2's multi-hot Criteo, from a one-hot split-binary
+dataset, as the reference builds it (mlcommons/training recommendation_v2/torchrec_dlrm,
+multi_hot.py with the uniform distribution, materialize_synthetic_multihot_dataset.py).
+
+The reference seeds numpy's legacy generator once (`np.random.seed(0)`), then for each feature
+j in order draws a lookup table of n_j rows (n_j: the feature's table size): row i is
+[i, randint(0, n_j, size=h_j - 1)]. A sample's ids for feature j are the table's row
+`id % n_j`, so h_j ids of which the first is the one-hot id.
+
+It holds every table in memory (about 24 GB for the MLPerf sizes: 40M rows x 100 ids for one
+feature). Here each table is drawn in chunks of rows into a file beside the output (the same
+numbers: the legacy generator's bounded draws are element by element, so chunking does not
+change the stream), and the splits are rewritten in chunks of samples: memory stays at a chunk.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import List
+
+import numpy as np
+
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
+from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
+
+MLPERF_HOTNESS = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+REFERENCE_SEED = 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--input", required=True, metavar="DIR",
+                        help="a one-hot split-binary dataset (preprocess criteo or npy)")
+    parser.add_argument("--output", required=True, metavar="DIR", help="new dataset folder")
+    parser.add_argument("--hotness", default=",".join(map(str, MLPERF_HOTNESS)),
+                        help="ids per sample of each feature (default: MLPerf DLRM-DCNv2's 26)")
+    parser.add_argument("--seed", type=int, default=REFERENCE_SEED,
+                        help="numpy seed of the lookup tables (the reference's: 0)")
+    parser.add_argument("--chunk-rows", type=int, default=1 << 20,
+                        help="table rows and samples handled at once (memory bound)")
+
+
+def run(args) -> None:
+    hotness = _parse_hotness(args.hotness)
+    counts = make_multi_hot(args.input, args.output, hotness, args.seed, args.chunk_rows)
+    print(f"wrote {args.output}: " + ", ".join(f"{folder} {n:,}" for folder, n in counts.items())
+          + f"; hotness {','.join(map(str, hotness))}")
+
+
+def _parse_hotness(text: str) -> List[int]:
+    try:
+        hotness = [int(h) for h in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--hotness: {text!r} is not comma-separated integers") from None
+    if min(hotness) < 1:
+        raise ConfigError(f"--hotness: every feature needs at least 1 id, got {text}")
+    return hotness
+
+
+def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = REFERENCE_SEED,
+                   chunk_rows: int = 1 << 20) -> dict:
+    """Write the multi-hot version of the one-hot dataset at `input_dir` to `output` (whole or
+    not at all); returns the samples per split."""
+    source = SplitBinaryDataset(input_dir)
+    spec = source.fspec.spec
+    if len(hotness) != len(spec.cardinalities):
+        raise ConfigError(f"--hotness: {len(hotness)} values for {input_dir}'s "
+                          f"{len(spec.cardinalities)} categorical features; give one per feature")
+    several = [f"cat_{i}" for i, h in enumerate(spec.hotness) if h != 1]
+    if several:
+        raise ConfigError(f"--input: {input_dir} is not one-hot ({several[0]} has "
+                          f"{spec.hotness[int(several[0][4:])]} ids per sample); give the one-hot "
+                          f"dataset")
+    out_spec = DataSpec(spec.num_dense, spec.cardinalities, hotness)
+    ours = {folder: name for name, folder in SPLIT_NAMES.items()}
+    folders = list(source.fspec.splits)  # as the input has them (NVIDIA's: train and test)
+    with SplitBinaryWriter(output, out_spec, folders) as writer, tempfile.TemporaryDirectory(
+            dir=writer.tmp.parent, prefix=".multi_hot_tables-") as scratch:
+        tables = lookup_tables(spec.cardinalities, hotness, seed, chunk_rows, Path(scratch))
+        for folder in folders:
+            total = source.num_samples(ours[folder])
+            for first in range(0, total, chunk_rows):
+                c = source.columns(ours[folder], first, min(chunk_rows, total - first))
+                ids = [table[one_hot[:, 0] % len(table)] for table, one_hot in zip(tables, c.ids)]
+                writer.write(folder, c.labels, c.dense, ids, c.true_prob)
+        counts = dict(writer.counts)
+    return counts
+
+
+def lookup_tables(rows: List[int], hotness: List[int], seed: int, chunk_rows: int,
+                  folder: Path) -> List[np.ndarray]:
+    """Each feature's [n, h] table, in the reference's order of draws, as read-only memmaps
+    (a one-hot feature's table is [n, 1], the ids themselves, and draws nothing)."""
+    np.random.seed(seed)
+    tables = []
+    for j, (n, h) in enumerate(zip(rows, hotness)):
+        path = folder / f"table_{j}.bin"
+        table = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(n, h))
+        for first in range(0, n, chunk_rows):
+            last = min(n, first + chunk_rows)
+            table[first:last, 0] = np.arange(first, last)
+            table[first:last, 1:] = np.random.randint(0, n, size=(last - first, h - 1))
+        table.flush()
+        del table
+        tables.append(np.load(path, mmap_mode="r"))
+    return tables
