@@ -184,6 +184,11 @@ def test_multi_hot_data_is_the_references_built_in_bounded_chunks(tmp_path):
         for table, one, multi in zip(tables, a.ids, b.ids):
             assert np.array_equal(multi, table[one[:, 0]])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["multi_hot", "one_hot"]  # no scratch
+    make_multi_hot(str(tmp_path / "one_hot"), str(tmp_path / "capped"), hotness, rows=[300, 37, 5])
+    capped = SplitBinaryDataset(str(tmp_path / "capped"))  # ids modulo the reference's caps
+    assert capped.spec.cardinalities == [300, 37, 5]
+    one, multi = source.columns("train", 0, 3000).ids[0], capped.columns("train", 0, 3000).ids[0]
+    assert np.array_equal(multi, reference_tables([300, 37, 5], hotness)[0][one[:, 0] % 300])
 
 
 def test_multi_hot_refuses_what_it_cannot_build_and_writes_nothing(tmp_path):

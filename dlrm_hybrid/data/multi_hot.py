@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
 
 MLPERF_HOTNESS = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+MLPERF_ROWS = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282,
+               10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108,
+               36]  # the reference's num_embeddings_per_feature: ids are taken modulo these
 REFERENCE_SEED = 0
 
 
@@ -36,6 +39,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output", required=True, metavar="DIR", help="new dataset folder")
     parser.add_argument("--hotness", default=",".join(map(str, MLPERF_HOTNESS)),
                         help="ids per sample of each feature (default: MLPerf DLRM-DCNv2's 26)")
+    parser.add_argument("--rows", default="input",
+                        help="each feature's table size, ids taken modulo it: `input` (the "
+                             "input's cardinalities, default), `mlperf` (the reference's, 40M "
+                             "caps), or comma-separated numbers")
     parser.add_argument("--seed", type=int, default=REFERENCE_SEED,
                         help="numpy seed of the lookup tables (the reference's: 0)")
     parser.add_argument("--chunk-rows", type=int, default=1 << 20,
@@ -43,42 +50,47 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    hotness = _parse_hotness(args.hotness)
-    counts = make_multi_hot(args.input, args.output, hotness, args.seed, args.chunk_rows)
+    hotness = _parse_list(args.hotness, "--hotness")
+    rows = {"input": None, "mlperf": MLPERF_ROWS}.get(args.rows) or _parse_list(args.rows, "--rows")
+    counts = make_multi_hot(args.input, args.output, hotness, args.seed, args.chunk_rows, rows)
     print(f"wrote {args.output}: " + ", ".join(f"{folder} {n:,}" for folder, n in counts.items())
           + f"; hotness {','.join(map(str, hotness))}")
 
 
-def _parse_hotness(text: str) -> List[int]:
+def _parse_list(text: str, flag: str) -> List[int]:
     try:
-        hotness = [int(h) for h in text.split(",")]
+        values = [int(h) for h in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--hotness: {text!r} is not comma-separated integers") from None
-    if min(hotness) < 1:
-        raise ConfigError(f"--hotness: every feature needs at least 1 id, got {text}")
-    return hotness
+        raise ConfigError(f"{flag}: {text!r} is not comma-separated integers") from None
+    if min(values) < 1:
+        raise ConfigError(f"{flag}: every value must be at least 1, got {text}")
+    return values
 
 
 def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = REFERENCE_SEED,
-                   chunk_rows: int = 1 << 20) -> dict:
+                   chunk_rows: int = 1 << 20, rows: Optional[List[int]] = None) -> dict:
     """Write the multi-hot version of the one-hot dataset at `input_dir` to `output` (whole or
-    not at all); returns the samples per split."""
+    not at all); returns the samples per split. `rows`: each table's size (default the input's
+    cardinalities)."""
     source = SplitBinaryDataset(input_dir)
     spec = source.fspec.spec
-    if len(hotness) != len(spec.cardinalities):
-        raise ConfigError(f"--hotness: {len(hotness)} values for {input_dir}'s "
-                          f"{len(spec.cardinalities)} categorical features; give one per feature")
+    rows = rows or spec.cardinalities
+    for flag, values in (("--hotness", hotness), ("--rows", rows)):
+        if len(values) != len(spec.cardinalities):
+            raise ConfigError(f"{flag}: {len(values)} values for {input_dir}'s "
+                              f"{len(spec.cardinalities)} categorical features; give one per "
+                              f"feature")
     several = [f"cat_{i}" for i, h in enumerate(spec.hotness) if h != 1]
     if several:
         raise ConfigError(f"--input: {input_dir} is not one-hot ({several[0]} has "
                           f"{spec.hotness[int(several[0][4:])]} ids per sample); give the one-hot "
                           f"dataset")
-    out_spec = DataSpec(spec.num_dense, spec.cardinalities, hotness)
+    out_spec = DataSpec(spec.num_dense, list(rows), hotness)
     ours = {folder: name for name, folder in SPLIT_NAMES.items()}
     folders = list(source.fspec.splits)  # as the input has them (NVIDIA's: train and test)
     with SplitBinaryWriter(output, out_spec, folders) as writer, tempfile.TemporaryDirectory(
             dir=writer.tmp.parent, prefix=".multi_hot_tables-") as scratch:
-        tables = lookup_tables(spec.cardinalities, hotness, seed, chunk_rows, Path(scratch))
+        tables = lookup_tables(rows, hotness, seed, chunk_rows, Path(scratch))
         for folder in folders:
             total = source.num_samples(ours[folder])
             for first in range(0, total, chunk_rows):
