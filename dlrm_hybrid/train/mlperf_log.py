@@ -10,6 +10,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
+from mlperf_logging.mllog import constants as c
+from mlperf_logging.mllog.mllog import MLLogger
+
 from dlrm_hybrid.config import Config, ConfigError
 
 BENCHMARK = "dlrm_dcnv2"
@@ -21,19 +25,16 @@ class MLPerfLog:
     """One run's MLPerf log; every method is a no-op where the log is off."""
 
     def __init__(self, path: Optional[Path]) -> None:
-        self._mllog = self._constants = None
+        self._mllog: Optional[MLLogger] = None
         self._running, self._epoch_num = False, 0.0
         if path is None:
             return
-        from mlperf_logging.mllog import constants
-        from mlperf_logging.mllog.mllog import MLLogger
-
         logger = logging.getLogger(f"dlrm_hybrid.mlperf.{id(self)}")
         logger.propagate = False
         logger.setLevel(logging.INFO)
         self._handler = logging.FileHandler(path, mode="w")
         logger.addHandler(self._handler)
-        self._mllog, self._constants = MLLogger(logger=logger), constants
+        self._mllog = MLLogger(logger=logger)
 
     @staticmethod
     def open(cfg: Config, rank: int, resuming: bool) -> "MLPerfLog":
@@ -51,24 +52,21 @@ class MLPerfLog:
                               f"path or move it away")
         if not path.parent.is_dir():
             raise ConfigError(f"train.mlperf_log: folder {path.parent} does not exist")
+        if dist.is_initialized():  # every rank has looked before rank 0 creates it
+            dist.barrier()
         return MLPerfLog(path if rank == 0 else None)
 
-    @property
-    def enabled(self) -> bool:
-        return self._mllog is not None
-
     def init_start(self) -> None:
-        if self.enabled:
-            self._mllog.event(key=self._constants.CACHE_CLEAR,
-                              value=os.environ.get(CACHE_CLEARED_ENV) == "1")
-            self._mllog.start(key=self._constants.INIT_START)
+        if self._mllog is not None:
+            self._mllog.event(key=c.CACHE_CLEAR, value=os.environ.get(CACHE_CLEARED_ENV) == "1")
+            self._mllog.start(key=c.INIT_START)
 
     def run_start(self, cfg: Config, platform: str, train_samples: int,
                   eval_samples: int) -> None:
         """The submission's and the run's settings, then init_stop and run_start."""
-        if not self.enabled:
+        log, o = self._mllog, cfg.optim
+        if log is None:
             return
-        c, o = self._constants, cfg.optim
         events = {
             c.SUBMISSION_BENCHMARK: BENCHMARK, c.SUBMISSION_ORG: ORG,
             c.SUBMISSION_DIVISION: c.CLOSED, c.SUBMISSION_STATUS: c.ONPREM,
@@ -83,21 +81,19 @@ class MLPerfLog:
             c.OPT_LR_DECAY_START_STEP: o.decay_start_step, c.OPT_LR_DECAY_STEPS: o.decay_steps,
         }
         for key, value in events.items():
-            self._mllog.event(key=key, value=value)
-        self._mllog.end(key=c.INIT_STOP)
-        self._mllog.start(key=c.RUN_START)
-        self._mllog.start(key=c.EPOCH_START, metadata={c.EPOCH_NUM: 0})
+            log.event(key=key, value=value)
+        log.end(key=c.INIT_STOP)
+        log.start(key=c.RUN_START)
+        log.start(key=c.EPOCH_START, metadata={c.EPOCH_NUM: 0})
         self._running = True
 
     def eval_start(self, epoch_num: float) -> None:
-        if self.enabled:
-            self._mllog.start(key=self._constants.EVAL_START,
-                              metadata={self._constants.EPOCH_NUM: epoch_num})
+        if self._mllog is not None:
+            self._mllog.start(key=c.EVAL_START, metadata={c.EPOCH_NUM: epoch_num})
 
     def eval_stop(self, auc: float, epoch_num: float) -> None:
         self._epoch_num = epoch_num
-        if self.enabled:
-            c = self._constants
+        if self._mllog is not None:
             self._mllog.event(key=c.EVAL_ACCURACY, value=auc, metadata={c.EPOCH_NUM: epoch_num})
             self._mllog.end(key=c.EVAL_STOP, metadata={c.EPOCH_NUM: epoch_num})
 
@@ -105,15 +101,15 @@ class MLPerfLog:
         """success: stopped at the evaluation that reached the target (run_stop, then the
         epoch's end, as the reference logs them); otherwise the epoch, or the run, ended
         without reaching it (the epoch's end, then run_stop aborted)."""
-        if not self.enabled:
+        log = self._mllog
+        if log is None:
             return
-        c = self._constants
         status = {c.STATUS: c.SUCCESS if success else c.ABORTED, c.EPOCH_NUM: epoch_num}
         if success:
-            self._mllog.end(key=c.RUN_STOP, metadata=status)
-        self._mllog.end(key=c.EPOCH_STOP, metadata={c.EPOCH_NUM: 0})
+            log.end(key=c.RUN_STOP, metadata=status)
+        log.end(key=c.EPOCH_STOP, metadata={c.EPOCH_NUM: 0})
         if not success:
-            self._mllog.end(key=c.RUN_STOP, metadata=status)
+            log.end(key=c.RUN_STOP, metadata=status)
         self.close()
 
     def abort(self) -> None:
@@ -123,7 +119,7 @@ class MLPerfLog:
         self.close()
 
     def close(self) -> None:
-        if self.enabled:
+        if self._mllog is not None:
             self._handler.close()
             self._mllog = None
         self._running = False
