@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import subprocess
 import sys
 import tempfile
@@ -55,8 +56,6 @@ def train_demo(run_dir: Path, steps: int) -> Path:
 
 
 def _path_env() -> dict:
-    import os
-
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
 
 

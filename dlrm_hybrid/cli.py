@@ -134,8 +134,7 @@ def run_predict(args) -> None:
     if args.batch_size < 1:
         raise UserError("predict: --batch-size must be at least 1")
     result = predict(args.model, args.data, args.out, args.split, args.batch_size)
-    metrics = "".join(f" {k}={'nan' if v is None else f'{v:.5f}'}" for k, v in result.items()
-                      if k != "samples")
+    metrics = "".join(f" {k}={v:.5f}" for k, v in result.items() if k != "samples")
     print(f"predict: wrote {args.out} samples={result['samples']}{metrics}")
 
 

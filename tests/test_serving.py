@@ -238,6 +238,8 @@ def _csv_rows(exported: Path, path: Path, edit=None) -> Path:
 @pytest.mark.parametrize("edit, message", [
     (lambda lines: lines[2].__setitem__(13, "1000"),
      r"rows\.csv:3: id 1000 of feature cat_0 is outside its table \(0\.\.999\)"),
+    (lambda lines: (lines.insert(1, []), lines[2].__setitem__(13, "1000")),  # a blank line 2
+     r"rows\.csv:3: id 1000 of feature cat_0 is outside its table"),
     (lambda lines: lines[1].pop(), r"rows\.csv:2: 20 fields, the lines before have 21"),
     (lambda lines: lines[3].__setitem__(4, "x"), r"rows\.csv:4: a dense field is not a number"),
     (lambda lines: lines[0].__setitem__(15, ""), r"rows\.csv:1: categorical feature 2 is empty"),

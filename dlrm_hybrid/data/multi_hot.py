@@ -80,11 +80,11 @@ def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = 
             raise ConfigError(f"{flag}: {len(values)} values for {input_dir}'s "
                               f"{len(spec.cardinalities)} categorical features; give one per "
                               f"feature")
-    several = [f"cat_{i}" for i, h in enumerate(spec.hotness) if h != 1]
+    several = [i for i, h in enumerate(spec.hotness) if h != 1]
     if several:
-        raise ConfigError(f"--input: {input_dir} is not one-hot ({several[0]} has "
-                          f"{spec.hotness[int(several[0][4:])]} ids per sample); give the one-hot "
-                          f"dataset")
+        name, ids = spec.feature_names[several[0]], spec.hotness[several[0]]
+        raise ConfigError(f"--input: {input_dir} is not one-hot ({name} has {ids} ids per "
+                          f"sample); give the one-hot dataset")
     out_spec = DataSpec(spec.num_dense, list(rows), hotness)
     ours = {folder: name for name, folder in SPLIT_NAMES.items()}
     folders = list(source.fspec.splits)  # as the input has them (NVIDIA's: train and test)

@@ -34,13 +34,13 @@ def text_row_chunks(path: Path, num_dense: int, num_features: int, rows_per_chun
     with open(path, newline="") as stream:
         reader = csv.reader(stream, delimiter=delimiter)
         chunk: List[List[str]] = []
-        first_line, labelled = 1, None
+        lines: List[int] = []  # each row's line number, for error messages
+        labelled = None
         for row in reader:
             line = reader.line_num
             if not row:
                 continue  # a blank line
-            if not chunk and line == 1 and not _numbers(row):
-                first_line = 2
+            if line == 1 and not _numbers(row):
                 continue  # a header
             if labelled is None:
                 if len(row) not in (fields, fields + 1):
@@ -52,11 +52,12 @@ def text_row_chunks(path: Path, num_dense: int, num_features: int, rows_per_chun
                 raise DataError(f"{path}:{line}: {len(row)} fields, the lines before have "
                                 f"{fields + labelled}")
             chunk.append(row)
+            lines.append(line)
             if len(chunk) == rows_per_chunk:
-                yield _parse(path, chunk, first_line, num_dense, labelled)
-                first_line, chunk = line + 1, []
+                yield _parse(path, chunk, lines, num_dense, labelled)
+                chunk, lines = [], []
         if chunk:
-            yield _parse(path, chunk, first_line, num_dense, bool(labelled))
+            yield _parse(path, chunk, lines, num_dense, bool(labelled))
 
 
 def _first_line_has_tab(path: Path) -> bool:
@@ -74,10 +75,9 @@ def _numbers(row: List[str]) -> bool:
         return False
 
 
-def _parse(path: Path, rows: List[List[str]], first_line: int, num_dense: int,
+def _parse(path: Path, rows: List[List[str]], lines: List[int], num_dense: int,
            labelled: bool) -> ScoringRows:
-    """Lines are consecutive in a chunk (csv quoting of newlines is not a thing in this data)."""
-    locate = lambda i: f"{path}:{first_line + i}"  # noqa: E731
+    locate = lambda i: f"{path}:{lines[i]}"  # noqa: E731
     start = 1 if labelled else 0
     labels = dense = None
     column = ""

@@ -8,10 +8,11 @@ import importlib
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 import numpy as np
 import torch
+from torch.nn.functional import binary_cross_entropy
 
 from dlrm_hybrid.data.batch import Columns
 from dlrm_hybrid.data.spec import DataSpec
@@ -19,6 +20,7 @@ from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.text_rows import ScoringRows, text_row_chunks
 from dlrm_hybrid.errors import DataError, UserError
 from dlrm_hybrid.serve.export import DESCRIPTION, FORMAT, require_folder_of
+from dlrm_hybrid.train.evaluate import auc_or_nan
 
 
 def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
@@ -46,7 +48,8 @@ def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
 
 def predict(model_path: str, data: str, out: str, split: str = "test",
             batch_size: int = 4096) -> dict:
-    """Score every row of `data`; returns {"samples", and "auc", "logloss" when labelled}."""
+    """Score every row of `data`; returns {"samples", and "auc", "logloss" when labelled}.
+    Ids are checked here as well as in the model: here the error can name the row."""
     target = Path(out)
     require_folder_of(target)
     if target.resolve() == Path(data).resolve():
@@ -153,12 +156,6 @@ def bags_input(rows: ScoringRows) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def metrics(scores: np.ndarray, labels: np.ndarray) -> dict:
-    from torchmetrics.functional.classification import binary_auroc
-
-    clicks = int(labels.sum())
-    p = np.clip(scores.astype(np.float64), 1e-7, 1 - 1e-7)
-    logloss = float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
-    auc: Optional[float] = None
-    if 0 < clicks < len(labels):
-        auc = binary_auroc(torch.from_numpy(scores), torch.from_numpy(labels).long()).item()
-    return {"auc": auc, "logloss": logloss}
+    """AUC (nan, with a warning, for one class only) and log loss of probabilities."""
+    p, y = torch.from_numpy(scores).double(), torch.from_numpy(labels).double()
+    return {"auc": auc_or_nan(p, y, "auc"), "logloss": binary_cross_entropy(p, y).item()}

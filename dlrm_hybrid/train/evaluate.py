@@ -33,16 +33,16 @@ def evaluate(model, batches: Iterable, env, prefix: str = "val_") -> Optional[Di
     keep = valid > 0.5
     logits, labels, true_prob = logits[keep].cpu(), labels[keep].cpu(), true_prob[keep].cpu()
     result = {
-        f"{prefix}auc": _auc(torch.sigmoid(logits), labels, f"{prefix}auc"),
+        f"{prefix}auc": auc_or_nan(torch.sigmoid(logits), labels, f"{prefix}auc"),
         f"{prefix}logloss": binary_cross_entropy_with_logits(logits, labels).item(),
         "samples": int(keep.sum()),
     }
     if (true_prob >= 0).all():
-        result["oracle_auc"] = _auc(true_prob, labels, "oracle_auc")
+        result["oracle_auc"] = auc_or_nan(true_prob, labels, "oracle_auc")
     return result
 
 
-def _auc(scores: torch.Tensor, labels: torch.Tensor, name: str) -> float:
+def auc_or_nan(scores: torch.Tensor, labels: torch.Tensor, name: str) -> float:
     """AUROC, or NaN with a warning when the split has one class only (torchmetrics gives 0)."""
     clicks = int(labels.sum())
     if 0 < clicks < len(labels):

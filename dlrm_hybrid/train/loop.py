@@ -68,7 +68,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
         return TrainResult(first, [], {}, 0.0)
     log.begin(cfg, plan, applied_sharding(dmp), resumed=first > 0)
     guard = DivergenceGuard(checkpoint_root(cfg), env.device, first)
-    mlperf.run_start(cfg, platform(env), dataset.num_samples("train"), dataset.num_samples("val"))
+    mlperf.run_start(cfg, env, dataset.num_samples("train"), dataset.num_samples("val"))
     target = TargetWatch(cfg.train.target_auc)
 
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
@@ -100,7 +100,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
         if run.evaluates_at(step):
             train_step.pause()
             metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
-            if target.reached(metrics, step, env):
+            if target.reached(metrics, env):
                 mlperf.run_stop(True, run.epoch_num(step))
                 break
 
@@ -114,11 +114,10 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
     log.say(f"checkpoint: {path}")
     if not target.hit:
         metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
-        mlperf.run_stop(target.reached(metrics, step, env), run.epoch_num(step))
+        mlperf.run_stop(target.reached(metrics, env), run.epoch_num(step))
     if target.wanted:
-        seconds = target.fields()["time_to_target_s"]
         log.record({"step": step, "target_auc": target.target_auc, "target_reached": target.hit,
-                    "time_to_target_s": seconds if target.hit else None})
+                    "time_to_target_s": target.seconds if target.hit else None})
     samples_per_s = (step - first) * B / train_time if train_time else 0.0
     if env.is_main:
         log.say(done_line(step, losses[-1], metrics, samples_per_s, target.fields()))
@@ -180,9 +179,9 @@ class TargetWatch:
     def __init__(self, target_auc: float) -> None:
         self.target_auc, self.wanted = target_auc, target_auc > 0
         self.started = time.perf_counter()
-        self.hit, self.step, self.seconds = False, 0, math.nan
+        self.hit, self.seconds = False, math.nan
 
-    def reached(self, metrics: Dict[str, float], step: int, env: DistEnv) -> bool:
+    def reached(self, metrics: Dict[str, float], env: DistEnv) -> bool:
         """Every rank learns rank 0's answer (only rank 0 has the metrics)."""
         if not self.wanted:
             return False
@@ -190,8 +189,7 @@ class TargetWatch:
                                device=env.device)
         dist.broadcast(verdict, src=0)
         if verdict.item() and not self.hit:
-            self.hit, self.step = True, step
-            self.seconds = time.perf_counter() - self.started
+            self.hit, self.seconds = True, time.perf_counter() - self.started
         return self.hit
 
     def fields(self) -> Dict[str, float]:
@@ -199,13 +197,6 @@ class TargetWatch:
         if not self.wanted:
             return {}
         return {"target_auc": self.target_auc, "time_to_target_s": self.seconds}
-
-
-def platform(env: DistEnv) -> str:
-    """MLPerf's submission_platform: ranks x device."""
-    device = (torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
-              else "CPU process")
-    return f"{env.world_size}x {device}"
 
 
 def global_mean(local_value: torch.Tensor, env: DistEnv) -> float:

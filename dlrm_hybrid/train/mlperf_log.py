@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from mlperf_logging.mllog import constants as c
 from mlperf_logging.mllog.mllog import MLLogger
@@ -61,8 +62,7 @@ class MLPerfLog:
             self._mllog.event(key=c.CACHE_CLEAR, value=os.environ.get(CACHE_CLEARED_ENV) == "1")
             self._mllog.start(key=c.INIT_START)
 
-    def run_start(self, cfg: Config, platform: str, train_samples: int,
-                  eval_samples: int) -> None:
+    def run_start(self, cfg: Config, env, train_samples: int, eval_samples: int) -> None:
         """The submission's and the run's settings, then init_stop and run_start."""
         log, o = self._mllog, cfg.optim
         if log is None:
@@ -70,7 +70,7 @@ class MLPerfLog:
         events = {
             c.SUBMISSION_BENCHMARK: BENCHMARK, c.SUBMISSION_ORG: ORG,
             c.SUBMISSION_DIVISION: c.CLOSED, c.SUBMISSION_STATUS: c.ONPREM,
-            c.SUBMISSION_PLATFORM: platform,
+            c.SUBMISSION_PLATFORM: platform(env),
             c.GLOBAL_BATCH_SIZE: cfg.data.global_batch_size,
             c.GRADIENT_ACCUMULATION_STEPS: 1, c.SEED: cfg.train.seed,
             c.TRAIN_SAMPLES: train_samples, c.EVAL_SAMPLES: eval_samples,
@@ -131,3 +131,10 @@ def optimizer_name(cfg: Config) -> str:
     names = {"rowwise_adagrad": "adagrad"}
     used = {names.get(cfg.optim.embedding, cfg.optim.embedding), cfg.optim.dense}
     return used.pop() if len(used) == 1 else "+".join(sorted(used))
+
+
+def platform(env) -> str:
+    """MLPerf's submission_platform: ranks x device."""
+    device = (torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
+              else "CPU process")
+    return f"{env.world_size}x {device}"
