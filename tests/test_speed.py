@@ -69,15 +69,15 @@ def test_low_precision_on_a_cpu_that_emulates_it_warns_once_and_trains_in_fp32(
     decided the same way on any host: the check is made to say "emulated"."""
     import dlrm_hybrid.train.precision as precision
 
-    monkeypatch.setattr(precision, "cpu_has_native", lambda dtype: False)
+    monkeypatch.setattr(precision, "cpu_emulation", lambda dtype: "no avx512_bf16 or amx_bf16")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fallback = train(small_config(tmp_path / "bf16", "train.precision=bf16",
                                       "train.max_steps=3"), process_group)
     said = [str(w.message) for w in caught if str(w.message).startswith("train.precision")]
-    assert said == [f"train.precision: this CPU ({torch.backends.cpu.get_cpu_capability()}) has "
-                    f"no native bf16 matmul (20-100x slower than fp32); computing in fp32 (set "
-                    f"train.precision_fallback=false to insist)"]
+    assert said == [f"train.precision: this CPU ({torch.backends.cpu.get_cpu_capability()}, no "
+                    f"avx512_bf16 or amx_bf16) has no native bf16 matmul (a step 3-24x slower "
+                    f"than fp32); computing in fp32 (set train.precision_fallback=false to insist)"]
     fp32 = train(small_config(tmp_path / "fp32", "train.max_steps=3"), process_group)
     insisted = train(small_config(tmp_path / "insist", "train.precision=bf16", "train.max_steps=3",
                                   *EXACT), process_group)

@@ -1,32 +1,68 @@
 """How a training step computes: fp32, tf32 matmuls, or bf16/fp16 autocast; fp16 adds a loss
 scaler, counting the steps it skips.
 
-On a CPU, bf16 and fp16 are fast only where oneDNN has a matmul for them (bf16: AVX512-BF16,
-AMX or at least AVX-512; fp16: AVX512-FP16 or AMX-FP16). Elsewhere (an AVX2-only host) torch
-runs its reference kernels: a bf16 training step measured 24x slower than fp32 on an AVX2 EPYC
-(799 vs 18,972 samples/s). There, unless `train.precision_fallback` is false, the step computes
-in fp32 and says so once."""
+On a CPU, bf16 and fp16 are fast only where the CPU has their dot-product instructions and
+oneDNN may use them (bf16: AVX512-BF16 or AMX-BF16; fp16: AVX512-FP16 or AMX-FP16).
+Elsewhere the step computes in the low precision by conversion or in torch's reference
+kernels: a bf16 step measured 24x slower than fp32 on an AVX2 EPYC (799 vs 18,972 samples/s),
+and 3x slower on an AVX-512 Xeon without AVX512-BF16, where oneDNN still reports bf16 support
+(a 2048x1024 @ 1024x1024 bf16 matmul 71.6 ms vs 14.7 ms in fp32). There, unless
+`train.precision_fallback` is false, the step computes in fp32 and says so once."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
-from typing import Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+# /proc/cpuinfo flags of the dot-product instructions oneDNN needs to be fast in each dtype.
+NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+                torch.float16: ("avx512_fp16", "amx_fp16")}
+# oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) that leave those instructions out; higher limits
+# (AVX512_CORE_FP16, AVX10_1_512, the AMX ones, DEFAULT) and unknown names leave them in.
+_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+               "AVX512_CORE_VNNI"}
+ISA_LIMITS_WITHOUT = {torch.bfloat16: _BELOW_BF16,
+                      torch.float16: _BELOW_BF16 | {"AVX512_CORE_BF16"}}
+
+
+def emulation_reason(dtype: torch.dtype, cpuinfo: str, env: Mapping[str, str]) -> Optional[str]:
+    """Why a CPU with this /proc/cpuinfo text and environment computes `dtype` slowly, or None
+    where it has the instructions. Decided from the flags, not from oneDNN's own check, which
+    says bf16 wherever there is AVX-512 (it converts there). Deterministic, so every rank
+    reaches the same decision, where a timed probe could split them."""
+    if dtype not in NATIVE_FLAGS:
+        return None
+    limit = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if limit in ISA_LIMITS_WITHOUT[dtype]:
+        return f"ONEDNN_MAX_CPU_ISA={limit}"
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), [])
+    if not set(NATIVE_FLAGS[dtype]) & set(flags):
+        return f"no {' or '.join(NATIVE_FLAGS[dtype])}"
+    return None
+
+
+def cpu_emulation(dtype: torch.dtype) -> Optional[str]:
+    """Why this CPU would compute `dtype` slowly (see `emulation_reason`), or None."""
+    reason = emulation_reason(dtype, _cpuinfo(), os.environ)
+    supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
+    if reason is None and supported is not None and not supported():
+        return "oneDNN has no kernels for it here"
+    return reason
+
 
 def cpu_has_native(dtype: torch.dtype) -> bool:
-    """Whether oneDNN has a vectorized matmul for `dtype` on this CPU (honours
-    ONEDNN_MAX_CPU_ISA, so an AVX2 host can be emulated on a newer one)."""
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return True
+    """Whether this CPU computes `dtype` at least as fast as fp32 (honours ONEDNN_MAX_CPU_ISA,
+    so the other hosts can be emulated on a newer one)."""
+    return cpu_emulation(dtype) is None
 
 
 def cpu_capability() -> str:
@@ -38,13 +74,17 @@ def cpu_capability() -> str:
 
 def cpu_description() -> str:
     """The CPU's model name and what it offers torch, for benchmark headers."""
+    name = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+    return f"{name}; {cpu_capability()}"
+
+
+def _cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            name = next((line.split(":", 1)[1].strip() for line in cpuinfo
-                         if line.startswith("model name")), "unknown CPU")
+            return cpuinfo.read()
     except OSError:
-        name = "unknown CPU"
-    return f"{name}; {cpu_capability()}"
+        return ""
 
 
 def effective_precision(name: str, device: torch.device, fallback: bool = True) -> str:
@@ -54,10 +94,11 @@ def effective_precision(name: str, device: torch.device, fallback: bool = True) 
         _warn_once("train.precision: tf32 exists only on NVIDIA GPUs; computing in fp32")
         return "fp32"
     dtype = AUTOCAST_DTYPES.get(name)
-    if fallback and device.type == "cpu" and dtype is not None and not cpu_has_native(dtype):
-        _warn_once(f"train.precision: this CPU ({torch.backends.cpu.get_cpu_capability()}) has "
-                   f"no native {name} matmul (20-100x slower than fp32); computing in fp32 "
-                   f"(set train.precision_fallback=false to insist)")
+    reason = cpu_emulation(dtype) if device.type == "cpu" and dtype is not None else None
+    if fallback and reason is not None:
+        _warn_once(f"train.precision: this CPU ({torch.backends.cpu.get_cpu_capability()}, "
+                   f"{reason}) has no native {name} matmul (a step 3-24x slower than fp32); "
+                   f"computing in fp32 (set train.precision_fallback=false to insist)")
         return "fp32"
     return name
 
