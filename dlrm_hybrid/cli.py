@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dlrm_hybrid.config import load_config
-from dlrm_hybrid.data import criteo_tsv, multi_hot, npy_days
+from dlrm_hybrid.data import criteo_tsv, day23, multi_hot, npy_days
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.parallel import dry_run
 
@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     npy_days.add_arguments(formats.add_parser("npy", help="torchrec/MLPerf day_N_*.npy files"))
     multi_hot.add_arguments(formats.add_parser(
         "multihot", help="MLPerf DLRM-DCNv2's multi-hot variant of a one-hot split-binary dataset"))
+    day23.add_arguments(formats.add_parser(
+        "day23", help="make day 23's first half validation, as MLPerf does, in a dataset "
+                      "split the earlier way (in place)"))
     return parser
 
 
@@ -146,7 +149,8 @@ def run_synth(args) -> None:
 
 
 def run_preprocess(args) -> None:
-    {"criteo": criteo_tsv, "npy": npy_days, "multihot": multi_hot}[args.format].run(args)
+    {"criteo": criteo_tsv, "npy": npy_days, "multihot": multi_hot,
+     "day23": day23}[args.format].run(args)
 
 
 def run_bench(args) -> None:

@@ -158,7 +158,9 @@ def test_numericals_missing_clamped_and_log_transformed(tmp_path):
     np.testing.assert_array_equal(dense, np.array(want, np.float64).astype(np.float16))
 
 
-def test_criteo_1tb_days_split_day_23_into_test_and_validation_halves(tmp_path):
+def test_criteo_1tb_days_split_day_23_first_ceil_half_validation_as_mlperf(tmp_path):
+    """The MLPerf reference and torchrec: day 23's first ceil(N/2) rows are validation, the
+    rest test; recorded in feature_spec.yaml."""
     day0 = write_day(tmp_path / "day_0", range(100))
     day23 = write_day(tmp_path / "day_23.gz", range(100, 151))
     report = preprocess_criteo([day0, day23], tmp_path / "out", workers=2)
@@ -166,8 +168,10 @@ def test_criteo_1tb_days_split_day_23_into_test_and_validation_halves(tmp_path):
     ids = {s: read_split(tmp_path / "out", s)[2][0].tolist()
            for s in ("train", "test", "validation")}
     # every value is seen once: ids follow the values, so they show which rows went where
-    assert ids == {"train": list(range(1, 101)), "test": list(range(101, 126)),
-                   "validation": list(range(126, 152))}
+    assert ids == {"train": list(range(1, 101)), "validation": list(range(101, 127)),
+                   "test": list(range(127, 152))}
+    assert load_feature_spec(str(tmp_path / "out")).notes == {"day_23": "validation_first"}
+    assert report["day_23"] == "validation_first"
 
 
 def test_seeded_split_proportions_and_determinism(tmp_path):
@@ -275,8 +279,8 @@ def test_npy_days_round_trip(tmp_path, transform, monkeypatch):
     assert report["cardinalities"] == (np.maximum(s0.max(0), s23.max(0)) + 1).tolist()
     assert report["rows_written"] == {"total": 501, "train": 300, "validation": 101, "test": 100}
     fix = (lambda d: d) if transform == "none" else (lambda d: np.log(d + 3))
-    expected = {"train": (d0, s0, l0), "test": (d23[:100], s23[:100], l23[:100]),
-                "validation": (d23[100:], s23[100:], l23[100:])}
+    expected = {"train": (d0, s0, l0), "validation": (d23[:101], s23[:101], l23[:101]),
+                "test": (d23[101:], s23[101:], l23[101:])}
     for split, (dense, sparse, labels) in expected.items():
         got_labels, got_dense, got_cats = read_split(tmp_path / "out", split)
         np.testing.assert_array_equal(got_labels, labels.astype(bool))

@@ -15,12 +15,17 @@ Input lines: `label \\t I1..I13 \\t C1..C26` (40 fields).
 - Malformed lines are counted by kind (`KINDS`) and skipped, except `crlf`: it counts lines
   ending in \\r\\n (whatever else is wrong with them) and keeps the row. `--strict` stops at the
   first problem of any kind with `FILE:LINE: reason`.
+- Rows short only by trailing fields (fewer than 40, the last not empty, valid once the missing
+  ones are read as empty: what stripping trailing whitespace leaves of rows ending in empty
+  fields) are wrong_field_count, and the report says how many and what `--pad-short-rows` does:
+  read them with those fields empty and keep them.
 - Splits (`--split`, default auto: days when every input is named `day_N[.gz]`, else hash):
-  days (Criteo 1TB): day 23's first half of rows -> test, its second half -> validation, every
-  other day -> train; hash: each row goes by a splitmix64 hash of (seed, global row number):
-  < 0.90 train, < 0.95 validation, else test. Rows keep input order within a split. Training
-  evaluates on validation and `eval` on test, so a dataset with an empty split is refused: day
-  inputs without day 23 before any reading, too few rows after the write pass.
+  days (Criteo 1TB): day 23's first ceil(N/2) rows -> validation, the rest -> test (the MLPerf
+  reference's and torchrec's rule, recorded as feature_spec.yaml's `metadata.day_23`; see
+  day23.py), every other day -> train; hash: each row goes by a splitmix64 hash of (seed,
+  global row number): < 0.90 train, < 0.95 validation, else test. Rows keep input order within
+  a split. Training evaluates on validation and `eval` on test, so a dataset with an empty split
+  is refused: day inputs without day 23 before any reading, too few rows after the write pass.
 - Parallelism: plain files are cut into TASK_BYTES ranges at line starts, a .gz file is one task;
   pass-2 workers write per-task part files that the parent appends in task order, so the output
   is byte-identical for any `--workers`.
@@ -47,8 +52,10 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.data.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST, validation_rows
 from dlrm_hybrid.data.feature_spec import SPLITS
 from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter
 from dlrm_hybrid.errors import DataError
 
 NUM_NUMERICAL, NUM_CATEGORICAL = 13, 26
@@ -74,20 +81,20 @@ CHUNK_BYTES = 8 << 20  # parsed at once; bounds a worker's memory
 WRITE_ROWS = 1 << 20  # rows per writer.write when appending a part
 MIN_MERGE = 1 << 16  # smallest batch of additions ValueCounts merges
 PROGRESS_SECONDS = 10.0
-REPORT = "preprocess_report.json"
 
 
 # ---- parsing ------------------------------------------------------------------------------
 
 @dataclass
 class Chunk:
-    """Parsed lines: the rows kept, and per line why it was skipped (-1: kept) and whether it
-    ended in \\r\\n."""
+    """Parsed lines: the rows kept, per line why it was skipped (-1: kept) and whether it ended
+    in \\r\\n, and the field counts of the lines short only by trailing fields."""
     labels: np.ndarray  # [n] uint8
     dense: np.ndarray  # [n, 13] float16
     cats: np.ndarray  # [n, 26] int64 hex values, -1 where missing
     skipped: np.ndarray  # [lines] int8 index into KINDS, -1 for kept rows
     crlf: np.ndarray  # [lines] bool
+    short: np.ndarray  # [lines short only by trailing fields] their field counts
 
     @property
     def lines(self) -> int:
@@ -107,10 +114,12 @@ class Chunk:
         return line, KINDS[self.skipped[line]] if self.skipped[line] >= 0 else "crlf"
 
 
-def parse_lines(data: bytes) -> Chunk:
+def parse_lines(data: bytes, pad_short: bool = False) -> Chunk:
     """Parse newline-terminated lines without a Python loop over them: every tab or newline ends
     a field, so field k spans (seps[k-1], seps[k]) and a line's fields are the seps before its
-    newline."""
+    newline. A line of fewer fields whose last one is not empty is what a tool that strips
+    trailing whitespace leaves of a row ending in empty fields: it is parsed with the missing
+    fields empty, kept with `pad_short` when it parses, else counted as wrong_field_count."""
     buf = np.frombuffer(data, np.uint8)
     seps = np.flatnonzero((buf == TAB) | (buf == NEWLINE))
     line_end = np.flatnonzero(buf[seps] == NEWLINE)  # index into seps of each line's newline
@@ -118,18 +127,28 @@ def parse_lines(data: bytes) -> Chunk:
     starts, ends = np.r_[0, seps[:-1] + 1], seps.copy()
     crlf = buf[seps[line_end] - 1] == CR  # never the previous line's newline: that is not CR
     ends[line_end[crlf]] -= 1
+    last_empty = ends[line_end] == starts[line_end]
     skipped = np.where(fields == NUM_FIELDS, -1, WRONG_FIELD_COUNT).astype(np.int8)
-    skipped[(fields == 1) & (ends[line_end] == starts[line_end])] = BLANK_LINE
-    rows = np.flatnonzero(fields == NUM_FIELDS)
-    index = line_end[rows, None] + np.arange(1 - NUM_FIELDS, 1)
+    skipped[(fields == 1) & last_empty] = BLANK_LINE
+    rows = np.flatnonzero((fields == NUM_FIELDS) | (fields < NUM_FIELDS) & ~last_empty)
+    count = fields[rows, None]
+    index = line_end[rows, None] + np.arange(1 - NUM_FIELDS, 1)  # 40 fields ending at the newline
+    short = count[:, 0] < NUM_FIELDS
+    if short.any():  # field j of each line; fields past its end are empty, at its newline
+        index = np.minimum(index + NUM_FIELDS - count, line_end[rows, None])
     s, e = starts[index], ends[index]
+    if short.any():
+        s = np.where(np.arange(NUM_FIELDS) < count, s, e)
     label_ok = (e[:, 0] - s[:, 0] == 1) & ((buf[s[:, 0]] == ZERO) | (buf[s[:, 0]] == ONE))
     dense, dense_ok = _parse_numerical(buf, s[:, 1:1 + NUM_NUMERICAL], e[:, 1:1 + NUM_NUMERICAL])
     cats, cats_ok = _parse_hex(buf, s[:, 1 + NUM_NUMERICAL:], e[:, 1 + NUM_NUMERICAL:])
     why = np.select([~label_ok, ~dense_ok, ~cats_ok], [BAD_LABEL, BAD_NUMERIC, BAD_CATEGORY], -1)
+    padded = short & (why < 0)  # short only by trailing fields
+    why[short & ~(padded & pad_short)] = WRONG_FIELD_COUNT
     skipped[rows] = why
     keep = why < 0
-    return Chunk(buf[s[keep, 0]] - ZERO, dense[keep], cats[keep], skipped, crlf)
+    return Chunk(buf[s[keep, 0]] - ZERO, dense[keep], cats[keep], skipped, crlf,
+                 count[padded, 0])
 
 
 def _parse_numerical(buf: np.ndarray, s: np.ndarray, e: np.ndarray) -> Tuple[np.ndarray, ...]:
@@ -303,7 +322,7 @@ def one_hot_columns(ids: np.ndarray) -> List[np.ndarray]:
 
 class SplitRule(NamedTuple):
     """How a task's rows go to splits. kind "train": all rows; "halves": row numbers within the
-    day below `value` -> test, the rest validation; "hash": global row numbers hashed with seed
+    day below `value` -> validation, the rest test; "hash": global row numbers hashed with seed
     `value`, 90/5/5."""
     kind: str
     value: int = 0
@@ -315,7 +334,9 @@ def day_number(path: str) -> Optional[int]:
 
 
 def day_rule(day: int, rows_of_day: int) -> SplitRule:
-    return SplitRule("halves", rows_of_day // 2) if day == LAST_DAY else SplitRule("train")
+    if day == LAST_DAY:
+        return SplitRule("halves", validation_rows(rows_of_day))
+    return SplitRule("train")
 
 
 def resolve_split(mode: str, inputs: Sequence[str]) -> str:
@@ -359,7 +380,7 @@ def split_codes(rule: SplitRule, rows: np.ndarray) -> np.ndarray:
     if rule.kind == "train":
         return np.full(len(rows), TRAIN, np.int8)
     if rule.kind == "halves":
-        return np.where(rows < rule.value, TEST, VALIDATION).astype(np.int8)
+        return np.where(rows < rule.value, VALIDATION, TEST).astype(np.int8)
     seed = _mix64(np.full(len(rows), rule.value % 2**64, np.uint64))
     unit = (_mix64(rows.astype(np.uint64) ^ seed) >> 11) / 2.0**53
     return np.select([unit < 0.90, unit < 0.95], [TRAIN, VALIDATION], TEST).astype(np.int8)
@@ -399,25 +420,28 @@ class TaskCounts:
     rows: int
     lines: int
     problem: Optional[Tuple[int, str]]  # (line index in the task, kind) of its first problem
+    short: np.ndarray  # [NUM_FIELDS] lines short only by trailing fields, by field count
 
 
-def _count_task(job: Tuple[Task, bool]) -> TaskCounts:
+def _count_task(job: Tuple[Task, bool, bool]) -> TaskCounts:
     """Pass 1 over one task; strict stops at its first problem."""
-    task, strict = job
+    task, strict, pad_short = job
     counters = [ValueCounts() for _ in range(NUM_CATEGORICAL)]
     bad, rows, lines, problem = np.zeros(len(KINDS), np.int64), 0, 0, None
+    short = np.zeros(NUM_FIELDS, np.int64)
     for data in read_lines(task):
-        chunk = parse_lines(data)
+        chunk = parse_lines(data, pad_short)
         first = chunk.first_problem()
         if problem is None and first is not None:
             problem = (lines + first[0], first[1])
             if strict:
                 break
         bad += chunk.bad_counts()
+        short += np.bincount(chunk.short, minlength=NUM_FIELDS)
         rows, lines = rows + len(chunk.labels), lines + chunk.lines
         for column, counter in zip(chunk.cats.T, counters):
             counter.add(*np.unique(column[column >= 0], return_counts=True))
-    return TaskCounts([c.totals() for c in counters], bad, rows, lines, problem)
+    return TaskCounts([c.totals() for c in counters], bad, rows, lines, problem, short)
 
 
 _TABLES: List[Tuple[np.ndarray, np.ndarray]] = []  # in pass-2 workers: (values, ids) per feature
@@ -432,12 +456,12 @@ def _part_paths(work: Path, part: int, split: str) -> List[Path]:
     return [work / f"part{part}.{split}.{k}" for k in ("label", "dense", "ids")]
 
 
-def _write_task(job: Tuple[Task, int, SplitRule, int, Path]) -> List[int]:
+def _write_task(job: Tuple[Task, int, SplitRule, int, Path, bool]) -> List[int]:
     """Pass 2 over one task: ids and splits, appended to its part files; rows written per split."""
-    task, part, rule, row0, work = job
+    task, part, rule, row0, work, pad_short = job
     written = [0] * len(SPLITS)
     for data in read_lines(task):
-        chunk = parse_lines(data)
+        chunk = parse_lines(data, pad_short)
         ids = np.stack([map_ids(c, *t) for c, t in zip(chunk.cats.T, _TABLES)], axis=1)
         codes = split_codes(rule, np.arange(row0, row0 + len(ids)))
         row0 += len(ids)
@@ -504,15 +528,17 @@ class Survey:
     bad: dict
     task_rows: List[int]
     first_problem: Optional[str]
+    short: np.ndarray  # [NUM_FIELDS] lines short only by trailing fields, by field count
 
 
-def _count_pass(tasks: List[Task], workers: int, strict: bool) -> Survey:
+def _count_pass(tasks: List[Task], workers: int, strict: bool, pad_short: bool) -> Survey:
     counters = [ValueCounts() for _ in range(NUM_CATEGORICAL)]
     bad, task_rows, first_problem = np.zeros(len(KINDS), np.int64), [], None
+    short = np.zeros(NUM_FIELDS, np.int64)
     lines_before: dict = defaultdict(int)  # per file, to turn task lines into file lines
     progress = Progress("pass 1/2 (count)")
     with _pool(workers) as pool:
-        for task, got in zip(tasks, pool.map(_count_task, [(t, strict) for t in tasks])):
+        for task, got in zip(tasks, pool.map(_count_task, [(t, strict, pad_short) for t in tasks])):
             if got.problem and first_problem is None:
                 line, kind = got.problem
                 line += lines_before[task.path] + 1
@@ -524,15 +550,17 @@ def _count_pass(tasks: List[Task], workers: int, strict: bool) -> Survey:
             for counter, table in zip(counters, got.tables):
                 counter.add(*table)
             bad += got.bad
+            short += got.short
             task_rows.append(got.rows)
             progress.add(got.rows)
     progress.done()
     return Survey([c.totals() for c in counters], dict(zip(KINDS, bad.tolist())), task_rows,
-                  first_problem)
+                  first_problem, short)
 
 
 def _write_pass(tasks: List[Task], jobs: List[Tuple[SplitRule, int]],
-                tables: List[Tuple[np.ndarray, np.ndarray]], workers: int, writer) -> None:
+                tables: List[Tuple[np.ndarray, np.ndarray]], workers: int, writer,
+                pad_short: bool) -> None:
     """Workers map and split each task into part files in the writer's temporary folder (the
     tables go there too, for them to memory-map); the parent appends the parts in task order."""
     work = writer.tmp / "_work"
@@ -541,7 +569,7 @@ def _write_pass(tasks: List[Task], jobs: List[Tuple[SplitRule, int]],
         np.save(work / f"values_{i}.npy", keys)
         np.save(work / f"ids_{i}.npy", ids)
     progress = Progress("pass 2/2 (write)")
-    args = [(task, part, rule, row0, work)
+    args = [(task, part, rule, row0, work, pad_short)
             for part, (task, (rule, row0)) in enumerate(zip(tasks, jobs))]
     with _pool(workers, _load_tables, (work,)) as pool:
         for part, written in enumerate(pool.map(_write_task, args)):
@@ -568,12 +596,11 @@ def _append_part(writer, work: Path, part: int, written: List[int]) -> None:
 
 def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: int = 0,
                       max_table_size: Optional[int] = None, workers: Optional[int] = None,
-                      strict: bool = False, split_seed: int = 0, split: str = "auto") -> dict:
+                      strict: bool = False, split_seed: int = 0, split: str = "auto",
+                      pad_short_rows: bool = False) -> dict:
     """Raw Criteo TSVs -> split-binary dataset at `output`; returns the report it also writes
-    to `output/preprocess_report.json`. `split`: one of SPLIT_MODES."""
-    # Imported here so that worker processes started by spawn/forkserver need not load torch.
-    from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
-
+    to `output/preprocess_report.json`. `split`: one of SPLIT_MODES. `pad_short_rows`: keep rows
+    short only by trailing fields, those fields empty."""
     inputs = [str(p) for p in inputs]
     workers = workers or os.cpu_count() or 1
     _check_arguments(inputs, output, frequency_threshold, max_table_size, workers)
@@ -582,22 +609,47 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
         check_days([day_number(p) for p in inputs], "add day_23.gz")
     start = time.perf_counter()
     tasks = plan_tasks(inputs)
-    survey = _count_pass(tasks, workers, strict)
+    survey = _count_pass(tasks, workers, strict, pad_short_rows)
+    short = short_rows(survey.short, survey.bad[KINDS[WRONG_FIELD_COUNT]], pad_short_rows)
     if not sum(survey.task_rows):
         raise DataError(f"{inputs[0]}: no valid rows in the input (skipped: {survey.bad}); "
-                        f"expected Criteo TSV lines of {NUM_FIELDS} tab-separated fields")
+                        f"expected Criteo TSV lines of {NUM_FIELDS} tab-separated fields"
+                        + (f"; {short['note']}" if short["rows"] else ""))
     tables = [build_table(v, c, frequency_threshold, max_table_size) for v, c in survey.tables]
     spec = DataSpec(NUM_NUMERICAL, [1 + len(keys) for keys, _ in tables], [1] * NUM_CATEGORICAL)
     with SplitBinaryWriter(output, spec) as writer:
         jobs = _split_jobs(split, tasks, survey.task_rows, split_seed)
-        _write_pass(tasks, jobs, tables, workers, writer)
+        _write_pass(tasks, jobs, tables, workers, writer, pad_short_rows)
         check_splits_filled(writer.counts, split)
+        day_23 = VALIDATION_FIRST if split == "days" else NOT_DAYS
+        writer.note(RULE_KEY, day_23)
         report = {"inputs": inputs, **speed_report(start, writer.counts), "bad_rows": survey.bad,
-                  "first_problem": survey.first_problem, "cardinalities": spec.cardinalities,
+                  "short_rows": short, "first_problem": survey.first_problem,
+                  "cardinalities": spec.cardinalities,
                   "frequency_threshold": frequency_threshold, "max_table_size": max_table_size,
-                  "split": split}
+                  "split": split, RULE_KEY: day_23}
         writer.add_file(REPORT, json.dumps(report, indent=2) + "\n")
     return report
+
+
+def short_rows(by_fields: np.ndarray, wrong_field_count: int, padded: bool) -> dict:
+    """The report's account of rows short only by trailing fields (what stripping trailing
+    whitespace leaves of rows whose last fields are empty), and what to do about them."""
+    found = np.flatnonzero(by_fields)
+    rows = int(by_fields.sum())
+    if not rows:
+        return {"rows": 0, "padded": padded, "note": None}
+    fields = f"{found[0]}" if found[0] == found[-1] else f"{found[0]}-{found[-1]}"
+    if padded:
+        note = (f"{rows} rows of {fields} fields were short only by trailing fields and were "
+                f"read with those fields empty (--pad-short-rows)")
+    else:
+        note = (f"{rows} of the {wrong_field_count} wrong_field_count rows have {fields} fields "
+                f"and are short only by trailing fields, as when a tool strips trailing "
+                f"whitespace (the tabs of empty last fields); --pad-short-rows reads the "
+                f"missing fields as empty and keeps these rows")
+    return {"rows": rows, "min_fields": int(found[0]), "max_fields": int(found[-1]),
+            "padded": padded, "note": note}
 
 
 def _check_arguments(inputs, output, threshold, max_table_size, workers) -> None:
@@ -635,15 +687,19 @@ def add_arguments(parser) -> None:
                         help="processes (default: all cores)")
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first malformed line (FILE:LINE) instead of skipping it")
+    parser.add_argument("--pad-short-rows", action="store_true",
+                        help="read rows short only by trailing fields (trailing whitespace "
+                             "stripped) with those fields empty, instead of skipping them")
     add_split_arguments(parser)
 
 
 def add_split_arguments(parser) -> None:
     """`--split` and `--split-seed`, the same for TSV and .npy day files."""
     parser.add_argument("--split", choices=SPLIT_MODES, default="auto",
-                        help="days: day_23's halves test/validation, other days train; hash: a "
-                             "seeded 90/5/5 split by row; auto (default): days if every input "
-                             "is a day_N file, else hash")
+                        help="days: day_23's first ceil(N/2) rows validation and the rest test "
+                             "(the MLPerf reference's rule), other days train; hash: a seeded "
+                             "90/5/5 split by row; auto (default): days if every input is a "
+                             "day_N file, else hash")
     parser.add_argument("--split-seed", type=int, default=0, metavar="S",
                         help="seed of the hash split")
 
@@ -651,9 +707,11 @@ def add_split_arguments(parser) -> None:
 def run(args) -> None:
     report = preprocess_criteo(args.input, args.output, args.frequency_threshold,
                                args.max_table_size, args.workers, args.strict, args.split_seed,
-                               args.split)
+                               args.split, args.pad_short_rows)
     if report["first_problem"]:
         print(f"first malformed line: {report['first_problem']}")
+    if report["short_rows"]["note"]:
+        print(report["short_rows"]["note"])
     print(f"wrote {args.output} (report: {REPORT})")
     print(summary_line(report))
 

@@ -5,14 +5,15 @@ Layout (NVIDIA-compatible): `feature_spec` (feature -> dtype, cardinality), `sou
 (categorical, numerical, label -> feature names). Two extensions, both optional, so NVIDIA's
 datasets load unchanged: a categorical feature may carry `hotness: h` (h ids per sample, stored
 row-major), and a split named `validation` besides `train` and `test`. `metadata.true_prob`
-may map a split to a file of float32 true click probabilities (planted synthetic data).
+may map a split to a file of float32 true click probabilities (planted synthetic data); other
+`metadata` keys (e.g. `day_23`, how day 23 was split) are kept as `notes`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import yaml
@@ -47,6 +48,7 @@ class FeatureSpec:
     categorical_dtypes: List[np.dtype]
     splits: Dict[str, SplitFiles]
     true_prob: Dict[str, Path]
+    notes: Dict[str, Any] = field(default_factory=dict)  # metadata besides true_prob
 
     @staticmethod
     def default(root: Path, spec: DataSpec, splits=SPLITS) -> "FeatureSpec":
@@ -75,12 +77,16 @@ class FeatureSpec:
             sources[split] += [{"type": "split_binary", "features": [c], "files": [rel(p)]}
                                for c, p in zip(cats, f.categorical)]
         metadata = {"true_prob": {s: rel(p) for s, p in self.true_prob.items()}} if self.true_prob else {}
+        metadata.update(self.notes)
         return {"feature_spec": features, "source_spec": sources,
                 "channel_spec": {"categorical": cats, "numerical": nums, "label": [LABEL]},
                 "metadata": metadata}
 
     def save(self) -> None:
-        (self.root / "feature_spec.yaml").write_text(yaml.safe_dump(self.to_yaml(), sort_keys=False))
+        """Written beside and renamed over the old file: a reader sees the old or the new."""
+        tmp = self.root / ".feature_spec.yaml.tmp"
+        tmp.write_text(yaml.safe_dump(self.to_yaml(), sort_keys=False))
+        tmp.replace(self.root / "feature_spec.yaml")
 
 
 def load_feature_spec(root: str) -> FeatureSpec:
@@ -126,5 +132,7 @@ def _parse(root: Path, path: Path, raw: dict) -> FeatureSpec:
         splits[split] = SplitFiles(files[label], numerical, [files[c] for c in cats])
     if "train" not in splits:
         raise ValueError("source_spec has no train split")
-    true_prob = {s: root / p for s, p in (raw.get("metadata") or {}).get("true_prob", {}).items()}
-    return FeatureSpec(root, DataSpec(len(nums), cardinalities, hotness), dtypes, splits, true_prob)
+    metadata = dict(raw.get("metadata") or {})
+    true_prob = {s: root / p for s, p in metadata.pop("true_prob", {}).items()}
+    return FeatureSpec(root, DataSpec(len(nums), cardinalities, hotness), dtypes, splits, true_prob,
+                       metadata)

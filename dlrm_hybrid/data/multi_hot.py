@@ -22,6 +22,7 @@ from typing import List, Optional
 import numpy as np
 
 from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.data.day23 import RULE_KEY, UNRECORDED, recorded_rule
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
@@ -51,10 +52,17 @@ def add_arguments(parser) -> None:
 
 def run(args) -> None:
     hotness = _parse_list(args.hotness, "--hotness")
-    rows = {"input": None, "mlperf": MLPERF_ROWS}.get(args.rows) or _parse_list(args.rows, "--rows")
+    rows = _table_rows(args.rows)
     counts = make_multi_hot(args.input, args.output, hotness, args.seed, args.chunk_rows, rows)
     print(f"wrote {args.output}: " + ", ".join(f"{folder} {n:,}" for folder, n in counts.items())
           + f"; hotness {','.join(map(str, hotness))}")
+
+
+def _table_rows(text: str) -> Optional[List[int]]:
+    """`--rows`: None for `input` (the input's cardinalities), the reference's for `mlperf`."""
+    if text == "input":
+        return None
+    return MLPERF_ROWS if text == "mlperf" else _parse_list(text, "--rows")
 
 
 def _parse_list(text: str, flag: str) -> List[int]:
@@ -71,7 +79,7 @@ def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = 
                    chunk_rows: int = 1 << 20, rows: Optional[List[int]] = None) -> dict:
     """Write the multi-hot version of the one-hot dataset at `input_dir` to `output` (whole or
     not at all); returns the samples per split. `rows`: each table's size (default the input's
-    cardinalities)."""
+    cardinalities). The input's day-23 rule goes with its splits into the output's metadata."""
     source = SplitBinaryDataset(input_dir)
     spec = source.fspec.spec
     rows = rows or spec.cardinalities
@@ -88,8 +96,11 @@ def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = 
     out_spec = DataSpec(spec.num_dense, list(rows), hotness)
     ours = {folder: name for name, folder in SPLIT_NAMES.items()}
     folders = list(source.fspec.splits)  # as the input has them (NVIDIA's: train and test)
+    day_23 = recorded_rule(Path(input_dir), source.fspec)
     with SplitBinaryWriter(output, out_spec, folders) as writer, tempfile.TemporaryDirectory(
             dir=writer.tmp.parent, prefix=".multi_hot_tables-") as scratch:
+        if day_23 != UNRECORDED:
+            writer.note(RULE_KEY, day_23)
         tables = lookup_tables(rows, hotness, seed, chunk_rows, Path(scratch))
         for folder in folders:
             total = source.num_samples(ours[folder])

@@ -9,8 +9,9 @@ already made contiguous, e.g. by torchrec's `sparse_to_contiguous` or MLPerf's m
   log(max(x, 0) + 3) to files of raw counts. Values not finite in float16 (torchrec does not
   clamp, so x = -3 gives log(0); raw counts above 65504 with `none`) are written as 0 and counted.
 - Splits as for the TSV day files (`--split`): days (auto, the default, is days here): day
-  23's first half of rows -> test, its second half -> validation, every other day -> train, and
-  days without day 23 are refused before any writing; hash: the seeded 90/5/5 split by global
+  23's first ceil(N/2) rows -> validation, the rest -> test (torchrec's and the MLPerf
+  reference's rule, recorded as feature_spec.yaml's `metadata.day_23`), every other day ->
+  train, and days without day 23 are refused before any writing; hash: the seeded 90/5/5 split by global
   row number. A split left with no rows is refused.
 - Cardinality of a feature = 1 + its largest id over all days: one pass over the memory-mapped
   sparse files finds the maxima, a second writes; both go CHUNK_ROWS rows at a time.
@@ -29,6 +30,7 @@ from typing import List, Tuple
 import numpy as np
 
 from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.data.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
 from dlrm_hybrid.data.criteo_tsv import (NUM_CATEGORICAL, NUM_NUMERICAL, REPORT, SPLIT_MODES,
                                          Progress, SplitRule, add_split_arguments, check_days,
                                          check_new_output, check_splits_filled, day_rule,
@@ -162,10 +164,12 @@ def convert_npy_days(input_dir, output, dense_transform: str = "none", split: st
                         for day, (rule, row0) in zip(days, split_jobs(days, split, split_seed)))
         progress.done()
         check_splits_filled(writer.counts, split)
+        day_23 = VALIDATION_FIRST if split == "days" else NOT_DAYS
+        writer.note(RULE_KEY, day_23)
         report = {"input": str(input_dir), "days": [d.number for d in days],
                   **speed_report(start, writer.counts), "cardinalities": spec.cardinalities,
                   "dense_transform": dense_transform, "nonfinite_dense": nonfinite,
-                  "split": split}
+                  "split": split, RULE_KEY: day_23}
         writer.add_file(REPORT, json.dumps(report, indent=2) + "\n")
     return report
 

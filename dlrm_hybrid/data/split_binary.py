@@ -15,6 +15,7 @@ import numpy as np
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.batch import ClickDataset, Columns
+from dlrm_hybrid.data.day23 import require_no_interrupted_upgrade
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.errors import DataError
 
@@ -25,6 +26,7 @@ class SplitBinaryDataset(ClickDataset):
     """Reads a split-binary dataset; `batch(split, first, count)` as SyntheticClicks does."""
 
     def __init__(self, path: str) -> None:
+        require_no_interrupted_upgrade(path)  # else validation and test could overlap
         self.fspec = load_feature_spec(path)
         self.spec = self.fspec.spec
         self._maps: Dict[str, dict] = {}

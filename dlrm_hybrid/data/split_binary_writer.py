@@ -15,6 +15,8 @@ from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.feature_spec import SPLITS, FeatureSpec
 from dlrm_hybrid.data.spec import DataSpec
 
+REPORT = "preprocess_report.json"  # what the preprocess commands say about a dataset, beside it
+
 
 class SplitBinaryWriter:
     """Appends samples to a dataset being built in a temporary folder next to `output`, and
@@ -61,6 +63,11 @@ class SplitBinaryWriter:
             self.finish()
         else:
             self.abort()
+
+    def note(self, key: str, value) -> None:
+        """A fact about the data (e.g. how day 23 was split), kept in feature_spec.yaml's
+        metadata."""
+        self.fspec.notes[key] = value
 
     def add_file(self, name: str, text: str) -> None:
         """A file (a report, say) that moves into place with the dataset."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dlrm_hybrid.config import Config
+from dlrm_hybrid.data.day23 import require_reference_rule
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
@@ -52,6 +53,8 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
 
 def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
+    if cfg.train.mlperf_log and cfg.data.path:
+        require_reference_rule(cfg.data.path)  # MLPerf evaluates on day 23's first half
     dataset = open_dataset(cfg.data)
     require_samples(dataset, ("train", "val"), "training")
     run = run_schedule(cfg, dataset.num_samples("train"))
