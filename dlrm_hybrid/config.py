@@ -313,6 +313,11 @@ def _validate_schedule(cfg: Config) -> None:
         raise ConfigError(f"train.mlperf_log: MLPerf logs one learning rate, and "
                           f"optim.embedding_lr ({cfg.optim.embedding_lr}) differs from "
                           f"optim.dense_lr ({cfg.optim.dense_lr}); set them equal")
+    for key in ("optim.embedding", "optim.dense"):  # the reference's torch.optim.Adagrad
+        if t.mlperf_log and _get(cfg, key) != "adagrad":
+            raise ConfigError(f"{key}: MLPerf's closed division trains with exact Adagrad, as its "
+                              f"reference does, not {_get(cfg, key)}; set {key}=adagrad (or "
+                              f"leave train.mlperf_log empty)")
 
 
 def _validate_exchange(cfg: Config) -> None:

@@ -84,12 +84,45 @@ def test_an_mlperf_run_passes_the_compliance_checker_and_stops_at_its_target(tmp
     assert values["eval_samples"] == 16384 and values["train_samples"] == 204800
     assert values["global_batch_size"] == 512 and values["opt_base_learning_rate"] == 0.05
     assert values["opt_name"] == "adagrad" and values["opt_adagrad_epsilon"] == 1e-8
+    assert exact_adagrad_tables(tmp_path / "run") == 8  # what ran is what the log names
     done = done_fields(result.stdout)
     assert done["steps"] == every * len(evals) and done["target_auc"] == 0.80275
     assert 0 < done["time_to_target_s"] < 600
     last = read_metrics(tmp_path / "run")[-1]
     assert last["target_reached"] is True
     assert round(last["time_to_target_s"], 1) == done["time_to_target_s"]
+
+
+def exact_adagrad_tables(run_dir: Path) -> int:
+    """How many tables the run's last checkpoint holds, each with exact Adagrad's state (one
+    accumulator per weight: row-wise Adagrad's has one per row)."""
+    from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
+
+    step = max((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
+    sizes = {k: v.size for k, v in checkpoint_reader(step).read_metadata().state_dict_metadata
+             .items() if hasattr(v, "size")}
+    tables = {k.rsplit(".", 2)[-2]: size for k, size in sizes.items()
+              if k.startswith("model.") and ".t_" in k}
+    for name, size in tables.items():
+        momentum = [s for k, s in sizes.items() if k.startswith("optim.") and
+                    k.endswith(f".{name}.momentum1")]
+        assert momentum == [size], (name, size, momentum)
+    return len(tables)
+
+
+def test_an_mlperf_run_with_another_optimizer_is_refused_in_one_line(tmp_path):
+    """MLPerf's closed division allows exact Adagrad only (the reference's torch.optim.Adagrad,
+    fbgemm EXACT_ADAGRAD on the tables); row-wise Adagrad must not run under that name."""
+    log = tmp_path / "mlperf.log"
+    result = run_cli(["train", *sets(MLPERF_SMALL + [
+        "optim.embedding=rowwise_adagrad", f"train.run_dir={tmp_path / 'run'}",
+        f"train.mlperf_log={log}"])])
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: optim.embedding: MLPerf's closed division trains with exact Adagrad, as its "
+        "reference does, not rowwise_adagrad; set optim.embedding=adagrad (or leave "
+        "train.mlperf_log empty)")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_run_that_misses_its_target_logs_aborted(tmp_path, process_group):
@@ -123,7 +156,7 @@ def test_a_run_that_fails_midway_still_logs_its_stop(tmp_path, process_group):
     log = tmp_path / "mlperf.log"
     cfg = load_config(str(ROOT / "configs/demo.yaml"), [
         f"data.path={nan_from_batch(tmp_path, 3)}", "data.global_batch_size=768",
-        "optim.dense_lr=0.1", "train.max_steps=0", "train.evals_per_epoch=5", "train.eval_every=0",
+        "optim.embedding=adagrad", "optim.dense_lr=0.1", "train.max_steps=0", "train.evals_per_epoch=5", "train.eval_every=0",
         "train.log_every=1", "train.progress_bar=false", "checkpoint.resume=none",
         f"train.run_dir={tmp_path / 'run'}", f"train.mlperf_log={log}"])
     with pytest.raises(TrainingDiverged):
@@ -137,6 +170,8 @@ def test_a_run_that_fails_midway_still_logs_its_stop(tmp_path, process_group):
     (["data.shuffle=true"], r"data.shuffle: train.evals_per_epoch trains one epoch in the "
                             r"dataset's order"),
     (["optim.embedding_lr=0.1"], r"train.mlperf_log: MLPerf logs one learning rate"),
+    (["optim.dense=sgd"], r"optim.dense: MLPerf's closed division trains with exact Adagrad, as "
+                          r"its reference does, not sgd; set optim.dense=adagrad"),
     (["train.target_auc=1.5"], r"train.target_auc: must be in \[0, 1\)"),
     (["train.evals_per_epoch=0"], r"train.max_steps: must be positive, got 0"),
 ])

@@ -126,10 +126,11 @@ class MLPerfLog:
 
 
 def optimizer_name(cfg: Config) -> str:
-    """MLPerf's name of the run's optimizer: adagrad when every part is Adagrad (row-wise or
-    exact for the tables), else the names used, which the closed ruleset refuses."""
-    names = {"rowwise_adagrad": "adagrad"}
-    used = {names.get(cfg.optim.embedding, cfg.optim.embedding), cfg.optim.dense}
+    """MLPerf's name of the optimizers that run: `adagrad` where tables and MLPs both use exact
+    Adagrad (fbgemm's EXACT_ADAGRAD and torch.optim.Adagrad, as the reference), else the names
+    used (config validation refuses those under train.mlperf_log; row-wise Adagrad keeps one
+    accumulator per row, a different algorithm)."""
+    used = {cfg.optim.embedding, cfg.optim.dense}
     return used.pop() if len(used) == 1 else "+".join(sorted(used))
 
 
