@@ -128,9 +128,10 @@ def test_a_run_interrupted_while_writing_a_checkpoint_resumes_from_the_one_befor
     real_save = checkpoint.dcp.save
 
     def dies_writing_step_4(state, checkpoint_id):
-        real_save(state, checkpoint_id=checkpoint_id)  # shards on disk, not yet published
+        written = real_save(state, checkpoint_id=checkpoint_id)  # on disk, not yet published
         if checkpoint_id.name == ".step_4.partial":
             raise KeyboardInterrupt("killed while writing")
+        return written
 
     monkeypatch.setattr(checkpoint.dcp, "save", dies_writing_step_4)
     with pytest.raises(KeyboardInterrupt):
@@ -142,16 +143,86 @@ def test_a_run_interrupted_while_writing_a_checkpoint_resumes_from_the_one_befor
     assert resumed.losses == clean[2:]
 
 
-def test_a_corrupt_checkpoint_is_a_one_line_error_naming_it(tmp_path, process_group):
+def as_earlier_version(checkpoint):
+    """`checkpoint` as an earlier version wrote it: meta.json without run, digests or dataset."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    for key in ("run", "sha256", "dataset"):
+        meta.pop(key, None)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+
+
+def damage(file):
+    """64 bytes in the middle of `file` overwritten: same size, other content."""
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(255 - b for b in data[middle:middle + 64])
+    file.write_bytes(bytes(data))
+
+
+def test_a_truncated_checkpoint_without_digests_is_a_one_line_error_naming_it(
+        tmp_path, process_group, capsys):
+    """An earlier version's checkpoint cannot be checked before it loads: used with a notice,
+    and a truncated shard is still the load's one-line error."""
     cfg = load_config(str(ROOT / "configs/demo.yaml"), [
         *COMMON, "train.max_steps=2", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"])
     train(cfg, process_group)
     step = tmp_path / "checkpoints" / "step_2"
+    as_earlier_version(step)
     for shard in step.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
     cfg.train.max_steps = 3
+    capsys.readouterr()
     with pytest.raises(DataError, match=f"{step}: cannot load checkpoint"):
         train(cfg, process_group)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"note: {step} was written by an earlier version, without file digests, so its files "
+        f"cannot be checked; checkpoints written from now on carry them")
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_auto_resumes_the_one_before(
+        tmp_path, process_group, capsys):
+    from dlrm_hybrid.serve.export import export_model
+    from dlrm_hybrid.train.inference import export_checkpoint
+
+    def run(*overrides):
+        return train(load_config(str(ROOT / "configs/demo.yaml"), [
+            *COMMON, "checkpoint.every=2", f"train.run_dir={tmp_path}", *overrides]),
+            process_group)
+
+    clean = run("train.max_steps=4").losses
+    root = tmp_path / "checkpoints"
+    step_2, step_4 = root / "step_2", root / "step_4"
+    (shard,) = step_4.glob("*.distcp")
+    size = shard.stat().st_size
+    damage(shard)
+    damaged_bytes = shard.read_bytes()
+    assert len(damaged_bytes) == size
+    refused = (f"{shard} is damaged: its SHA-256 is not the one recorded when the checkpoint was "
+               f"written")
+
+    result = run_cli(["eval", "--checkpoint", str(step_4), "--split", "val"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {refused}; use another checkpoint"]
+    for export in (lambda: export_checkpoint(str(step_4), str(tmp_path / "m.pt")),
+                   lambda: export_model(str(step_4), str(tmp_path / "m.pt"))):
+        with pytest.raises(DataError) as error:
+            export()
+        assert str(error.value) == f"{refused}; use another checkpoint"
+    assert not (tmp_path / "m.pt").exists()
+    with pytest.raises(DataError) as error:
+        run("train.max_steps=6", f"checkpoint.resume={step_4}")
+    assert str(error.value) == (f"checkpoint.resume: {refused}; resume from an older "
+                                f"checkpoint")
+
+    capsys.readouterr()
+    resumed = run("train.max_steps=4")  # auto: the newest intact checkpoint
+    out = capsys.readouterr().out.splitlines()
+    assert f"checkpoint.resume: {refused}; renamed step_4 to step_4.damaged, trying the " \
+           f"checkpoint before it" in out
+    assert f"resumed from {step_2} (step 2)" in out
+    assert resumed.losses == clean[2:]
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_4.damaged"]
+    assert (root / "step_4.damaged" / shard.name).read_bytes() == damaged_bytes  # kept as found
 
 
 def nan_from_batch(tmp_path, batch, size=768):

@@ -166,9 +166,58 @@ def test_metadata_naming_a_file_outside_the_folder_is_refused(small, tmp_path):
         checkpoint_reader(path)
 
 
+def linked_out(trained, tmp_path, name):
+    """A copy of `trained` whose file `name` is a symbolic link to an identical file outside."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(trained, folder)
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir()
+    (folder / name).rename(outside)
+    (folder / name).symlink_to(outside)
+    return folder, outside
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_a_file_linked_out_of_the_folder_is_refused_naming_it(trained, tmp_path, name):
+    folder, outside = linked_out(trained, tmp_path, name)
+    with pytest.raises(DataError) as error:
+        checkpoint_reader(folder)
+    assert str(error.value) == (f"{folder / name}: a link to {outside}, outside the checkpoint "
+                                f"folder; put the file itself in the folder")
+
+
+def test_eval_refuses_a_checkpoint_with_a_file_linked_out_of_it(trained, tmp_path):
+    """The digest check reads no file through such a link either: a link to a copy of the
+    very file (its digest matches) is refused as well."""
+    from conftest import run_cli
+    from dlrm_hybrid.train.checkpoint import check_checkpoint
+
+    folder, outside = linked_out(trained, tmp_path, "__0_0.distcp")
+    refused = (f"{folder / '__0_0.distcp'}: a link to {outside}, outside the checkpoint folder; "
+               f"put the file itself in the folder")
+    result = run_cli(["eval", "--checkpoint", str(folder), "--split", "val"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {refused}"]
+    with pytest.raises(DataError) as error:
+        check_checkpoint(folder, print)
+    assert str(error.value) == refused
+
+
 def test_a_folder_without_metadata_is_a_one_line_error(tmp_path):
     with pytest.raises(DataError, match=r"no \.metadata in it; it is not a complete checkpoint"):
         checkpoint_reader(tmp_path)
+
+
+def rehash(checkpoint, name):
+    """Record the current digest of `checkpoint`'s file `name` in its meta.json."""
+    import hashlib
+    import json
+
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["sha256"][name] = hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
 
 
 def test_eval_export_and_resume_refuse_a_planted_checkpoint(trained, tmp_path, process_group):
@@ -182,6 +231,7 @@ def test_eval_export_and_resume_refuse_a_planted_checkpoint(trained, tmp_path, p
     planted = tmp_path / "run" / "checkpoints" / "step_2"
     shutil.copytree(trained, planted)
     (planted / ".metadata").write_bytes(pickle.dumps(Payload(os.system, f"touch {marker}")))
+    rehash(planted, ".metadata")  # digests are no defence against a crafted folder
     commands = {
         "eval": ["eval", "--checkpoint", str(planted), "--split", "val"],
         "export": ["export", "--checkpoint", str(planted), "--out", str(tmp_path / "m.pt")],

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import ROOT, failure, read_metrics, run_cli
+from test_checkpoint_reader import rehash
 from dlrm_hybrid.config import ConfigError, load_config
 from dlrm_hybrid.train.loop import train
 
@@ -98,7 +99,7 @@ def test_resume_restores_fbgemms_step_counter(tmp_path, process_group):
     train(cfg, process_group)
     dmp, _ = build_sharded_model(cfg, open_dataset(cfg.data).spec, process_group, lambda _: None)
     step = TrainStep(dmp, *build_optimizer(dmp, cfg.optim), cfg.train, process_group.device)
-    assert resume(cfg, step, MetricsLog(tmp_path, 0)) == 5
+    assert resume(cfg, step, MetricsLog(tmp_path, 0))[0] == 5
     kernels = [kernel._emb_module for lookup in dmp.module.embedding_bags._lookups
                for kernel in lookup._emb_modules]
     counters = [k.iter.item() for k in kernels
@@ -116,7 +117,181 @@ def test_eval_of_a_checkpoint_trained_with_a_gpu_only_optimizer_runs_on_cpu(tmp_
     saved = yaml.safe_load((step / "config.yaml").read_text())
     saved["optim"]["embedding"] = "adam"
     (step / "config.yaml").write_text(yaml.safe_dump(saved))
+    rehash(step, "config.yaml")  # as that run recorded it
     result = run_cli(["eval", "--checkpoint", str(step), "--split", "val"])
     assert result.returncode == 0, failure(result)
     assert result.stdout.strip().splitlines()[-1].startswith(f"eval: checkpoint={step} step=2 ")
     assert torch.isfinite(torch.tensor(float(result.stdout.split("val_auc=")[1].split()[0])))
+
+
+@pytest.fixture(scope="module")
+def step_2(tmp_path_factory, process_group):
+    """A 2-step checkpoint of the demo model, resumed elsewhere by the tests that use it."""
+    run_dir = tmp_path_factory.mktemp("two_steps")
+    train(config(run_dir, "train.max_steps=2"), process_group)
+    return run_dir / "checkpoints" / "step_2"
+
+
+@pytest.mark.parametrize("changes", [
+    ["train.log_every=2", "train.eval_every=3", "train.progress_bar=true", "train.rank_logs=true",
+     "train.precision=bf16", "train.pipeline=disabled", "train.target_auc=0.99",
+     "data.prefetch=1", "parallel.memory_per_rank=4GiB", "parallel.strategy=nvidia",
+     "parallel.comm_precision=bf16", "parallel.exchange=pooled", "checkpoint.keep=5",
+     "checkpoint.every=1"],
+    ["train.eval_every=0", "train.evals_per_epoch=2", "train.cuda_graphs=true",
+     "train.precision_fallback=false", "data.loader=dali", "parallel.backend=gloo",
+     "parallel.reserve_per_rank=1GiB"],
+], ids=["run-and-parallel", "schedule-and-loader"])
+def test_every_setting_the_resume_rules_allow_to_change_resumes(tmp_path, process_group, step_2,
+                                                                capsys, changes):
+    """README "Resume rules": the run directory, checkpoint folder and the keys above change at
+    once, and the run continues from the checkpoint (train.mlperf_log: test_mlperf.py)."""
+    capsys.readouterr()
+    result = train(config(tmp_path / "elsewhere", "train.max_steps=3", f"checkpoint.resume={step_2}",
+                          f"checkpoint.dir={tmp_path / 'checkpoints'}", *changes), process_group)
+    assert f"resumed from {step_2} (step 2)" in capsys.readouterr().out.splitlines()
+    assert result.steps == 3 and (tmp_path / "checkpoints" / "step_3").exists()
+
+
+def test_settings_of_the_experiment_are_refused_each_named(tmp_path, process_group, step_2):
+    changes = {"model.top_mlp": ([64, 32, 1], [32, 1]), "optim.embedding_lr": (0.1, 0.2),
+               "data.global_batch_size": (256, 512), "data.shuffle": (False, True),
+               "train.seed": (0, 1), "optim.warmup_steps": (20, 0)}
+    with pytest.raises(ConfigError) as info:
+        train(config(tmp_path, "train.max_steps=3", f"checkpoint.resume={step_2}",
+                     *[f"{key}={here}" for key, (_, here) in changes.items()]), process_group)
+    named = str(info.value).split(" was trained with other settings: ")[1]
+    for key, (there, here) in changes.items():
+        assert f"{key} ({there!r} there, {here!r} here)" in named
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_of_another_model_is_reported_as_such_not_as_corrupt(step_2, process_group):
+    from dlrm_hybrid.errors import DataError
+    from dlrm_hybrid.train.inference import evaluate_checkpoint
+
+    with pytest.raises(DataError) as info:
+        evaluate_checkpoint(str(step_2), None, ["model.embedding_dim=32",
+                                                "model.bottom_mlp=[64,32]"], process_group, "val")
+    message = str(info.value)
+    assert message.startswith(f"{step_2}: does not fit this model (")
+    assert message.endswith("it was trained with other model or table settings: use the config "
+                            "it was written with")
+    assert "corrupt" not in message
+
+
+def synthetic_dataset(folder, *overrides):
+    """A split-binary copy of small planted data, written to `folder`."""
+    from dlrm_hybrid.data.synth_dataset import write_synthetic
+
+    write_synthetic(load_config(str(ROOT / "configs/demo.yaml"), [
+        "data.train_samples=4096", "data.val_samples=1024", *overrides]).data, str(folder))
+    return folder
+
+
+def test_the_same_dataset_under_another_path_resumes_and_another_dataset_is_refused(
+        tmp_path, process_group):
+    """A dataset is compared by its identity (feature spec, samples, file contents), not by the
+    spelling of data.path; the synthetic data's keys do not apply to it."""
+    import os
+    import shutil
+
+    from test_checkpoint import as_earlier_version
+
+    data = synthetic_dataset(tmp_path / "data")
+    run_dir = tmp_path / "run"
+
+    def run(path, steps, *overrides):
+        return train(config(run_dir, f"data.path={path}", f"train.max_steps={steps}",
+                            *overrides), process_group).steps
+
+    assert run(f"{data}/", 1) == 1
+    assert run(os.path.relpath(data), 2, "data.seed=7", "data.val_samples=999",
+               "data.cardinalities=[9,9,9,9,9,9,9,9]", "data.teacher_scale=3.0") == 2
+    staged = tmp_path / "job_17" / "data"
+    shutil.copytree(data, staged)
+    assert run(staged, 3) == 3
+    step_3 = run_dir / "checkpoints" / "step_3"
+
+    other = synthetic_dataset(tmp_path / "other", "data.train_samples=5120")
+    args = [a for o in [*COMMON, f"train.run_dir={run_dir}", f"data.path={other}",
+                        "train.max_steps=4"] for a in ("--set", o)]
+    result = run_cli(["train", "--config", "configs/demo.yaml", *args])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: checkpoint.resume: {step_3} was trained with other settings: data.path "
+        f"('{staged}' there, '{other}' here: another dataset, samples per split {{'test': 1024, "
+        f"'train': 4096, 'validation': 1024}} there, {{'test': 1024, 'train': 5120, "
+        f"'validation': 1024}} here); resume it with its own settings, or start anew with "
+        f"checkpoint.resume=none or another train.run_dir"]
+    shuffled = synthetic_dataset(tmp_path / "shuffled", "data.seed=99")
+    with pytest.raises(ConfigError, match=r"another dataset, same shape, other file contents"):
+        run(shuffled, 4)
+
+    # An earlier version's checkpoint records no identity: the dataset at its path stands in.
+    as_earlier_version(step_3)
+    assert run(staged, 4) == 4  # nothing changed
+    as_earlier_version(run_dir / "checkpoints" / "step_4")
+    assert run(data, 5) == 5  # the same files under another path
+    as_earlier_version(run_dir / "checkpoints" / "step_5")
+    data.rename(tmp_path / "moved")
+    with pytest.raises(ConfigError) as info:
+        run(tmp_path / "moved", 6)
+    assert str(info.value).split(": ", 2)[2].startswith(
+        f"data.path ('{data}' there, '{tmp_path / 'moved'}' here; the checkpoint, from an "
+        f"earlier version, records no dataset identity and there is no dataset at {data} to "
+        f"compare: resume once with the dataset at {data}, and the checkpoints written then "
+        f"record it)")
+
+
+def test_a_fresh_run_sets_an_earlier_run_aside_and_prunes_only_its_own_checkpoints(
+        tmp_path, process_group, capsys):
+    """resume=none into a run directory holding another run: that run's files move aside (so a
+    later resume=auto continues the new run), and pruning never removes another run's
+    checkpoints."""
+    root = tmp_path / "checkpoints"
+
+    def run(steps, resume, *overrides):
+        capsys.readouterr()
+        train(config(tmp_path, f"train.max_steps={steps}", f"checkpoint.resume={resume}",
+                     "checkpoint.every=1", "checkpoint.keep=2", *overrides), process_group)
+        return capsys.readouterr().out.splitlines()
+
+    run(3, "none")  # an earlier run: step_2 and step_3
+    earlier_metrics = (tmp_path / "metrics.jsonl").read_text()
+    out = run(1, "none")
+    (aside,) = tmp_path.glob("earlier_run_*")
+    assert f"{tmp_path} held an earlier run: moved its files to {aside}; this run starts " \
+           f"afresh" in out
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"]
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert (aside / "metrics.jsonl").read_text() == earlier_metrics
+    assert [e["step"] for e in read_metrics(tmp_path) if "loss" in e] == [1]
+
+    assert f"resumed from {root / 'step_1'} (step 1)" in run(2, "auto")
+    # The earlier run continued here: its checkpoints join this run's, which stay.
+    run(5, aside / "checkpoints" / "step_3")
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2", "step_4", "step_5"]
+    runs = {p.name: json.loads((p / "meta.json").read_text())["run"] for p in root.iterdir()}
+    assert runs["step_1"] == runs["step_2"] != runs["step_4"] == runs["step_5"]
+
+
+def test_a_resumed_run_supersedes_the_records_of_the_steps_it_trains_again(tmp_path,
+                                                                          process_group):
+    """Killed after step 6 with its last checkpoint at step 4: the resumed run trains steps 5
+    and 6 again, and metrics.jsonl holds one record of each step, the earlier ones kept inside a
+    `resumed` record."""
+    cfg = config(tmp_path, "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep=3",
+                 "train.eval_every=3")
+    train(cfg, process_group)
+    earlier = read_metrics(tmp_path)
+    import shutil
+    shutil.rmtree(tmp_path / "checkpoints" / "step_6")  # as if killed before writing it
+    train(cfg, process_group)
+    events = read_metrics(tmp_path)
+    assert [e["step"] for e in events if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert [e["step"] for e in events if "val_auc" in e] == [3, 6]
+    (resumed,) = [e for e in events if e.get("resumed")]
+    assert resumed["step"] == 4
+    assert resumed["superseded"] == [e for e in earlier if e["step"] > 4]
+    assert events[:events.index(resumed)] == [e for e in earlier if e["step"] <= 4]

@@ -28,7 +28,7 @@ from dlrm_hybrid.model.dlrm import DLRM, build_model
 from dlrm_hybrid.model.embeddings import table_order
 from dlrm_hybrid.model.interactions import FactorizationMachine
 from dlrm_hybrid.serve.scoring_model import ScoringModel, StackedCrossNet
-from dlrm_hybrid.train.checkpoint import checkpoint_config_path, read_meta
+from dlrm_hybrid.train.checkpoint import check_checkpoint, checkpoint_config_path, read_meta
 from dlrm_hybrid.train.inference import read_model_state
 
 QUANTIZATIONS = ("fp32", "fp16", "int8", "int4")
@@ -47,6 +47,7 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
     if target.suffix == ".json":
         raise UserError(f"--out: {out} would be overwritten by its own description "
                         f"({DESCRIPTION}); name the model e.g. model.pt")
+    check_checkpoint(path, print)  # its files are those it was written with
     cfg = load_config(str(checkpoint_config_path(path)), list(overrides))
     spec = data_spec(cfg.data)
     model = build_model(cfg.model, spec)

@@ -7,9 +7,9 @@ ranks under another placement. A checkpoint is written to `.step_<n>.partial`, a
 by renaming it to `step_<n>` once every rank has finished and `meta.json` is in it: a run killed
 while writing leaves the previous checkpoints as they were.
 
-A checkpoint records the resolved config it was trained with; resuming it under settings that
-change the experiment (the model, the data, the optimizer; anything but `MAY_CHANGE`) is
-refused, naming the keys that differ.
+`meta.json` records the run that wrote the checkpoint (pruning removes only that run's
+checkpoints), the identity of its dataset (resume_rules.py) and the SHA-256 of every other file
+(checkpoint_digest.py): a checkpoint is checked before it is resumed, evaluated or exported.
 """
 
 from __future__ import annotations
@@ -17,66 +17,92 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import uuid
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, List, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from dlrm_hybrid.config import Config, ConfigError, load_config
+from dlrm_hybrid.config import ConfigError, load_config
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.parallel.exchange import make_replicas_current
-from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
+from dlrm_hybrid.train.checkpoint_digest import ALGORITHM, damaged_files, file_digest, file_digests
+from dlrm_hybrid.train.checkpoint_reader import METADATA, checkpoint_reader
+from dlrm_hybrid.train.dataset_identity import dataset_identity
 
 META, CONFIG = "meta.json", "config.yaml"
 NAME = re.compile(r"step_(\d+)$")
-# Settings a resumed run may change: how long and how it runs, where it writes, how it is
-# parallelised (checkpoints reshard), not what it trains.
-MAY_CHANGE = ("train.max_steps", "train.log_every", "train.eval_every", "train.run_dir",
-              "train.progress_bar", "train.rank_logs", "train.precision",
-              "train.precision_fallback", "train.cuda_graphs", "train.pipeline",
-              "train.evals_per_epoch", "train.target_auc", "train.mlperf_log",
-              "data.loader", "data.prefetch", "parallel.", "checkpoint.")
+EARLIER_RUN = ""  # the run of a checkpoint written before runs were recorded
 
 
 def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
 
 
-def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg, extra: Optional[dict] = None
+def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg, extra: dict, run: str
                     ) -> Path:
-    """Collective: every rank writes its shards; rank 0 adds the resolved config (so eval and
-    export need nothing else) and `extra` (small JSON state, the same on every rank) to
-    `meta.json`, publishes and prunes."""
+    """Collective: every rank writes its shards and hashes its share of the files; rank 0 adds
+    the resolved config (so eval and export need nothing else) and `meta.json` (the step, the
+    `run` id, the dataset's identity, the digests and `extra`, small JSON state the same on every
+    rank), publishes, and prunes the run's own older checkpoints to `checkpoint.keep`."""
     final, partial = root / f"step_{step}", root / f".step_{step}.partial"
     if env.is_main:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     make_replicas_current(dmp, optimizer)
     dist.barrier()
-    dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=partial)
-    dist.barrier()
+    written = dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()},
+                       checkpoint_id=partial)
+    digests = file_digests(partial, {METADATA, *(info.relative_path for info in
+                                                 written.storage_data.values())})
     if env.is_main:
         cfg.save(partial / CONFIG)
-        (partial / META).write_text(json.dumps({"step": step, "world_size": env.world_size,
-                                                **(extra or {})}))
+        digests[CONFIG] = file_digest(partial, CONFIG)
+        meta = {"step": step, "world_size": env.world_size, "run": run, **extra,
+                ALGORITHM: digests}
+        if cfg.data.path:
+            meta["dataset"] = dataset_identity(cfg.data.path)
+        (partial / META).write_text(json.dumps(meta))
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        for old in complete_checkpoints(root)[:-cfg.checkpoint.keep]:
+        for old in run_checkpoints(root, run)[:-cfg.checkpoint.keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
-def complete_checkpoints(root: Path):
+def new_run_id() -> str:
+    """Collective: a fresh run's id, rank 0's on every rank."""
+    run = [uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(run, src=0)
+    return run[0]
+
+
+def run_of(meta: dict) -> str:
+    return str(meta.get("run", EARLIER_RUN))
+
+
+def complete_checkpoints(root: Path) -> List[Path]:
     """Published checkpoints under `root`, oldest first."""
     found = [p for p in root.glob("step_*") if NAME.search(p.name) and (p / META).exists()]
     return sorted(found, key=lambda p: int(NAME.search(p.name).group(1)))
 
 
+def run_checkpoints(root: Path, run: str) -> List[Path]:
+    """The published checkpoints of `run` under `root`, oldest first."""
+    def written_by_run(path: Path) -> bool:
+        try:
+            return run_of(read_meta(path)) == run
+        except DataError:
+            return False
+    return [p for p in complete_checkpoints(root) if written_by_run(p)]
+
+
 def checkpoint_to_resume(cfg) -> Optional[Path]:
+    """The checkpoint `checkpoint.resume` names, unchecked (see `intact_checkpoint_to_resume`)."""
     resume = cfg.checkpoint.resume
     if resume == "none":
         return None
@@ -90,27 +116,72 @@ def checkpoint_to_resume(cfg) -> Optional[Path]:
     return path
 
 
-def check_same_experiment(path: Path, cfg: Config) -> None:
-    """Refuse to resume `path` under settings that change what is trained."""
-    saved = _flat(load_config(str(path / CONFIG)).to_dict())
-    here = _flat(cfg.to_dict())
-    changed = [key for key in here if saved.get(key) != here[key]
-               and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in MAY_CHANGE)]
-    if changed:
-        diffs = ", ".join(f"{key} ({saved.get(key)!r} there, {here[key]!r} here)" for key in changed)
-        raise ConfigError(f"checkpoint.resume: {path} was trained with other settings: {diffs}; "
-                          f"resume it with its own settings, or start anew with "
-                          f"checkpoint.resume=none or another train.run_dir")
+def intact_checkpoint_to_resume(cfg, say: Callable[[str], None]) -> Optional[Path]:
+    """Collective. The checkpoint to resume, its files checked against their digests: a damaged
+    one that `checkpoint.resume` names is refused; under `auto` a damaged one is renamed
+    `step_<n>.damaged` (kept to inspect, no longer found, pruned or named as the last good one)
+    and the newest before it is tried."""
+    if cfg.checkpoint.resume == "none":
+        return None
+    auto = cfg.checkpoint.resume == "auto"
+    candidates = complete_checkpoints(checkpoint_root(cfg)) if auto else [checkpoint_to_resume(cfg)]
+    for path in reversed(candidates):
+        damage = damaged(path)
+        if damage is None:
+            note_unchecked(path, say)
+            return path
+        if not auto:
+            raise DataError(f"checkpoint.resume: {damage}; resume from an older checkpoint")
+        aside = vacant(path.with_name(path.name + ".damaged"))
+        if dist.get_rank() == 0:
+            path.rename(aside)
+        dist.barrier()
+        say(f"checkpoint.resume: {damage}; renamed {path.name} to {aside.name}, trying the "
+            f"checkpoint before it")
+    return None
 
 
-def _flat(tree: dict, prefix: str = "") -> Dict[str, object]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def vacant(path: Path) -> Path:
+    """`path`, or the first of `path`-2, `path`-3, ... that does not exist."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
+
+
+def check_checkpoint(path: Path, say: Callable[[str], None]) -> None:
+    """Before `eval` or `export` read `path`: a complete checkpoint whose files are those it was
+    published with, else a one-line error. Collective under a process group."""
+    checkpoint_config_path(path)
+    damage = damaged(path)
+    if damage is not None:
+        raise DataError(f"{damage}; use another checkpoint")
+    note_unchecked(path, say)
+
+
+def damaged(path: Path) -> Optional[str]:
+    """What is damaged in published checkpoint `path` (meta.json, or files whose SHA-256 is not
+    the recorded one), or None. Collective under a process group."""
+    try:
+        recorded = read_meta(path).get(ALGORITHM)
+    except DataError as e:
+        return str(e).split(";")[0]
+    if recorded is None:  # an earlier version's checkpoint: nothing to check against
+        return None
+    bad = damaged_files(path, recorded)
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more of its files)" if len(bad) > 1 else ""
+    return (f"{path / bad[0]}{more} is damaged: its SHA-256 is not the one recorded when the "
+            f"checkpoint was written")
+
+
+def note_unchecked(path: Path, say: Callable[[str], None]) -> None:
+    """One line for a checkpoint written before digests were recorded: used, but unchecked."""
+    if ALGORITHM not in read_meta(path):
+        say(f"note: {path} was written by an earlier version, without file digests, so its "
+            f"files cannot be checked; checkpoints written from now on carry them")
 
 
 def read_meta(path: Path) -> dict:
@@ -118,8 +189,11 @@ def read_meta(path: Path) -> dict:
     try:
         meta = json.loads((path / META).read_text())
         int(meta["step"])
+        digests = meta.get(ALGORITHM, {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in digests.items()):
+            raise TypeError("digests")
         return meta
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / META}: unreadable ({type(e).__name__}); the checkpoint is "
                         f"corrupt, use an older one") from None
 

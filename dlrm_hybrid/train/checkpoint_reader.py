@@ -7,6 +7,7 @@ returns a FileSystemReader that
 - unpickles `.metadata` with an allowlist: DCP's own metadata classes, torch.Size, dtypes,
   layouts, paths and plain containers/scalars (what torch 2.13 writes; see `_ALLOWED`),
 - checks that the result is shaped like DCP metadata and names only files inside the folder,
+  and that no file it reads (`.metadata` included) is a link resolving outside the folder,
 - loads non-tensor entries with `torch.load(weights_only=True)` and hands the planner a
   re-serialized copy, so the planner's own `weights_only=False` load sees only safe objects.
 All of it is checked when the reader is made (and again on `reset` to another folder), outside
@@ -140,6 +141,17 @@ def _check_shape(metadata: Any, folder) -> None:
                             f"checkpoint this program wrote")
 
 
+def inside(folder, name: str) -> Path:
+    """`folder / name` if it resolves inside `folder`, else a DataError naming it: a symbolic
+    link in a checkpoint folder must not make a reader open a file elsewhere."""
+    path = Path(folder) / name
+    target, root = path.resolve(), Path(folder).resolve()
+    if not target.is_relative_to(root):
+        raise DataError(f"{path}: a link to {_one_line(str(target))}, outside the checkpoint "
+                        f"folder; put the file itself in the folder")
+    return path
+
+
 def load_plain_object(stream: io.BytesIO, folder, fqn: str) -> Any:
     """A non-tensor checkpoint entry, loaded with `torch.load(weights_only=True)`: tensors,
     containers and scalars only; DataError for anything else."""
@@ -193,7 +205,7 @@ class SafeFileSystemReader(FileSystemReader):
         DCP's later `read_metadata` parses exactly what was checked."""
         folder = self.path
         try:
-            with open(Path(folder) / METADATA, "rb") as f:
+            with open(inside(folder, METADATA), "rb") as f:
                 self._metadata_bytes = f.read()
         except FileNotFoundError:
             raise DataError(f"{folder}: no {METADATA} in it; it is not a complete checkpoint"
@@ -201,7 +213,10 @@ class SafeFileSystemReader(FileSystemReader):
         except OSError as e:
             raise DataError(f"{folder}: cannot read {METADATA} ({type(e).__name__}: "
                             f"{_one_line(str(e))})") from None
-        self._check_plain_entries(load_metadata(self._metadata_bytes, folder))
+        metadata = load_metadata(self._metadata_bytes, folder)
+        for info in metadata.storage_data.values():
+            inside(folder, info.relative_path)
+        self._check_plain_entries(metadata)
 
     def _check_plain_entries(self, metadata: Metadata) -> None:
         for index, info in metadata.storage_data.items():
@@ -212,7 +227,7 @@ class SafeFileSystemReader(FileSystemReader):
         """One stored entry's bytes, decoded as `read_data` decodes them."""
         folder = self.path
         try:
-            with open(Path(folder) / info.relative_path, "rb") as f:
+            with open(inside(folder, info.relative_path), "rb") as f:
                 raw = self._slice_file(f, info)
                 stream = self.transforms.transform_load_stream(
                     None, info.transform_descriptors or (), raw)

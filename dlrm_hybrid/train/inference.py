@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.errors import DataError
-from dlrm_hybrid.train.checkpoint import checkpoint_config_path, load_checkpoint
+from dlrm_hybrid.train.checkpoint import check_checkpoint, checkpoint_config_path, load_checkpoint
 from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
 from dlrm_hybrid.train.evaluate import evaluate
 from dlrm_hybrid.train.loop import build_sharded_model
@@ -31,6 +31,7 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     if not any(o.strip().startswith("parallel.plan=") for o in overrides):
         cfg.parallel.plan = ""  # the training run's plan file is for its world size, not this one's
     log = MetricsLog(Path(cfg.train.run_dir), env.rank)
+    check_checkpoint(path, log.say)  # its files are those it was written with
     dataset = open_dataset(cfg.data)
     require_samples(dataset, (split,), "eval")
     dmp, _ = build_sharded_model(cfg, dataset.spec, env, log.say)
@@ -46,6 +47,7 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
 def export_checkpoint(checkpoint: str, out: str) -> int:
     """Write the model's full (unsharded) state dict to `out`, atomically; returns its tensor
     count."""
+    check_checkpoint(Path(checkpoint), print)
     state = read_model_state(Path(checkpoint))
     target = Path(out)
     partial = target.with_name(target.name + ".partial")

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,11 @@ from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
 from dlrm_hybrid.parallel.tables import table_specs
 from dlrm_hybrid.train.evaluate import evaluate
-from dlrm_hybrid.train.checkpoint import (check_same_experiment, checkpoint_root,
-                                          checkpoint_to_resume, load_checkpoint, save_checkpoint)
+from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
+                                          intact_checkpoint_to_resume, load_checkpoint,
+                                          new_run_id, run_of, save_checkpoint)
+from dlrm_hybrid.train.earlier_run import set_aside_earlier_run
+from dlrm_hybrid.train.resume_rules import check_same_experiment
 from dlrm_hybrid.train.divergence import DivergenceGuard
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.mlperf_log import MLPerfLog
@@ -61,7 +64,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
     train_step = TrainStep(dmp, optimizer, schedule, cfg.train, env.device)
-    first = resume(cfg, train_step, log)
+    first, run_id = resume(cfg, train_step, log)
     B, steps = cfg.data.global_batch_size, run.steps
     if first >= steps:
         log.say(f"nothing left to train: the checkpoint is at step {first} and train.max_steps "
@@ -69,7 +72,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
                 f"checkpoint.resume=none or another train.run_dir")
         log.close()
         return TrainResult(first, [], {}, 0.0)
-    log.begin(cfg, plan, applied_sharding(dmp), resumed=first > 0)
+    log.begin(cfg, plan, applied_sharding(dmp), resumed=first)
     guard = DivergenceGuard(checkpoint_root(cfg), env.device, first)
     mlperf.run_start(cfg, env, dataset.num_samples("train"), dataset.num_samples("val"))
     target = TargetWatch(cfg.train.target_auc)
@@ -99,7 +102,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
             guard.check_state(dmp, step)
             save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
-                            train_step.state_dict())
+                            train_step.state_dict(), run_id)
         if run.evaluates_at(step):
             train_step.pause()
             metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
@@ -113,7 +116,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
         losses.append(global_mean(loss_sum, env) / window)
     guard.check_state(dmp, step)
     path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
-                           train_step.state_dict())
+                           train_step.state_dict(), run_id)
     log.say(f"checkpoint: {path}")
     if not target.hit:
         metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
@@ -128,19 +131,21 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
     return TrainResult(step, losses, metrics, samples_per_s)
 
 
-def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> int:
-    """The step to continue after: that of the checkpoint `checkpoint.resume` names (if it
-    was trained with these settings), or 0."""
-    path = checkpoint_to_resume(cfg)
+def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> Tuple[int, str]:
+    """The step to continue after and the run's id: those of the checkpoint `checkpoint.resume`
+    names (if intact and trained with these settings), or 0 and a new id for a fresh run, an
+    earlier run's files in the run directory set aside."""
+    path = intact_checkpoint_to_resume(cfg, log.say)
     if path is None:
-        return 0
+        set_aside_earlier_run(cfg, log.say)
+        return 0, new_run_id()
     check_same_experiment(path, cfg)
     meta = load_checkpoint(path, train_step.dmp, train_step.optimizer)
     step = int(meta["step"])
     train_step.load_state_dict(meta)
     advance_schedule(train_step.schedule, step)
     log.say(f"resumed from {path} (step {step})")
-    return step
+    return step, run_of(meta)
 
 
 def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], None]):

@@ -20,10 +20,10 @@ class MetricsLog:
         self.rank_logs = rank_logs
         self._file = self._rank_file = None
 
-    def begin(self, cfg, plan, applied_sharding: dict, resumed: bool = False) -> None:
+    def begin(self, cfg, plan, applied_sharding: dict, resumed: int = 0) -> None:
         """Once the run is known to start: the run directory with the resolved config, the plan
-        (reusable as `parallel.plan`) and the sharding torchrec applied. A resumed run appends
-        to the event files it finds."""
+        (reusable as `parallel.plan`) and the sharding torchrec applied. A run resumed after
+        step `resumed` continues the event files it finds (`supersede`)."""
         mode = "a" if resumed else "w"
         if self.enabled or self.rank_logs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -31,8 +31,12 @@ class MetricsLog:
             cfg.save(self.run_dir / "config.yaml")
             save_plan(plan, self.run_dir / "plan.json")
             (self.run_dir / "sharding.json").write_text(json.dumps(applied_sharding, indent=1))
+            if resumed:
+                supersede(self.run_dir / "metrics.jsonl", resumed)
             self._file = open(self.run_dir / "metrics.jsonl", mode)
         if self.rank_logs:
+            if resumed:
+                supersede(self.run_dir / f"rank_{self.rank}.jsonl", resumed)
             self._rank_file = open(self.run_dir / f"rank_{self.rank}.jsonl", mode)
             shards = [f"{s.table}[{s.col_offset}:{s.col_offset + s.cols}]"
                       for s in plan.shards_on(self.rank)]
@@ -55,6 +59,29 @@ class MetricsLog:
         for f in (self._file, self._rank_file):
             if f is not None:
                 f.close()
+
+
+def supersede(path: Path, step: int) -> None:
+    """A run resumed from the checkpoint of `step` trains the steps after it again: the events
+    an earlier attempt logged for them move into one `resumed` event, so that the file holds one
+    value per step (one curve) and still shows what happened. Rewritten atomically."""
+    if not path.exists():
+        return
+    kept, superseded = [], []
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:  # a line cut short by a kill: kept as it was, with the superseded
+            superseded.append(line)
+            continue
+        if isinstance(event, dict) and event.get("step", 0) > step:
+            superseded.append(event)
+        else:
+            kept.append(line)
+    kept.append(json.dumps({"step": step, "resumed": True, "superseded": superseded}))
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(line + "\n" for line in kept))
+    partial.replace(path)
 
 
 def _write(file, event: dict) -> None:

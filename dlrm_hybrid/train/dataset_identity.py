@@ -1,0 +1,54 @@
+"""What makes a split-binary dataset the same dataset wherever its folder lies: its feature spec,
+the samples of each split, and a digest of every file's size and first bytes. A checkpoint
+records it, so that a resume compares datasets, not the spelling of `data.path` (relative or
+absolute, a trailing slash, a copy staged into a job's own folder).
+
+The digest reads 64 KiB of each file: enough to tell a dataset preprocessed otherwise (another
+shuffle, other days) with the same shape, without reading terabytes at each checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, List, Optional
+
+from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.errors import UserError
+
+HEAD_BYTES = 64 * 1024
+
+
+def dataset_identity(path: str) -> dict:
+    """The identity of the split-binary dataset at `path` (JSON-serialisable)."""
+    fspec = load_feature_spec(path)
+    spec, heads = fspec.spec, hashlib.sha256()
+    samples = {}
+    for split, files in sorted(fspec.splits.items()):
+        samples[split] = files.label.stat().st_size  # one byte per sample
+        for file in [files.label, files.numerical, *files.categorical]:
+            if file is None:  # no dense features
+                continue
+            with open(file, "rb") as f:
+                heads.update(f"{file.name} {file.stat().st_size}\n".encode())
+                heads.update(f.read(HEAD_BYTES))
+    return {"num_dense": spec.num_dense, "cardinalities": list(spec.cardinalities),
+            "hotness": list(spec.hotness), "samples": samples, "files_sha256": heads.hexdigest()}
+
+
+def readable_identity(path: str) -> Optional[dict]:
+    """`dataset_identity`, or None where no dataset can be read at `path` any more."""
+    try:
+        return dataset_identity(path)
+    except (UserError, OSError):
+        return None
+
+
+def identity_changes(there: dict, here: dict) -> List[str]:
+    """What differs between two identities, in words (empty: the same dataset)."""
+    names: Dict[str, str] = {"num_dense": "dense features", "cardinalities": "cardinalities",
+                             "hotness": "hotness", "samples": "samples per split"}
+    changes = [f"{words} {there.get(key)} there, {here[key]} here"
+               for key, words in names.items() if there.get(key) != here[key]]
+    if not changes and there.get("files_sha256") != here["files_sha256"]:
+        changes.append("same shape, other file contents")
+    return changes

@@ -1,0 +1,49 @@
+"""A fresh run into a run directory that holds an earlier run: the earlier run's record and
+checkpoints are moved into a folder of their own before the new run writes anything. Otherwise
+the two runs' files would mix: `metrics.jsonl` overwritten, the new run's checkpoints pruned
+in favour of the earlier run's higher steps, and a later `resume: auto` continuing the earlier
+run. Nothing is deleted: re-running a job (e.g. `make demo`) keeps each earlier run, named by
+when it last wrote.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import torch.distributed as dist
+
+from dlrm_hybrid.train.checkpoint import checkpoint_root, vacant
+
+RECORD = ("metrics.jsonl", "config.yaml", "plan.json", "sharding.json", "rank_*.jsonl")
+
+
+def set_aside_earlier_run(cfg, say: Callable[[str], None]) -> None:
+    """Collective: rank 0 moves the earlier run's files, if any, and says where in one line."""
+    if dist.get_rank() == 0:
+        _set_aside(Path(cfg.train.run_dir), checkpoint_root(cfg), say)
+    dist.barrier()
+
+
+def _set_aside(run_dir: Path, root: Path, say: Callable[[str], None]) -> None:
+    checkpoints = sorted([*root.glob("step_*"), *root.glob(".step_*.partial")])
+    record = [p for pattern in RECORD for p in run_dir.glob(pattern)]
+    if not checkpoints and not (run_dir / "metrics.jsonl").exists():
+        return
+    last_write = max(p.stat().st_mtime for p in [*checkpoints, *record])
+    aside = vacant(run_dir / time.strftime("earlier_run_%Y%m%d-%H%M%S", time.localtime(last_write)))
+    in_run_dir = root == run_dir / "checkpoints"
+    checkpoints_aside = aside / "checkpoints" if in_run_dir else vacant(root / aside.name)
+    _move(record, aside)
+    _move(checkpoints, checkpoints_aside)
+    elsewhere = "" if in_run_dir or not checkpoints else f" and its checkpoints to {checkpoints_aside}"
+    say(f"{run_dir} held an earlier run: moved its files to {aside}{elsewhere}; this run starts "
+        f"afresh")
+
+
+def _move(paths: List[Path], folder: Path) -> None:
+    if paths:
+        folder.mkdir(parents=True)
+        for path in paths:
+            path.rename(folder / path.name)
