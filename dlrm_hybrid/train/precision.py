@@ -55,7 +55,7 @@ def cpu_emulation(dtype: torch.dtype) -> Optional[str]:
     supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
                  torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
     if reason is None and supported is not None and not supported():
-        return "oneDNN has no kernels for it here"
+        return "no oneDNN support"
     return reason
 
 
