@@ -446,3 +446,78 @@ def test_a_killed_writers_partial_folder_is_removed_by_the_next_run(tmp_path):
     preprocess_criteo(inputs, tmp_path / "out", workers=1)
     assert not killed.exists() and (tmp_path / "out" / "feature_spec.yaml").exists()
     assert only_inputs_left(tmp_path, ["day_0", "day_23", "out", *survivors])
+
+
+# ---- the commands as a user runs them, with their defaults -----------------------------------
+
+def test_criteo_command_reports_rows_stripped_of_trailing_empty_fields_and_pads_them(tmp_path):
+    """An editor that trims trailing whitespace leaves rows ending in empty fields with 37-39
+    fields: the default run says so (not just wrong_field_count); --pad-short-rows reads them as
+    they were, so the dataset is the one the untrimmed file gives."""
+    from conftest import failure, run_cli
+
+    rows = make_rows(1000, seed=7)
+    for r in rows[::2]:
+        r[-1 - int(r[0] == "1"):] = [""] * (1 + int(r[0] == "1"))  # empty C25..C26 or C26
+    lines = ["\t".join(r) + "\n" for r in rows]
+    lines[10] = "\t".join(rows[10] + ["00000001"]) + "\n"  # 41 fields
+    lines[11] = "\t".join(rows[11][:20] + ["abc"]) + "\n"  # cut inside a field: not padded
+    trimmed = [line.rstrip() + "\n" for line in lines]
+    short = [len(line.split("\t")) for i, line in enumerate(trimmed) if i != 11 and
+             len(line.split("\t")) < criteo_tsv.NUM_FIELDS]
+    assert 400 < len(short) < 600 and min(short) <= 37 and max(short) == 39
+    for folder, text in (("untrimmed", lines), ("trimmed", trimmed)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "day_0").write_text("".join(text[:900]))
+        (tmp_path / folder / "day_23").write_text("".join(text[900:]))
+    inputs = [str(tmp_path / "trimmed" / day) for day in ("day_0", "day_23")]
+    result = run_cli(["preprocess", "criteo", "--input", *inputs, "--output",
+                      str(tmp_path / "default")])
+    assert result.returncode == 0, failure(result)
+    note = (f"{len(short)} of the {len(short) + 2} wrong_field_count rows have "
+            f"{min(short)}-{max(short)} fields and are short only by trailing fields, as when a "
+            f"tool strips trailing whitespace (the tabs of empty last fields); --pad-short-rows "
+            f"reads the missing fields as empty and keeps these rows")
+    assert note in result.stdout.splitlines()
+    report = json.loads((tmp_path / "default" / criteo_tsv.REPORT).read_text())
+    assert report["short_rows"] == {"rows": len(short), "min_fields": min(short),
+                                    "max_fields": 39, "padded": False, "note": note}
+    assert report["rows_written"]["total"] == 1000 - 2 - len(short)
+    result = run_cli(["preprocess", "criteo", "--input", *inputs, "--output",
+                      str(tmp_path / "padded"), "--pad-short-rows"])
+    assert result.returncode == 0, failure(result)
+    assert f"{len(short)} rows of {min(short)}-39 fields were short only by trailing fields " \
+           f"and were read with those fields empty (--pad-short-rows)" in result.stdout
+    preprocess_criteo([tmp_path / "untrimmed" / day for day in ("day_0", "day_23")],
+                      tmp_path / "expected", workers=1)
+    assert dataset_files(tmp_path / "padded") == dataset_files(tmp_path / "expected")
+    assert read_split(tmp_path / "padded", "validation")[0].size == 50  # day 23: 100 rows
+
+
+def test_npy_then_multihot_commands_with_their_defaults(tmp_path):
+    """`preprocess npy` and `preprocess multihot` as the MLPerf recipe runs them, defaults only
+    (multihot's `--rows input` once always failed)."""
+    from conftest import failure, run_cli
+    from dlrm_hybrid.data.multi_hot import MLPERF_HOTNESS
+
+    rng = np.random.default_rng(8)
+    (tmp_path / "npy").mkdir()
+    write_npy_day(tmp_path / "npy", 0, 40, rng, flat_labels=True)
+    _, s23, l23 = write_npy_day(tmp_path / "npy", 23, 11, rng, flat_labels=False)
+    result = run_cli(["preprocess", "npy", "--input", str(tmp_path / "npy"), "--output",
+                      str(tmp_path / "one_hot")])
+    assert result.returncode == 0, failure(result)
+    assert result.stdout.strip().splitlines()[-1].startswith(
+        "done: rows=51 train=40 validation=6 test=5")
+    result = run_cli(["preprocess", "multihot", "--input", str(tmp_path / "one_hot"),
+                      "--output", str(tmp_path / "multi_hot")])
+    assert result.returncode == 0, failure(result)
+    one_hot, multi_hot = (SplitBinaryDataset(str(tmp_path / name))
+                          for name in ("one_hot", "multi_hot"))
+    assert multi_hot.spec.hotness == MLPERF_HOTNESS
+    assert multi_hot.spec.cardinalities == one_hot.spec.cardinalities  # --rows input
+    assert load_feature_spec(str(tmp_path / "multi_hot")).notes == {"day_23": "validation_first"}
+    validation = multi_hot.columns("val", 0, 6)
+    np.testing.assert_array_equal(validation.labels, l23[:6])
+    np.testing.assert_array_equal(np.stack([ids[:, 0] for ids in validation.ids], 1), s23[:6])
+    assert all(ids.shape == (6, h) for ids, h in zip(validation.ids, MLPERF_HOTNESS))
