@@ -20,6 +20,7 @@ from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.errors import TrainingDiverged
 from dlrm_hybrid.train.loop import train
+from dlrm_hybrid.train.mlperf_log import optimizer_name
 from dlrm_hybrid.train.run_schedule import run_schedule
 
 RULESET = "6.0.0"  # the newest training ruleset with dlrm_dcnv2 (6.1.0 has dlrmv4 instead)
@@ -178,6 +179,12 @@ def test_a_run_that_fails_midway_still_logs_its_stop(tmp_path, process_group):
 def test_mlperf_settings_that_contradict_each_other_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, MLPERF_SMALL + ["train.mlperf_log=x.log", *overrides])
+
+
+@pytest.mark.parametrize("config", ["mlperf_dcnv2.yaml", "mlperf_dcnv2_qr.yaml"])
+def test_the_mlperf_configs_log_the_optimizer_they_run(config):
+    cfg = load_config(str(ROOT / "configs" / config), ["train.mlperf_log=x.log"])
+    assert (cfg.optim.embedding, cfg.optim.dense, optimizer_name(cfg)) == ("adagrad",) * 3
 
 
 def test_the_schedule_is_twenty_evaluations_per_epoch_at_most_one_epoch():
