@@ -67,8 +67,8 @@ def measure_peaks(device: torch.device, dtype: torch.dtype,
     few runs. The matmul is `x @ w.T`, nn.Linear's forward: where a CPU emulates `dtype` (bf16
     without AVX512-BF16 or AMX, fp16 without AVX512-FP16 or AMX-FP16) that layout is its
     fastest (bf16, 512^2, an EPYC limited to AVX2: 29 GFLOP/s, `x @ w` 2), so the bound stays a
-    bound. Its side grows from 256 only
-    while one run stays within `seconds`: there a 2048^2 matmul takes 15-40 s."""
+    bound. Its side grows from 256 only while one run stays within `seconds`: there a 2048^2
+    matmul takes 15-40 s."""
     src = torch.empty(64 * 2**20, device=device)  # 256 MiB
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), device)
