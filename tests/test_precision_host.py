@@ -8,18 +8,43 @@ import torch
 from test_speed import check_report, run_bench
 from dlrm_hybrid.train.precision import emulation_reason
 
-AMX_XEON = """model name	: Intel(R) Xeon(R) Platinum 8480+
-flags		: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx pdpe1gb rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch fsgsbase bmi1 avx2 smep bmi2 erms invpcid avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves avx_vnni avx512_bf16 wbnoinvd arat avx512vbmi umip pku ospke waitpkg avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid cldemote movdiri movdir64b md_clear serialize amx_bf16 avx512_fp16 amx_tile amx_int8 flush_l1d arch_capabilities
-"""
-AVX512_XEON = """model name	: Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz
-flags		: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch fsgsbase bmi1 avx2 smep bmi2 erms invpcid mpx avx512f avx512dq rdseed adx smap clflushopt clwb avx512cd avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves ida arat pku ospke avx512_vnni
-"""
-AVX2_EPYC = """model name	: AMD EPYC 7R13 Processor
-flags		: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm sse4a misalignsse 3dnowprefetch topoext fsgsbase bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap clflushopt clwb sha_ni xsaveopt xsavec xgetbv1 xsaves clzero xsaveerptr rdpru wbnoinvd arat npt nrip_save vaes vpclmulqdq rdpid
-"""
-ZEN4_EPYC = """model name	: AMD EPYC 9R14
-flags		: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm sse4a misalignsse 3dnowprefetch topoext fsgsbase bmi1 avx2 smep bmi2 erms invpcid avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves avx512_bf16 clzero xsaveerptr arat avx512vbmi umip avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid fsrm
-"""
+
+def cpuinfo(model_name: str, flags: str) -> str:
+    """The lines of /proc/cpuinfo that matter, as the kernel writes them."""
+    return f"model name\t: {model_name}\nflags\t\t: {' '.join(flags.split())}\n"
+
+
+AMX_XEON = cpuinfo("Intel(R) Xeon(R) Platinum 8480+", """
+    fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx pdpe1gb rdtscp
+    lm constant_tsc pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes
+    xsave avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch fsgsbase bmi1 avx2 smep bmi2
+    erms invpcid avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni
+    avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves avx_vnni avx512_bf16 wbnoinvd arat
+    avx512vbmi umip pku ospke waitpkg avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni
+    avx512_bitalg avx512_vpopcntdq rdpid cldemote movdiri movdir64b md_clear serialize
+    amx_bf16 avx512_fp16 amx_tile amx_int8 flush_l1d arch_capabilities""")
+AVX512_XEON = cpuinfo("Intel(R) Xeon(R) Platinum 8259CL CPU @ 2.50GHz", """
+    fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ss ht syscall nx pdpe1gb
+    rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe
+    popcnt aes xsave avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch fsgsbase bmi1 avx2
+    smep bmi2 erms invpcid mpx avx512f avx512dq rdseed adx smap clflushopt clwb avx512cd
+    avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves ida arat pku ospke avx512_vnni""")
+AVX2_EPYC = cpuinfo("AMD EPYC 7R13 Processor", """
+    fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx mmxext fxsr_opt
+    pdpe1gb rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic
+    movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm
+    sse4a misalignsse 3dnowprefetch topoext fsgsbase bmi1 avx2 smep bmi2 erms invpcid rdseed
+    adx smap clflushopt clwb sha_ni xsaveopt xsavec xgetbv1 xsaves clzero xsaveerptr rdpru
+    wbnoinvd arat npt nrip_save vaes vpclmulqdq rdpid""")
+ZEN4_EPYC = cpuinfo("AMD EPYC 9R14", """
+    fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ht syscall nx mmxext fxsr_opt
+    pdpe1gb rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic
+    movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm
+    sse4a misalignsse 3dnowprefetch topoext fsgsbase bmi1 avx2 smep bmi2 erms invpcid
+    avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw
+    avx512vl xsaveopt xsavec xgetbv1 xsaves avx512_bf16 clzero xsaveerptr arat avx512vbmi
+    umip avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid
+    fsrm""")
 NO_BF16 = "no avx512_bf16 or amx_bf16"
 NO_FP16 = "no avx512_fp16 or amx_fp16"
 
