@@ -29,6 +29,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         commands[args.command](args)
     except UserError as e:
         _fail(str(e))
+    except KeyboardInterrupt:  # Ctrl-C where no step boundary is near (training catches it)
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted (Ctrl-C)", file=sys.stderr)
+        _exit(130)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -170,11 +174,15 @@ def run_distributed(job, backend: str = "auto") -> None:
     """Run `job(env)` in the process group torchrun started (or a one-process group)."""
     from dlrm_hybrid.parallel.host_memory import keep_freed_memory
     from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
+    from dlrm_hybrid.train.stop_request import RunStopped
 
     keep_freed_memory()
     env = init_distributed(backend)
     try:
         job(env)
+    except RunStopped as stopped:  # on a signal, after its checkpoint and its line
+        shutdown()
+        _exit(stopped.exit_code)
     except BaseException:
         shutdown(finished=False)
         raise

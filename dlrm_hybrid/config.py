@@ -117,6 +117,10 @@ class TrainConfig:
     evals_per_epoch: int = 0
     target_auc: float = 0.0  # > 0: stop at the first evaluation reaching this validation AUC
     mlperf_log: str = ""  # a file: MLPerf Training's log of the run (mlperf-logging), rank 0
+    # On SIGINT/SIGTERM the ranks stop after their step and write a checkpoint; a stop that has
+    # not finished this many seconds after the signal ends at once without it (keep it below
+    # the scheduler's grace before SIGKILL: torchrun, SLURM KillWait, Kubernetes: 30 s).
+    stop_grace_s: float = 25.0
 
 
 @dataclass
@@ -164,7 +168,7 @@ CHOICES = {
 TECHNIQUES = ("full", "hash", "qr")
 QR_OPERATIONS = ("mult", "add", "concat")
 POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.num_dense", "data.train_samples", "data.val_samples",
-            "model.embedding_dim", "data.teacher_dim", "train.log_every")
+            "model.embedding_dim", "data.teacher_dim", "train.log_every", "train.stop_grace_s")
 
 
 def load_config(path: Optional[str], overrides: List[str] = (), world_size: int = 1) -> Config:

@@ -4,6 +4,7 @@ or stop at the first evaluation that reaches the target AUC."""
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from dlrm_hybrid.train.mlperf_log import MLPerfLog
 from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
 from dlrm_hybrid.train.run_schedule import RunSchedule, run_schedule
 from dlrm_hybrid.train.step import TrainStep
+from dlrm_hybrid.train.stop_request import RunStopped, StopRequest, resume_hint
 
 
 @dataclass
@@ -46,15 +48,17 @@ class TrainResult:
 
 
 def train(cfg: Config, env: DistEnv) -> TrainResult:
-    mlperf = MLPerfLog.open(cfg, env.rank, resuming=checkpoint_to_resume(cfg) is not None)
-    mlperf.init_start()
-    try:
-        return _train(cfg, env, mlperf)
-    finally:
-        mlperf.abort()  # a run that raised: run_stop aborted (nothing after a run_stop)
+    """Raises `RunStopped` after the checkpoint of a run stopped by SIGINT/SIGTERM."""
+    with StopRequest(cfg.train.stop_grace_s, env.is_main, cfg.checkpoint.resume) as stop:
+        mlperf = MLPerfLog.open(cfg, env.rank, resuming=checkpoint_to_resume(cfg) is not None)
+        mlperf.init_start()
+        try:
+            return _train(cfg, env, mlperf, stop)
+        finally:
+            mlperf.abort()  # a run that raised: run_stop aborted (nothing after a run_stop)
 
 
-def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
+def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
     if cfg.train.mlperf_log and cfg.data.path:
         require_reference_rule(cfg.data.path)  # MLPerf evaluates on day 23's first half
@@ -81,7 +85,8 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
                           on_device=train_step.pipeline is None)  # else the pipeline copies
     losses, train_time = [], 0.0
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
-    step = first
+    step = stop.step = first
+    stopped = 0  # the signal the ranks agreed to stop on
     for step in tqdm(range(first + 1, steps + 1), initial=first, total=steps, desc="train",
                      unit="step", disable=not (env.is_main and cfg.train.progress_bar)):
         start = time.perf_counter()
@@ -109,6 +114,10 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
             if target.reached(metrics, env):
                 mlperf.run_stop(True, run.epoch_num(step))
                 break
+        stop.step = step
+        stopped = stop.agreed() if step < steps else 0  # the last step ends the run anyway
+        if stopped:
+            break
 
     batches.close()
     train_step.pause()
@@ -117,6 +126,8 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
     guard.check_state(dmp, step)
     path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
                            train_step.state_dict(), run_id)
+    if stopped:
+        raise stopped_at(step, stopped, path, cfg, log)
     log.say(f"checkpoint: {path}")
     if not target.hit:
         metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
@@ -129,6 +140,16 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog) -> TrainResult:
         log.say(done_line(step, losses[-1], metrics, samples_per_s, target.fields()))
     log.close()
     return TrainResult(step, losses, metrics, samples_per_s)
+
+
+def stopped_at(step: int, signum: int, checkpoint: Path, cfg: Config, log: MetricsLog
+               ) -> RunStopped:
+    """Say where a run stopped by a signal stands, and close its record."""
+    log.record({"step": step, "stopped_by": signal.Signals(signum).name})
+    log.say(f"stopped at step {step} ({signal.Signals(signum).name}); checkpoint: {checkpoint}; "
+            f"{resume_hint(cfg.checkpoint.resume)}")
+    log.close()
+    return RunStopped(step, signum)
 
 
 def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> Tuple[int, str]:

@@ -1,0 +1,170 @@
+"""Stopping a run with a signal, as Ctrl-C and a preempting scheduler send it: every rank stops
+after one step, a checkpoint holds it, one line says so, and the same command resumes it."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, TORCHRUN, done_fields, failure, read_metrics, run_cli
+
+# Dense SGD: 1 and 2 ranks then give the same losses up to rounding (measured 1.1e-7 relative).
+SETTINGS = ["data.global_batch_size=256", "data.val_samples=2048", "optim.dense=sgd",
+            "optim.dense_lr=0.5", "optim.embedding=sgd", "train.max_steps=30",
+            "train.log_every=1", "train.eval_every=0", "train.progress_bar=false",
+            "checkpoint.resume=auto"]
+
+
+def train_args(run_dir: Path, settings) -> list:
+    return ["train", "--config", "configs/demo.yaml",
+            *[a for s in [*settings, f"train.run_dir={run_dir}"] for a in ("--set", s)]]
+
+
+def start(args: list, nproc: int = 0) -> subprocess.Popen:
+    """The CLI in its own session, as a terminal or a scheduler starts it (run_cli's command)."""
+    cmd = ([*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
+           if nproc else [sys.executable, "-m", "dlrm_hybrid", *args])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_step(run: subprocess.Popen, run_dir: Path, step: int) -> None:
+    """Until metrics.jsonl has the loss of `step` or a later one (training is under way)."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert run.poll() is None, run.communicate()
+        try:
+            if any("loss" in e and e["step"] >= step for e in read_metrics(run_dir)):
+                return
+        except (OSError, ValueError):  # not written yet, or a line half written
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within 240 s")
+
+
+def losses(run_dir: Path) -> list:
+    return [(e["step"], e["loss"]) for e in read_metrics(run_dir) if "loss" in e]
+
+
+def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp_path,
+                                                                            process_group):
+    """SIGTERM to torchrun, as SLURM and Kubernetes send it: it passes it on, the ranks stop at
+    one step, and the same command continues to the losses of an uninterrupted run."""
+    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.train.loop import train
+
+    run_dir = tmp_path / "run"
+    run = start(train_args(run_dir, SETTINGS), nproc=2)
+    wait_for_step(run, run_dir, 1)
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=120)
+    last = out.strip().splitlines()[-1]
+    stop = re.fullmatch(r"stopped at step (\d+) \(SIGTERM\); checkpoint: (\S+); resume with the "
+                        r"same command", last)
+    assert stop, out[-2000:] + err[-2000:]
+    step, checkpoint = int(stop.group(1)), Path(stop.group(2))
+    assert 1 < step < 30 and checkpoint == run_dir / "checkpoints" / f"step_{step}"
+    assert json.loads((checkpoint / "meta.json").read_text())["step"] == step
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]  # no .partial
+    assert read_metrics(run_dir)[-1] == {"step": step, "stopped_by": "SIGTERM"}
+    # Nothing from the ranks on stderr: only torchrun's notices and its own SignalException
+    # (torchrun exits 1 after a signal, whatever its workers return).
+    assert run.returncode == 1
+    lines = err.strip().splitlines()
+    assert not [l for l in lines if l.startswith("[rank")] and err.count("Traceback") == 1, err
+    assert lines[-1].endswith("got signal: 15") and len(lines) <= 45, err
+
+    resumed = run_cli(train_args(run_dir, SETTINGS), nproc=2)
+    assert resumed.returncode == 0, failure(resumed)
+    assert f"resumed from {checkpoint} (step {step})" in resumed.stdout
+    assert done_fields(resumed.stdout)["steps"] == 30
+    whole = train(load_config(str(ROOT / "configs/demo.yaml"),
+                              [*SETTINGS, f"train.run_dir={tmp_path / 'whole'}"]), process_group)
+    parts = losses(run_dir)
+    assert [s for s, _ in parts] == list(range(1, 31))
+    for (s, a), b in zip(parts, whole.losses):
+        assert abs(a - b) / b < 1e-6, f"step {s}: stopped and resumed {a}, uninterrupted {b}"
+
+
+def test_ctrl_c_stops_at_a_step_and_a_second_ctrl_c_at_once(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group. The demo config starts
+    afresh (checkpoint.resume none): the line says how to resume instead."""
+    settings = ["data.global_batch_size=8192", "train.max_steps=1000", "train.log_every=1",
+                "train.progress_bar=false"]
+    args = train_args(tmp_path, settings)
+    run = start(args)
+    wait_for_step(run, tmp_path, 1)
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    stop = re.fullmatch(r"stopped at step (\d+) \(SIGINT\); checkpoint: (\S+); resume with the "
+                        r"same command and --set checkpoint.resume=auto",
+                        out.strip().splitlines()[-1])
+    assert stop and run.returncode == 130 and err == "", out[-2000:] + err[-2000:]
+    step = int(stop.group(1))
+    assert Path(stop.group(2)) == tmp_path / "checkpoints" / f"step_{step}"
+
+    run = start([*args, "--set", "checkpoint.resume=auto"])
+    wait_for_step(run, tmp_path, step + 2)  # step + 1 is behind it
+    os.killpg(run.pid, signal.SIGINT)
+    time.sleep(0.05)  # a separate second signal (one still pending would merge with it)
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert f"resumed from {tmp_path / 'checkpoints' / f'step_{step}'} (step {step})" in out
+    stop = re.fullmatch(r"stopped at once after step (\d+) \(a second Ctrl-C\), without a "
+                        r"checkpoint of it; resume with the same command: it continues from "
+                        r"the newest checkpoint", out.strip().splitlines()[-1])
+    assert stop and run.returncode == 130 and err == "", out[-2000:] + err[-2000:]
+    assert int(stop.group(1)) > step
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step_*")] == [f"step_{step}"]
+
+
+def test_ranks_agree_on_the_stop_step_and_the_grace_time_bounds_the_stop(tmp_path):
+    """Rank 1 alone gets SIGTERM, twice (SLURM signals every process of a step and torchrun
+    passes it on too): both ranks stop after the same step. Then a checkpoint that outlasts
+    train.stop_grace_s: the process ends at once, saying so."""
+    started = time.monotonic()
+    result = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", __file__],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert time.monotonic() - started < 60, "the grace time did not end the stop"
+    lines = result.stdout.strip().splitlines()
+    stops = sorted((json.loads(l) for l in lines if l.startswith("{")), key=lambda s: s["rank"])
+    assert len(stops) == 2, result.stdout + result.stderr[-3000:]
+    assert stops[0]["stopped_at"] == stops[1]["stopped_at"] > 3 and stops[0]["signum"] == 15
+    assert lines[-1] == (f"stopped at once after step {stops[0]['stopped_at']} (not stopped within "
+                         f"train.stop_grace_s=1), without a checkpoint of it; resume with the "
+                         f"same command: it continues from the newest checkpoint")
+
+
+def agreement_job() -> None:
+    """Under torchrun: steps of 20 ms; rank 1 signals itself at step 3; after the agreed step
+    each rank 'writes a checkpoint' for a minute."""
+    import torch.distributed as dist
+
+    from dlrm_hybrid.train.stop_request import StopRequest
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with StopRequest(grace_s=1.0, is_main=rank == 0, resume="auto") as stop:
+        step, signum = 0, 0
+        while not signum:
+            step += 1
+            time.sleep(0.02)
+            if rank == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # delivered, not merged with the next one
+                os.kill(os.getpid(), signal.SIGTERM)
+            stop.step = step
+            signum = stop.agreed()
+        print(json.dumps({"stopped_at": step, "signum": signum, "rank": rank}), flush=True)
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    agreement_job()
