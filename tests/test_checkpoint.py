@@ -225,6 +225,20 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_auto_resumes_the_on
     assert (root / "step_4.damaged" / shard.name).read_bytes() == damaged_bytes  # kept as found
 
 
+def test_auto_passes_over_a_checkpoint_whose_meta_json_is_unreadable(tmp_path, process_group):
+    from dlrm_hybrid.train.checkpoint import intact_checkpoint_to_resume
+
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [*COMMON, f"train.run_dir={tmp_path}"])
+    step_3 = tmp_path / "checkpoints" / "step_3"
+    step_3.mkdir(parents=True)
+    (step_3 / "meta.json").write_text('{"step": 3, "sha2')
+    said = []
+    assert intact_checkpoint_to_resume(cfg, said.append) is None
+    assert said == [f"checkpoint.resume: {step_3 / 'meta.json'}: unreadable (JSONDecodeError); "
+                    f"renamed step_3 to step_3.damaged, trying the checkpoint before it"]
+    assert [p.name for p in step_3.parent.iterdir()] == ["step_3.damaged"]
+
+
 def nan_from_batch(tmp_path, batch, size=768):
     """A split-binary copy of the synthetic data whose dense features are NaN from the
     `batch`-th global batch on (1-based)."""

@@ -282,7 +282,7 @@ def test_a_resumed_run_supersedes_the_records_of_the_steps_it_trains_again(tmp_p
     and 6 again, and metrics.jsonl holds one record of each step, the earlier ones kept inside a
     `resumed` record."""
     cfg = config(tmp_path, "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep=3",
-                 "train.eval_every=3")
+                 "train.eval_every=3", "train.rank_logs=true")
     train(cfg, process_group)
     earlier = read_metrics(tmp_path)
     import shutil
@@ -295,3 +295,6 @@ def test_a_resumed_run_supersedes_the_records_of_the_steps_it_trains_again(tmp_p
     assert resumed["step"] == 4
     assert resumed["superseded"] == [e for e in earlier if e["step"] > 4]
     assert events[:events.index(resumed)] == [e for e in earlier if e["step"] <= 4]
+    rank_steps = [json.loads(line).get("step") for line in
+                  (tmp_path / "rank_0.jsonl").read_text().splitlines()]
+    assert [s for s in rank_steps if s is not None] == [1, 2, 3, 4, 4, 5, 6]  # 4: `resumed`
