@@ -18,10 +18,12 @@ from dlrm_hybrid.train.loop import train  # noqa: E402
 
 # Dense SGD for the equivalence: Adagrad's first steps move each weight by +-lr whatever its
 # gradient's size, so rounding of another summation order would decide near-zero ones.
+# A first top layer of 48: cat's des then sends P * 48 values per sample over the job, pooled
+# T * D = 128, so the counted bytes tell the paths apart on 2 ranks too (demo: 64, equal there).
 COMMON = ["train.max_steps=6", "train.log_every=1", "train.eval_every=0",
           "train.progress_bar=false", "train.rank_logs=true", "data.train_samples=40000",
           "data.val_samples=4096", "optim.dense=sgd", "optim.dense_lr=0.5",
-          "checkpoint.resume=none"]
+          "model.top_mlp=[48,32,1]", "checkpoint.resume=none"]
 
 
 def run(out: Path, name: str, overrides, env) -> list:

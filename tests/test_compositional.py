@@ -178,6 +178,8 @@ def test_every_cpu_fused_optimizer_trains_the_parts(tmp_path, process_group, opt
         result = train(cfg, process_group)
         runs[mode] = result.losses
         assert result.losses[-1] < result.losses[0] - 0.05, result.losses
+        drivers = [e["step_driver"] for e in read_metrics(tmp_path / mode) if "step_driver" in e]
+        assert drivers == ["torchrec pipeline" if mode == "enabled" else "plain"]
     if len(runs) == 2:
         assert runs["enabled"] == runs["disabled"]
     from dlrm_hybrid.train.inference import export_checkpoint

@@ -11,6 +11,8 @@ import torch
 from conftest import ROOT, TORCHRUN, assert_eval_and_export_reproduce, read_metrics, run_cli
 
 DIM, TABLES, BATCH = 16, 8, 1024  # configs/demo.yaml
+TOP = 48  # the first top layer's width in des_job.py: cat's partial sums per sample
+FIRST_ORDER = 4  # fm: each feature's first-order weight table is 4 columns wide
 
 
 def run_job(tmp_path, nproc: int, *flags: str) -> dict:
@@ -31,47 +33,81 @@ def assert_same(a, b, label):
         assert abs(x - y) <= 1e-5 * abs(x), f"{label}: step {step}: {x} vs {y}"
 
 
-def rank_bytes(run_dir, rank):
-    """(forward, backward) exchange bytes of step 2 in a rank's log."""
-    events = [json.loads(l) for l in (run_dir / f"rank_{rank}.jsonl").read_text().splitlines()]
-    step = next(e for e in events if e.get("step") == 2)
-    return step["exchange_fwd_bytes"], step["exchange_bwd_bytes"]
+def rank_events(run_dir, rank):
+    return [json.loads(l) for l in (run_dir / f"rank_{rank}.jsonl").read_text().splitlines()]
+
+
+def last_step(run_dir, rank):
+    """(exchange installed, forward bytes, backward bytes) of the last step in a rank's log."""
+    step = [e for e in rank_events(run_dir, rank) if "exchange" in e][-1]
+    return step["exchange"], step["exchange_fwd_bytes"], step["exchange_bwd_bytes"]
+
+
+def owned_columns(run_dir, rank):
+    """Pooled columns per sample a rank's shards hold: "t_cat_0[0:16]" holds 16."""
+    shards = rank_events(run_dir, rank)[0]["shards"]
+    return sum(int(b) - int(a) for a, b in (s[s.index("[") + 1:-1].split(":") for s in shards))
+
+
+def assert_des_bytes(run_dir, nproc, width):
+    """des on every rank: a reduce-scatter of [P B, K] partial sums, and its all-gather back:
+    (P - 1) B K fp32 values each way (B the local batch, K = H for cat, D + 2 for fm)."""
+    sent = (nproc - 1) * (BATCH // nproc) * width * 4
+    assert [last_step(run_dir, r) for r in range(nproc)] == [("des", sent, sent)] * nproc, run_dir
+
+
+def assert_pooled_bytes(run_dir, nproc, columns):
+    """pooled: a rank owning C_r of the C columns sends them for the other ranks' samples,
+    (P - 1) B C_r, and the gradients of its own samples' columns owned elsewhere, B (C - C_r)."""
+    local, owned = BATCH // nproc, [owned_columns(run_dir, r) for r in range(nproc)]
+    assert sum(owned) == columns
+    assert [last_step(run_dir, r) for r in range(nproc)] == [
+        ("pooled", (nproc - 1) * local * c * 4, local * (columns - c) * 4) for c in owned], run_dir
+
+
+def total_bytes(run_dir, nproc):
+    return sum(f + b for _, f, b in (last_step(run_dir, r) for r in range(nproc)))
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_des_and_pooled_give_the_same_losses(tmp_path, nproc):
     """cat and fm, SGD and row-wise Adagrad tables, on 1, 2 and 4 gloo ranks (4 splits a
-    table column-wise): per-step losses within 1e-5. On 2 ranks, each path's checkpoint resumes
-    in the other with the first path's own losses (dense Adagrad: its state for the W_t columns
-    travels too); QR concat and hashed features, and torchrec's train pipeline, keep the
-    losses; the bytes each rank logs are those the exchange sends."""
+    table column-wise): per-step losses within 1e-5, and each rank's log names the exchange
+    that ran and counts the bytes its formula gives (on 2 and 4 ranks des's differ from
+    pooled's). On 2 ranks, each path's checkpoint resumes in the other with the first path's
+    own losses (dense Adagrad: its state for the W_t columns travels too); QR concat and hashed
+    features, and torchrec's train pipeline, keep the losses."""
     losses = run_job(tmp_path, nproc, *(["--more"] if nproc == 2 else []))
-    for interaction in ("cat", "fm"):
+    job = tmp_path / f"job{nproc}"
+    for interaction, width, columns in (("cat", TOP, TABLES * DIM),
+                                        ("fm", DIM + 2, TABLES * (DIM + FIRST_ORDER))):
         for optimizer in ("sgd", "rowwise_adagrad"):
             name = f"{interaction}-{optimizer}"
             assert_same(losses[f"{name}-pooled"], losses[f"{name}-des"], f"{name} on {nproc}")
+            assert_des_bytes(job / f"{name}-des", nproc, width)
+            assert_pooled_bytes(job / f"{name}-pooled", nproc, columns)
+            if nproc > 1:
+                assert total_bytes(job / f"{name}-des", nproc) != total_bytes(
+                    job / f"{name}-pooled", nproc), name
     if nproc == 4:  # a column-wise split took part
-        shards = [s for r in range(4) for s in json.loads(
-            (tmp_path / f"job4/fm-sgd-des/rank_{r}.jsonl").read_text().splitlines()[0])["shards"]]
+        shards = [s for r in range(4) for s in rank_events(job / "fm-sgd-des", r)[0]["shards"]]
         assert any(s.startswith("t_") and not s.endswith(f"[0:{DIM}]") for s in shards), shards
     if nproc != 2:
         return
     for first, then in (("des", "pooled"), ("pooled", "des")):
         assert_same(losses[f"resume-{first}"][3:], losses[f"resume-{first}-then-{then}"],
                     f"{first} checkpoint resumed with {then}")
-    for interaction in ("cat", "fm"):  # QR concat (cat) and hashed features take part
+        assert_des_bytes(job / ("resume-des" if first == "des" else "resume-pooled-then-des"),
+                         nproc, TOP)
+    for interaction, width in (("cat", TOP), ("fm", DIM + 2)):  # QR concat (cat), hashed
         assert_same(losses[f"parts-{interaction}-pooled"], losses[f"parts-{interaction}-des"],
                     f"{interaction} with compositional features")
+        assert_des_bytes(job / f"parts-{interaction}-des", nproc, width)
     assert_same(losses["cat-sgd-pooled"], losses["cat-sgd-des-pipelined"], "des pipelined")
-    job, local = tmp_path / "job2", BATCH // 2
-    # fm des: a reduce-scatter of [2B, D + 2] and its all-gather back: B (D + 2) fp32 each way.
-    for rank in (0, 1):
-        assert rank_bytes(job / "fm-sgd-des", rank) == (local * (DIM + 2) * 4,) * 2
-    # pooled: each rank sends its own columns of the other rank's samples, and gets back the
-    # gradients of the others' columns; over both ranks, every table's D (fm: + 4) columns.
-    sent = [rank_bytes(job / "fm-sgd-pooled", r) for r in (0, 1)]
-    assert sum(f for f, _ in sent) == sum(b for _, b in sent) == local * TABLES * (DIM + 4) * 4
-    assert sent[0][0] == sent[1][1] and sent[0][1] == sent[1][0]
+    assert_des_bytes(job / "pipelined", nproc, TOP)
+    drivers = {run: [e["step_driver"] for e in read_metrics(job / run) if "step_driver" in e]
+               for run in ("cat-sgd-pooled", "pipelined")}
+    assert drivers == {"cat-sgd-pooled": ["plain"], "pipelined": ["torchrec pipeline"]}
 
 
 def test_fm_des_checkpoint_evaluates_and_exports(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, train_with_each_loader
+from conftest import ROOT, read_metrics, train_with_each_loader
 from dlrm_hybrid.config import ConfigError, DataConfig, load_config
 from dlrm_hybrid.data.dali_loader import DaliLoader
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
@@ -29,6 +29,12 @@ def dataset_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "synth"
     write_synthetic(DATA, str(path))
     return path
+
+
+def loaders_used(run_root):
+    """{run: the loader each start of the run in run_root/<torch|dali> recorded}."""
+    return {run: [e["loader"] for e in read_metrics(run_root / run) if "loader" in e]
+            for run in ("torch", "dali")}
 
 
 def same_batch(a, b):
@@ -88,6 +94,7 @@ def test_training_on_uniform_hotness_is_the_same_with_either_loader(tmp_path, pr
             "data.global_batch_size=256", "data.val_samples=1024", "train.max_steps=8",
             "train.log_every=1", "train.progress_bar=false", f"train.run_dir={tmp_path / loader}"])
         runs[loader] = train(cfg, process_group)
+    assert loaders_used(tmp_path) == {"torch": ["torch"], "dali": ["dali"]}
     assert runs["torch"].losses == runs["dali"].losses and len(runs["torch"].losses) == 8
     assert runs["torch"].metrics == runs["dali"].metrics
     assert all(math.isfinite(loss) for loss in runs["torch"].losses)
@@ -126,6 +133,7 @@ def test_evaluation_scores_every_sample_exactly_once(dataset_dir):
 
 def test_training_with_either_loader_gives_the_same_losses(dataset_dir, tmp_path, process_group):
     runs = train_with_each_loader(dataset_dir, tmp_path, process_group, batch=256, steps=25)
+    assert loaders_used(tmp_path) == {"torch": ["torch"], "dali": ["dali"]}
     assert runs["torch"].losses == runs["dali"].losses
     assert runs["torch"].metrics == runs["dali"].metrics
     assert "oracle_auc" in runs["torch"].metrics  # synth keeps the planted probabilities

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import run_cli, train_with_each_loader
+from conftest import read_metrics, run_cli, train_with_each_loader
 
 PLANTED = {"wrong_field_count": 3, "bad_label": 2, "bad_category": 4, "bad_numeric": 5,
            "crlf": 6, "blank_line": 7}
@@ -78,6 +78,8 @@ def test_train_and_evaluate_with_either_loader_gives_the_same_losses(preprocesse
                                                                      process_group):
     out, _ = preprocessed
     runs = train_with_each_loader(out, tmp_path, process_group, batch=128, steps=30)
+    for loader in ("torch", "dali"):  # the loader that fed the steps, as the run recorded it
+        assert [e["loader"] for e in read_metrics(tmp_path / loader) if "loader" in e] == [loader]
     torch_run, dali_run = runs["torch"], runs["dali"]
     assert len(torch_run.losses) == 30 and torch_run.losses[-1] < torch_run.losses[0]
     assert 0.5 < torch_run.metrics["val_auc"] <= 1 and "oracle_auc" not in torch_run.metrics

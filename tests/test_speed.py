@@ -1,6 +1,8 @@
 """The fast paths: the dot interaction's backward, autocast and the fp16 loss scaler, the
 quantized all-to-all, CUDA Graphs bookkeeping, and the `bench` command."""
 
+import contextlib
+import json
 import re
 import time
 import warnings
@@ -51,11 +53,33 @@ def test_self_interaction_gradient_counts_the_square_twice():
     assert torch.autograd.gradcheck(check, (vectors,))
 
 
+@contextlib.contextmanager
+def linear_output_dtypes():
+    """The dtypes of every nn.Linear output computed inside (the MLPs' matmuls)."""
+    seen = set()
+
+    def hook(module, args, output):
+        if isinstance(module, torch.nn.Linear):
+            seen.add(output.dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_autocast_training_tracks_fp32(tmp_path, process_group, precision):
-    runs = {p: train(small_config(tmp_path / p, f"train.precision={p}", "train.max_steps=40",
-                                  "train.log_every=10", *EXACT), process_group)
-            for p in ("fp32", precision)}
+    """The MLPs' matmuls really run in the low precision (and in fp32 without it), and the
+    losses and AUC stay close to fp32's."""
+    runs, dtypes = {}, {}
+    for p in ("fp32", precision):
+        with linear_output_dtypes() as dtypes[p]:
+            runs[p] = train(small_config(tmp_path / p, f"train.precision={p}", "train.max_steps=40",
+                                         "train.log_every=10", *EXACT), process_group)
+    low_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert dtypes["fp32"] == {torch.float32} and low_dtype in dtypes[precision], dtypes
     fp32, low = runs["fp32"], runs[precision]
     assert low.losses[-1] < low.losses[0]
     for a, b in zip(fp32.losses, low.losses):
@@ -118,11 +142,31 @@ def _local(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def test_fp16_run_logs_skipped_steps(tmp_path, process_group):
-    train(small_config(tmp_path, "train.precision=fp16", "train.max_steps=4", *EXACT),
-          process_group)
-    events = [e for e in read_metrics(tmp_path) if "loss" in e]
-    assert [e["skipped_steps"] for e in events] == [0, 0, 0, 0]
+def test_fp16_run_logs_skipped_steps_and_resumes_with_them(tmp_path, process_group,
+                                                           monkeypatch):
+    """Loss scalers that start at 2^19 overflow the demo's fp16 gradients (2^17 holds them):
+    the first steps are skipped, each counted in metrics.jsonl and halving the scale. A run
+    resumed after them goes on from the checkpoint's count and scale: no step skipped again
+    (a fresh scaler would start at 2^19 again), the count not reset."""
+    init_scale = 2.0**19
+
+    class LargeInitialScale(torch.amp.GradScaler):
+        def __init__(self, device: str = "cuda", **kwargs) -> None:
+            super().__init__(device, **{"init_scale": init_scale, **kwargs})
+
+    monkeypatch.setattr(torch.amp, "GradScaler", LargeInitialScale)
+    fp16 = ["train.precision=fp16", *EXACT]
+    train(small_config(tmp_path, *fp16, "train.max_steps=4"), process_group)
+    train(small_config(tmp_path, *fp16, "train.max_steps=8",
+                       f"checkpoint.resume={tmp_path / 'checkpoints' / 'step_4'}"), process_group)
+    counts = [e["skipped_steps"] for e in read_metrics(tmp_path) if "loss" in e]
+    skipped = counts[3]  # by the checkpoint
+    assert 1 <= skipped < 4, counts  # the resumed run starts after a skip and a trained step
+    assert counts == list(range(1, skipped + 1)) + [skipped] * (8 - skipped)
+    meta = json.loads((tmp_path / "checkpoints" / "step_8" / "meta.json").read_text())
+    assert meta["skipped_steps"] == skipped
+    assert meta["loss_scaler"]["scale"] == init_scale / 2**skipped
+    assert meta["loss_scaler"]["_growth_tracker"] == 8 - skipped  # steps since the last skip
 
 
 def two_rank_losses(run_dir, *overrides):
@@ -135,10 +179,17 @@ def two_rank_losses(run_dir, *overrides):
     return [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
 
 
+def step_drivers(run_dir):
+    """What ran a run's steps, as its metrics.jsonl records it at each start."""
+    return [e["step_driver"] for e in read_metrics(run_dir) if "step_driver" in e]
+
+
 def test_pipelined_steps_give_the_plain_losses_with_evaluation_between(tmp_path, process_group):
     runs = {mode: train(small_config(tmp_path / mode, f"train.pipeline={mode}", "train.max_steps=12",
                                      "train.eval_every=5", "optim.embedding=sgd"), process_group)
             for mode in ("disabled", "enabled")}
+    assert step_drivers(tmp_path / "enabled") == ["torchrec pipeline"]
+    assert step_drivers(tmp_path / "disabled") == ["plain"]
     assert runs["enabled"].losses == runs["disabled"].losses
     assert runs["enabled"].metrics == runs["disabled"].metrics
 
@@ -153,6 +204,8 @@ def test_pipeline_and_fp16_all_to_all_on_two_ranks(tmp_path):
     fp16 = two_rank_losses(tmp_path / "fp16", *common, "train.pipeline=disabled",
                            "parallel.comm_precision=fp16")
     assert len(plain) == 12 and pipelined == plain
+    assert step_drivers(tmp_path / "pipelined") == ["torchrec pipeline"]
+    assert step_drivers(tmp_path / "plain") == step_drivers(tmp_path / "fp16") == ["plain"]
     assert fp16 != plain  # the payload really is rounded
     for a, b in zip(plain, fp16):
         assert abs(a - b) / a < 1e-2

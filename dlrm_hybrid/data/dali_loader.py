@@ -32,6 +32,8 @@ GROUP_ROWS = 8192
 
 
 class DaliLoader:
+    name = "dali"  # data.loader's word for it, in the run's record
+
     def __init__(self, columns: Iterator[Columns], feature_names: List[str], device: torch.device,
                  depth: int = 4) -> None:
         import nvidia.dali as dali

@@ -41,6 +41,8 @@ class PrefetchLoader:
     `quiesced()` pauses that thread: pinning is a CUDA call, and a CUDA Graph captured in torch's
     "global" capture mode (train.cuda_graphs) fails when another thread makes one."""
 
+    name = "torch"  # data.loader's word for it, in the run's record
+
     def __init__(self, batches: Iterator[Batch], device: torch.device, depth: int = 4,
                  on_device: bool = True) -> None:
         self.device = device if on_device else torch.device("cpu")

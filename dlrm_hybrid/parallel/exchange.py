@@ -56,11 +56,14 @@ class ExchangeCounter:
     def __init__(self, world_size: int, comm_precision: str) -> None:
         self.world, self.value_bytes = world_size, value_bytes(comm_precision)
         self.forward = self.backward = 0
+        self.path = "pooled"  # the exchange installed (install_exchange)
 
-    def take(self, steps: int) -> Dict[str, float]:
-        """Per-step means over the `steps` steps since the last call."""
-        out = {"exchange_fwd_bytes": self.forward / max(steps, 1),
-               "exchange_bwd_bytes": self.backward / max(steps, 1)}
+    def take(self, steps: int) -> Dict[str, float | str]:
+        """The exchange installed and its per-step means over the `steps` steps since the
+        last call."""
+        out: Dict[str, float | str] = {
+            "exchange": self.path, "exchange_fwd_bytes": self.forward / max(steps, 1),
+            "exchange_bwd_bytes": self.backward / max(steps, 1)}
         self.forward = self.backward = 0
         return out
 
@@ -90,7 +93,7 @@ def install_exchange(dmp, path: str, world_size: int, comm_precision: str,
         _count_pooled(ebc, counter)
     else:
         _PartialExchange(model, ebc, world_size, counter, codecs)
-        model.exchange = "des"
+        model.exchange = counter.path = "des"
 
 
 def _count_pooled(ebc, counter: ExchangeCounter) -> None:

@@ -83,6 +83,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
 
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
                           on_device=train_step.pipeline is None)  # else the pipeline copies
+    log.record({"step": first, "loader": batches.name, "step_driver": train_step.driver})
     losses, train_time = [], 0.0
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
     step = stop.step = first

@@ -55,6 +55,11 @@ class TrainStep:
         self.schedule.step()
         return loss.detach()
 
+    @property
+    def driver(self) -> str:
+        """What runs the steps, for the run's record: torchrec's train pipeline, or this step."""
+        return "torchrec pipeline" if self.pipeline is not None else "plain"
+
     def forward(self, batch: Batch) -> torch.Tensor:
         with self.precision.autocast():
             return self.dmp(batch.dense, batch.sparse, batch.labels)
