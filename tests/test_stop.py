@@ -13,8 +13,8 @@ from pathlib import Path
 from conftest import ROOT, TORCHRUN, done_fields, failure, read_metrics, run_cli
 
 # Dense SGD: 1 and 2 ranks then give the same losses up to rounding (measured 1.1e-7 relative).
-SETTINGS = ["data.global_batch_size=256", "data.val_samples=2048", "optim.dense=sgd",
-            "optim.dense_lr=0.5", "optim.embedding=sgd", "train.max_steps=30",
+SETTINGS = ["data.global_batch_size=256", "data.val_samples=1024", "optim.dense=sgd",
+            "optim.dense_lr=0.5", "optim.embedding=sgd", "train.max_steps=20",
             "train.log_every=1", "train.eval_every=0", "train.progress_bar=false",
             "checkpoint.resume=auto"]
 
@@ -57,6 +57,7 @@ def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp
     """SIGTERM to torchrun, as SLURM and Kubernetes send it: it passes it on, the ranks stop at
     one step, and the same command continues to the losses of an uninterrupted run."""
     from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.train.checkpoint import complete_checkpoints
     from dlrm_hybrid.train.loop import train
 
     run_dir = tmp_path / "run"
@@ -69,9 +70,10 @@ def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp
                         r"same command", last)
     assert stop, out[-2000:] + err[-2000:]
     step, checkpoint = int(stop.group(1)), Path(stop.group(2))
-    assert 1 < step < 30 and checkpoint == run_dir / "checkpoints" / f"step_{step}"
+    assert 1 < step < 20 and checkpoint == run_dir / "checkpoints" / f"step_{step}"
     assert json.loads((checkpoint / "meta.json").read_text())["step"] == step
-    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]  # no .partial
+    assert complete_checkpoints(checkpoint.parent) == [checkpoint]
+    assert not list(checkpoint.parent.glob(".*.partial"))
     assert read_metrics(run_dir)[-1] == {"step": step, "stopped_by": "SIGTERM"}
     # Nothing from the ranks on stderr: only torchrun's notices and its own SignalException
     # (torchrun exits 1 after a signal, whatever its workers return).
@@ -83,11 +85,11 @@ def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp
     resumed = run_cli(train_args(run_dir, SETTINGS), nproc=2)
     assert resumed.returncode == 0, failure(resumed)
     assert f"resumed from {checkpoint} (step {step})" in resumed.stdout
-    assert done_fields(resumed.stdout)["steps"] == 30
+    assert done_fields(resumed.stdout)["steps"] == 20
     whole = train(load_config(str(ROOT / "configs/demo.yaml"),
                               [*SETTINGS, f"train.run_dir={tmp_path / 'whole'}"]), process_group)
     parts = losses(run_dir)
-    assert [s for s, _ in parts] == list(range(1, 31))
+    assert [s for s, _ in parts] == list(range(1, 21))
     for (s, a), b in zip(parts, whole.losses):
         assert abs(a - b) / b < 1e-6, f"step {s}: stopped and resumed {a}, uninterrupted {b}"
 
@@ -122,6 +124,25 @@ def test_ctrl_c_stops_at_a_step_and_a_second_ctrl_c_at_once(tmp_path):
     assert stop and run.returncode == 130 and err == "", out[-2000:] + err[-2000:]
     assert int(stop.group(1)) > step
     assert [p.name for p in (tmp_path / "checkpoints").glob("step_*")] == [f"step_{step}"]
+
+
+def test_ctrl_c_before_training_begins_says_so_in_one_line(tmp_path):
+    """Ctrl-C while the command still starts: here it waits for its config from a pipe."""
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    run = start(["train", "--config", str(fifo)])
+    deadline = time.monotonic() + 120
+    while True:  # opening the pipe for writing succeeds once the command has it open
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    os.close(writer)
+    assert (run.returncode, out, err) == (130, "", "interrupted (Ctrl-C)\n")
 
 
 def test_ranks_agree_on_the_stop_step_and_the_grace_time_bounds_the_stop(tmp_path):
