@@ -14,6 +14,7 @@ from typing import List, Optional
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data import criteo_tsv, day23, multi_hot, npy_days
 from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
 
 FOLLOWER_ERROR_DELAY_S = 3.0
@@ -112,6 +113,10 @@ def run_eval(args) -> None:
 
 
 def run_export(args) -> None:
+    outputs = [("--out", args.out)]
+    if not args.state_dict:
+        outputs.append(("--out's description", str(Path(args.out).with_suffix(".json"))))
+    refuse_overwriting_inputs(outputs, [("--checkpoint", args.checkpoint)], "export")
     if args.state_dict:
         from dlrm_hybrid.train.inference import export_checkpoint
 
@@ -140,6 +145,8 @@ def run_predict(args) -> None:
 
     if args.batch_size < 1:
         raise UserError("predict: --batch-size must be at least 1")
+    refuse_overwriting_inputs([("--out", args.out)],
+                              [("--model", args.model), ("--data", args.data)], "predict")
     result = predict(args.model, args.data, args.out, args.split, args.batch_size)
     metrics = "".join(f" {k}={v:.5f}" for k, v in result.items() if k != "samples")
     print(f"predict: wrote {args.out} samples={result['samples']}{metrics}")
@@ -148,11 +155,16 @@ def run_predict(args) -> None:
 def run_synth(args) -> None:
     from dlrm_hybrid.data.synth_dataset import write_synthetic
 
+    refuse_overwriting_inputs([("--output", args.output)], [("--config", args.config)], "synth")
     counts = write_synthetic(load_config(args.config, args.overrides).data, args.output)
     print(f"wrote {args.output}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()))
 
 
 def run_preprocess(args) -> None:
+    if args.format != "day23":  # which brings its --dataset up to date in place
+        inputs = args.input if isinstance(args.input, list) else [args.input]
+        refuse_overwriting_inputs([("--output", args.output)], [("--input", p) for p in inputs],
+                                  f"preprocess {args.format}")
     {"criteo": criteo_tsv, "npy": npy_days, "multihot": multi_hot,
      "day23": day23}[args.format].run(args)
 

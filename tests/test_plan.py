@@ -147,3 +147,35 @@ def test_a_hand_edited_plan_with_column_shards_torchrec_will_not_build_is_refuse
     assert str(info.value) == (
         f"parallel.plan: table a in {path} has columns {columns}, a split torchrec does not "
         f"build; give it one of {splits} (count x width), or make the plan with `plan --out`")
+
+
+def test_plan_with_its_defaults_draws_the_file_it_names(tmp_path):
+    """Default config, 8 ranks, 80GiB less the reserve; a --plot name without a suffix is a PNG
+    under that very name."""
+    result = run_cli(["plan", "--plot", str(tmp_path / "chart")])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("plan (greedy): 3 tables, 8 shards on 8 ranks; budget 78.0GiB")
+    assert result.stdout.strip().endswith(f"wrote {tmp_path / 'chart'}")
+    assert [p.name for p in tmp_path.iterdir()] == ["chart"]
+    assert (tmp_path / "chart").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--out", "{tmp}/missing/p.json"], "--out: folder {tmp}/missing does not exist; create it first"),
+    (["--plot", "{tmp}/missing/p.png"], "--plot: folder {tmp}/missing does not exist; create it "
+                                        "first"),
+    (["--world-size", "0"], "--world-size: 0 must be at least 1"),
+], ids=["out", "plot", "world-size"])
+def test_plan_argument_errors_are_one_line(tmp_path, args, error):
+    result = run_cli(["plan", *[a.format(tmp=tmp_path) for a in args]])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {error.format(tmp=tmp_path)}"]
+
+
+def test_a_plot_name_matplotlib_cannot_write_is_refused():
+    from dlrm_hybrid.parallel.plan_report import plot_format
+
+    assert plot_format("p.SVG") == "svg" and plot_format("chart") == "png"
+    with pytest.raises(ConfigError, match=r"--plot: p.json is no image name matplotlib writes; "
+                                          r"end it in one of .*\.png"):
+        plot_format("p.json")

@@ -3,9 +3,10 @@ process group, printed, compared across strategies, saved and plotted."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
 from dlrm_hybrid.data.spec import data_spec
@@ -13,7 +14,8 @@ from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
 from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.model.compositional import lookups_of
-from dlrm_hybrid.parallel.plan_report import compare, describe, describe_lookups, plot
+from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
+from dlrm_hybrid.parallel.plan_report import compare, describe, describe_lookups, plot, plot_format
 from dlrm_hybrid.parallel.tables import table_specs
 
 DEFAULT_GPU_MEMORY = "80GiB"
@@ -37,11 +39,14 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    if args.world_size < 1 or (args.gpus_per_node is not None and (
-            args.gpus_per_node < 1 or args.world_size % args.gpus_per_node)):
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size: {args.world_size} must be at least 1")
+    if args.gpus_per_node is not None and (
+            args.gpus_per_node < 1 or args.world_size % args.gpus_per_node):
         raise ConfigError(f"--gpus-per-node: {args.gpus_per_node} must be positive and divide "
                           f"--world-size {args.world_size}")
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    _check_outputs(args, cfg.data.path)
     if args.cardinalities:
         cfg.data.path = ""  # the file's tables replace the dataset's as well as the config's
         cfg.data.cardinalities = read_cardinalities(args.cardinalities)
@@ -65,11 +70,32 @@ def run(args) -> None:
     if args.compare:
         print(compare(plans))
     if args.out:
-        save_plan(plans[0], Path(args.out))
+        _write("--out", args.out, lambda path: save_plan(plans[0], path))
         print(f"wrote {args.out} ({plans[0].strategy})")
     if args.plot:
-        plot(plans, args.plot)
+        _write("--plot", args.plot, lambda path: plot(plans, path))
         print(f"wrote {args.plot}")
+
+
+def _check_outputs(args, data_path: str) -> None:
+    """Before any work: --out and --plot can be written and replace none of the inputs."""
+    outputs = [("--out", args.out), ("--plot", args.plot)]
+    for flag, path in outputs:
+        if path:
+            require_file_target(flag, path)
+    if args.plot:
+        plot_format(args.plot)
+    if args.out and args.plot and os.path.realpath(args.out) == os.path.realpath(args.plot):
+        raise ConfigError(f"--plot: {args.plot} is --out {args.out}; give them different names")
+    refuse_overwriting_inputs(outputs, [("--config", args.config), ("--cardinalities",
+                              args.cardinalities), ("data.path", data_path)], "plan")
+
+
+def _write(flag: str, path: str, write: Callable[[Path], None]) -> None:
+    try:
+        write(Path(path))
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot write {path} ({e.strerror})") from None
 
 
 def read_cardinalities(path: str) -> List[int]:

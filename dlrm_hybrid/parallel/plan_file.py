@@ -33,8 +33,11 @@ def plan_to_dict(plan: Plan) -> dict:
 def save_plan(plan: Plan, path: Path) -> None:
     """Atomically: an interrupted write leaves no half plan."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(plan_to_dict(plan), indent=1) + "\n")
-    partial.replace(path)
+    try:
+        partial.write_text(json.dumps(plan_to_dict(plan), indent=1) + "\n")
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def load_plan(path: str) -> Plan:

@@ -4,8 +4,10 @@ embeddings save."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List
 
+from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.model.compositional import FeatureLookup
 from dlrm_hybrid.model.compositional import describe as describe_lookup
 from dlrm_hybrid.parallel.placement import Plan, format_bytes
@@ -85,8 +87,20 @@ def _imbalance_line(plan: Plan) -> str:
             f"a2a {i['a2a']:.3f} lookup {i['lookup']:.3f}")
 
 
-def plot(plans: List[Plan], path: str) -> None:
-    """Bars of per-rank memory and all-to-all bytes, one group per strategy."""
+def plot_format(path: Path) -> str:
+    """The image format `path`'s suffix names (png without one), or a one-line error."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kind = Path(path).suffix[1:].lower() or "png"
+    if kind not in FigureCanvasBase.get_supported_filetypes():
+        raise ConfigError(f"--plot: {path} is no image name matplotlib writes; end it in one of "
+                          f"{', '.join('.' + k for k in FigureCanvasBase.get_supported_filetypes())}")
+    return kind
+
+
+def plot(plans: List[Plan], path: Path) -> None:
+    """Bars of per-rank memory and all-to-all bytes, one group per strategy, written whole or
+    not at all."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,5 +124,10 @@ def plot(plans: List[Plan], path: str) -> None:
     fig.suptitle(f"{len(plans[0].tables)} tables on {plans[0].world_size} ranks, "
                  f"global batch {plans[0].batch_size:,}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        fig.savefig(partial, dpi=100, format=plot_format(path))
+        partial.replace(path)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
