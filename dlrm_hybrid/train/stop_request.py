@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from typing import NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,14 +59,12 @@ class StopRequest:
         self.grace_s, self.is_main, self.resume = grace_s, is_main, resume
         self.signum: Optional[int] = None  # the first signal received on this rank
         self.step = 0  # the last finished step, for the line of a stop at once
-        self._group = None
-        self._pending = None  # (work, flag) of the all-reduce started at the last boundary
-        self._saved: dict = {}
+        # (work, flag) of the all-reduce started at the last boundary
+        self._pending: Optional[Tuple[dist.Work, torch.Tensor]] = None
 
     def __enter__(self) -> "StopRequest":
-        """Collective when distributed (the CPU group of the agreement); main thread only."""
-        if dist.is_initialized():  # gloo: a CPU all-reduce, no GPU sync even on NCCL runs
-            self._group = dist.new_group(backend="gloo")
+        """Collective (it makes the agreement's group); main thread only."""
+        self._group = dist.new_group(backend="gloo")  # a CPU all-reduce even on NCCL runs
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
         self._saved = {sig: signal.signal(sig, _ignore) for sig in SIGNALS}
@@ -85,14 +83,11 @@ class StopRequest:
         self._thread.join()
         self._reader.close()
         self._writer.close()
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
+        dist.destroy_process_group(self._group)
 
     def agreed(self) -> int:
         """Collective, at each step boundary: the signal some rank had received by the boundary
         before (the highest number if several), or 0 to go on."""
-        if self._group is None:
-            return self.signum or 0
         signum = 0
         if self._pending is not None:
             work, flag = self._pending
@@ -106,26 +101,26 @@ class StopRequest:
         return signum
 
     def _watch(self) -> None:
-        deadline = None
+        first, deadline = 0, None  # the first signal and when the stop must be over
         while True:
             self._reader.settimeout(None if deadline is None else
                                     max(deadline - time.monotonic(), 0.0))
             try:
                 received = self._reader.recv(64)
             except socket.timeout:
-                self._exit_now(self.signum, f"not stopped within train.stop_grace_s="
-                                            f"{self.grace_s:g}")
+                self._exit_now(first, f"not stopped within train.stop_grace_s={self.grace_s:g}")
             for signum in received:
                 if signum == 0:
                     return
                 if signum not in SIGNALS:
                     continue
-                if self.signum is None:
-                    self.signum, deadline = signum, time.monotonic() + self.grace_s
-                elif signal.SIGINT in (signum, self.signum):
+                if not first:
+                    first, deadline = signum, time.monotonic() + self.grace_s
+                    self.signum = signum
+                elif signal.SIGINT in (signum, first):
                     self._exit_now(signum, "a second Ctrl-C")
 
-    def _exit_now(self, signum: int, why: str) -> None:
+    def _exit_now(self, signum: int, why: str) -> NoReturn:
         """End the process from the watcher thread: the newest complete checkpoint is kept."""
         if self.is_main:
             print(f"stopped at once after step {self.step} ({why}), without a checkpoint of "
