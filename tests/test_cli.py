@@ -1,7 +1,7 @@
 """Commands as a user runs them, with their defaults: a tiny dataset written by `synth`, trained
 on for two steps, evaluated and exported; and `predict`/`export` refusing to write over what
-they read. (The other commands' CLI runs live beside their code's tests: plan in test_plan.py,
-preprocess in test_preprocess.py, predict in test_serving.py, bench in test_speed.py.)"""
+they read; `bench` with every default. (The other commands run through the CLI beside their
+code's tests: plan in test_plan.py, preprocess in test_preprocess.py, predict in test_serving.py.)"""
 
 from __future__ import annotations
 
@@ -102,3 +102,11 @@ def test_export_state_dict_refuses_to_replace_a_checkpoint_file(made):
                       "--out", relative])
     assert_refused(result, weights, before, f"--out {relative} would replace a file inside "
                    f"--checkpoint {made['checkpoint']}")
+
+
+def test_bench_runs_with_every_default():
+    result = run_cli(["bench"])
+    assert result.returncode == 0, failure(result)
+    last = dict(item.split("=", 1) for item in result.stdout.strip().splitlines()[-1].split()[1:])
+    assert last["precision"] == "fp32" and float(last["samples_per_s"]) > 0
+    assert float(last["baseline_samples_per_s"]) > 0
