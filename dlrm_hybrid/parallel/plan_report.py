@@ -5,7 +5,7 @@ embeddings save."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import List, Union
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.model.compositional import FeatureLookup
@@ -87,7 +87,7 @@ def _imbalance_line(plan: Plan) -> str:
             f"a2a {i['a2a']:.3f} lookup {i['lookup']:.3f}")
 
 
-def plot_format(path: Path) -> str:
+def plot_format(path: Union[str, Path]) -> str:
     """The image format `path`'s suffix names (png without one), or a one-line error."""
     from matplotlib.backend_bases import FigureCanvasBase
 
