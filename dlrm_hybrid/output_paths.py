@@ -32,9 +32,13 @@ def refuse_overwriting_inputs(outputs: Sequence[Named], inputs: Sequence[Named],
 def require_file_target(flag: str, path: str) -> None:
     """`path` can be written as a file: its folder exists and it is not a folder itself."""
     target = Path(path)
-    if target.is_dir():
+    try:
+        folder, parent = target.is_dir(), target.parent.is_dir()
+    except OSError as e:  # a name too long, say
+        raise UserError(f"{flag}: cannot write {path} ({e.strerror})") from None
+    if folder:
         raise UserError(f"{flag}: {path} is a folder; give a file name in it")
-    if not target.parent.is_dir():
+    if not parent:
         raise UserError(f"{flag}: folder {target.parent} does not exist; create it first")
 
 

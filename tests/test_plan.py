@@ -179,3 +179,33 @@ def test_a_plot_name_matplotlib_cannot_write_is_refused():
     with pytest.raises(ConfigError, match=r"--plot: p.json is no image name matplotlib writes; "
                                           r"end it in one of .*\.png"):
         plot_format("p.json")
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--out", "{tmp}/p.png", "--plot", "{tmp}/./p.png"],
+     "--plot: {tmp}/./p.png is --out {tmp}/p.png; give them different names"),
+    (["--out", "{tmp}/" + "p" * 300], "--out: cannot write {tmp}/" + "p" * 300 + " (File name too long)"),
+    (["--out", "/proc/plan.json"], "--out: cannot write /proc/plan.json ("),  # procfs takes no file
+], ids=["out-is-plot", "name-too-long", "unwritable"])
+def test_plan_outputs_it_cannot_write_are_one_line_errors(tmp_path, args, error):
+    from dlrm_hybrid.cli import _parser
+    from dlrm_hybrid.errors import UserError
+    from dlrm_hybrid.parallel import dry_run
+
+    with pytest.raises(UserError) as e:  # the CLI's one line
+        dry_run.run(_parser().parse_args(["plan", *[a.format(tmp=tmp_path) for a in args]]))
+    assert str(e.value).startswith(error.format(tmp=tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plan_or_plot_that_cannot_take_its_place_leaves_no_partial_file(tmp_path):
+    from dlrm_hybrid.parallel.plan_report import plot
+
+    plan = plan_tables([TableSpec("a", 100, 16)], 2, 10**6, 512)
+    for taken in ("plan", "plot"):  # a folder in the way of the final rename
+        (tmp_path / taken / "x").mkdir(parents=True)
+    with pytest.raises(OSError):
+        save_plan(plan, tmp_path / "plan")
+    with pytest.raises(OSError):
+        plot([plan], tmp_path / "plot")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan", "plot"]
