@@ -1,5 +1,6 @@
 """The training loop: place, shard, then step; evaluate on the run's schedule and at the end,
-or stop at the first evaluation that reaches the target AUC."""
+or stop at the first evaluation that reaches the target AUC, or after a checkpoint at the step
+the ranks agree on when a signal (Ctrl-C, a scheduler's SIGTERM) asks them to stop."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
 
     batches.close()
     train_step.pause()
-    if window:  # stopped at the target between two loss events
+    if window:  # stopped (at the target, or on a signal) between two loss events
         losses.append(global_mean(loss_sum, env) / window)
     guard.check_state(dmp, step)
     path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
