@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, TORCHRUN, done_fields, failure, read_metrics, run_cli
 
 # Dense SGD: 1 and 2 ranks then give the same losses up to rounding (measured 1.1e-7 relative).
@@ -34,6 +36,26 @@ def start(args: list, nproc: int = 0) -> subprocess.Popen:
                             start_new_session=True)
 
 
+@pytest.fixture
+def launch():
+    """`start`, and what still runs when the test ends (it failed) is stopped."""
+    runs = []
+
+    def launch_(args: list, nproc: int = 0) -> subprocess.Popen:
+        runs.append(start(args, nproc))
+        return runs[-1]
+
+    yield launch_
+    for run in runs:
+        if run.poll() is None:
+            run.terminate()  # torchrun passes it on to its workers, in their own sessions
+            try:
+                run.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                run.kill()
+                run.communicate()
+
+
 def wait_for_step(run: subprocess.Popen, run_dir: Path, step: int) -> None:
     """Until metrics.jsonl has the loss of `step` or a later one (training is under way)."""
     deadline = time.monotonic() + 240
@@ -52,7 +74,7 @@ def losses(run_dir: Path) -> list:
     return [(e["step"], e["loss"]) for e in read_metrics(run_dir) if "loss" in e]
 
 
-def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp_path,
+def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp_path, launch,
                                                                             process_group):
     """SIGTERM to torchrun, as SLURM and Kubernetes send it: it passes it on, the ranks stop at
     one step, and the same command continues to the losses of an uninterrupted run."""
@@ -61,7 +83,7 @@ def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp
     from dlrm_hybrid.train.loop import train
 
     run_dir = tmp_path / "run"
-    run = start(train_args(run_dir, SETTINGS), nproc=2)
+    run = launch(train_args(run_dir, SETTINGS), nproc=2)
     wait_for_step(run, run_dir, 1)
     run.send_signal(signal.SIGTERM)
     out, err = run.communicate(timeout=120)
@@ -94,13 +116,13 @@ def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp
         assert abs(a - b) / b < 1e-6, f"step {s}: stopped and resumed {a}, uninterrupted {b}"
 
 
-def test_ctrl_c_stops_at_a_step_and_a_second_ctrl_c_at_once(tmp_path):
+def test_ctrl_c_stops_at_a_step_and_a_second_ctrl_c_at_once(tmp_path, launch):
     """Ctrl-C in a terminal signals the whole foreground process group. The demo config starts
     afresh (checkpoint.resume none): the line says how to resume instead."""
     settings = ["data.global_batch_size=8192", "train.max_steps=1000", "train.log_every=1",
                 "train.progress_bar=false"]
     args = train_args(tmp_path, settings)
-    run = start(args)
+    run = launch(args)
     wait_for_step(run, tmp_path, 1)
     os.killpg(run.pid, signal.SIGINT)
     out, err = run.communicate(timeout=120)
@@ -111,7 +133,7 @@ def test_ctrl_c_stops_at_a_step_and_a_second_ctrl_c_at_once(tmp_path):
     step = int(stop.group(1))
     assert Path(stop.group(2)) == tmp_path / "checkpoints" / f"step_{step}"
 
-    run = start([*args, "--set", "checkpoint.resume=auto"])
+    run = launch([*args, "--set", "checkpoint.resume=auto"])
     wait_for_step(run, tmp_path, step + 2)  # step + 1 is behind it
     os.killpg(run.pid, signal.SIGINT)
     time.sleep(0.05)  # a separate second signal (one still pending would merge with it)
@@ -126,11 +148,11 @@ def test_ctrl_c_stops_at_a_step_and_a_second_ctrl_c_at_once(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").glob("step_*")] == [f"step_{step}"]
 
 
-def test_ctrl_c_before_training_begins_says_so_in_one_line(tmp_path):
+def test_ctrl_c_before_training_begins_says_so_in_one_line(tmp_path, launch):
     """Ctrl-C while the command still starts: here it waits for its config from a pipe."""
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)
-    run = start(["train", "--config", str(fifo)])
+    run = launch(["train", "--config", str(fifo)])
     deadline = time.monotonic() + 120
     while True:  # opening the pipe for writing succeeds once the command has it open
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
