@@ -85,6 +85,7 @@ def test_an_old_rule_dataset_is_refused_in_mlperf_mode_and_upgraded_in_place(tmp
                         f"half test, not validation as in the MLPerf reference); exchange the "
                         f"halves in place with `python -m dlrm_hybrid preprocess day23 --dataset "
                         f"{tmp_path / 'data'}` (no new preprocessing)")
+        assert not (tmp_path / "mlperf.log").exists()  # refused before the log is begun
     else:
         with pytest.raises(DataError, match="day 23 was split by an earlier rule"):
             require_reference_rule(str(tmp_path / "data"))

@@ -50,6 +50,8 @@ class TrainResult:
 
 def train(cfg: Config, env: DistEnv) -> TrainResult:
     """Raises `RunStopped` after the checkpoint of a run stopped by SIGINT/SIGTERM."""
+    if cfg.train.mlperf_log and cfg.data.path:
+        require_reference_rule(cfg.data.path)  # MLPerf evaluates on day 23's first half
     with StopRequest(cfg.train.stop_grace_s, env.is_main, cfg.checkpoint.resume) as stop:
         mlperf = MLPerfLog.open(cfg, env.rank, resuming=checkpoint_to_resume(cfg) is not None)
         mlperf.init_start()
@@ -61,8 +63,6 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
 
 def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
-    if cfg.train.mlperf_log and cfg.data.path:
-        require_reference_rule(cfg.data.path)  # MLPerf evaluates on day 23's first half
     dataset = open_dataset(cfg.data)
     require_samples(dataset, ("train", "val"), "training")
     run = run_schedule(cfg, dataset.num_samples("train"))
@@ -89,6 +89,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
     step = stop.step = first
     stopped = 0  # the signal the ranks agreed to stop on
+    path = None  # the checkpoint of `step`, once written
     for step in tqdm(range(first + 1, steps + 1), initial=first, total=steps, desc="train",
                      unit="step", disable=not (env.is_main and cfg.train.progress_bar)):
         start = time.perf_counter()
@@ -108,8 +109,8 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
             window = 0
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
             guard.check_state(dmp, step)
-            save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
-                            train_step.state_dict(), run_id)
+            path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
+                                   train_step.state_dict(), run_id)
         if run.evaluates_at(step):
             train_step.pause()
             metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
@@ -125,9 +126,10 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     train_step.pause()
     if window:  # stopped (at the target, or on a signal) between two loss events
         losses.append(global_mean(loss_sum, env) / window)
-    guard.check_state(dmp, step)
-    path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
-                           train_step.state_dict(), run_id)
+    if path is None or path.name != f"step_{step}":  # not when the loop just wrote this step
+        guard.check_state(dmp, step)
+        path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
+                               train_step.state_dict(), run_id)
     if stopped:
         raise stopped_at(step, stopped, path, cfg, log)
     log.say(f"checkpoint: {path}")
