@@ -130,6 +130,7 @@ def test_ctrl_c_stops_at_a_step_and_a_second_ctrl_c_at_once(tmp_path, launch):
                         r"same command and --set checkpoint.resume=auto",
                         out.strip().splitlines()[-1])
     assert stop and run.returncode == 130 and err == "", out[-2000:] + err[-2000:]
+    assert "SIGINT: stopping after the step the ranks agree on, with a checkpoint" in out
     step = int(stop.group(1))
     assert Path(stop.group(2)) == tmp_path / "checkpoints" / f"step_{step}"
 

@@ -117,8 +117,16 @@ class StopRequest:
                 if not first:
                     first, deadline = signum, time.monotonic() + self.grace_s
                     self.signum = signum
+                    self._say_stopping(signum)
                 elif signal.SIGINT in (signum, first):
                     self._exit_now(signum, "a second Ctrl-C")
+
+    def _say_stopping(self, signum: int) -> None:
+        """A user who pressed Ctrl-C sees at once that it was heard and what comes next."""
+        if self.is_main:
+            print(f"{signal.Signals(signum).name}: stopping after the step the ranks agree on, "
+                  f"with a checkpoint (within train.stop_grace_s={self.grace_s:g}; Ctrl-C again "
+                  f"to stop at once)", flush=True)
 
     def _exit_now(self, signum: int, why: str) -> NoReturn:
         """End the process from the watcher thread: the newest complete checkpoint is kept."""
