@@ -72,14 +72,25 @@ def meta(run_dir, step):
     return json.loads((run_dir / "checkpoints" / f"step_{step}" / "meta.json").read_text())
 
 
-def test_an_fp16_run_resumes_with_its_loss_scaler(tmp_path, process_group):
+def test_an_fp16_run_resumes_with_its_loss_scaler(tmp_path, process_group, monkeypatch):
+    """A large initial scale makes the first steps overflow: the checkpoint is taken after a
+    skip, and the resumed run goes on with the halved scale and the count."""
+    import torch
+
+    class LargeInitialScale(torch.amp.GradScaler):
+        def __init__(self, device: str = "cuda", **kwargs) -> None:
+            super().__init__(device, **{"init_scale": 2.0**19, **kwargs})
+
+    monkeypatch.setattr(torch.amp, "GradScaler", LargeInitialScale)
     fp16 = ["train.precision=fp16", "train.precision_fallback=false"]
     whole = train(config(tmp_path / "whole", *fp16, "train.max_steps=8"), process_group)
     train(config(tmp_path / "parts", *fp16, "train.max_steps=4"), process_group)
     resumed = train(config(tmp_path / "parts", *fp16, "train.max_steps=8"), process_group)
     assert resumed.losses == whole.losses[4:]
     expected = meta(tmp_path / "whole", 8)
-    assert expected["loss_scaler"]["_growth_tracker"] == 8  # steps since the scale last moved
+    assert 1 <= meta(tmp_path / "parts", 4)["skipped_steps"] == expected["skipped_steps"] < 4
+    # steps since the scale last moved
+    assert expected["loss_scaler"]["_growth_tracker"] == 8 - expected["skipped_steps"]
     assert meta(tmp_path / "parts", 8)["loss_scaler"] == expected["loss_scaler"]
     assert meta(tmp_path / "parts", 8)["skipped_steps"] == expected["skipped_steps"]
 
