@@ -1,19 +1,25 @@
 """Rows to score from a CSV or TSV file (`predict`): per line an optional label, the dense
 values, then one field per categorical feature with its ids, already preprocessed (the row
-indices of the model's tables); a multi-hot feature's ids are separated by spaces. A first line
-that is not all numbers is a header. Read in chunks, so a file of any size scores in bounded
-memory."""
+indices of the model's tables); a multi-hot feature's ids are separated by spaces. An empty dense
+field is a missing value, 0.0, as `preprocess criteo` stores an empty integer field. Every line
+but a header is a row: `header` says whether the first line is one ("auto": only when it is
+clearly not a row). A header's names (the model's: label, num_<i>, cat_<i>, as feature_spec.yaml
+names them) place its columns, in any order; pandas' header of unnamed columns (0, 1, 2, ...)
+leaves them in place. Read in chunks, so a file of any size scores in bounded memory."""
 
 from __future__ import annotations
 
 import csv
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from dlrm_hybrid.data.feature_spec import LABEL
 from dlrm_hybrid.errors import DataError
+
+HEADERS = ("auto", "yes", "no")
 
 
 @dataclass
@@ -27,41 +33,117 @@ class ScoringRows:
     locate: Callable[[int], str]  # where row i of the chunk comes from, for error messages
 
 
-def text_row_chunks(path: Path, num_dense: int, num_features: int, rows_per_chunk: int
-                    ) -> Iterator[ScoringRows]:
+@dataclass
+class Layout:
+    """Where a file's rows keep the model's columns."""
+
+    header: bool  # the first line is a header
+    width: int  # fields per row
+    labelled: bool
+    order: Optional[List[int]]  # field of each model column (label first), or None: in order
+
+
+def text_row_chunks(path: Path, num_dense: int, features: List[str], rows_per_chunk: int,
+                    header: str = "auto") -> Iterator[ScoringRows]:
     delimiter = "\t" if path.suffix in (".tsv", ".txt") or _first_line_has_tab(path) else ","
-    fields = num_dense + num_features
-    with open(path, newline="") as stream:
+    with open(path, newline="", encoding="utf-8-sig") as stream:  # utf-8-sig: drops a BOM
         reader = csv.reader(stream, delimiter=delimiter)
         chunk: List[List[str]] = []
         lines: List[int] = []  # each row's line number, for error messages
-        labelled = None
-        for row in reader:
-            line = reader.line_num
+        layout: Optional[Layout] = None
+        for line, row in _numbered(path, reader):
             if not row:
                 continue  # a blank line
-            if line == 1 and not _numbers(row):
-                continue  # a header
-            if labelled is None:
-                if len(row) not in (fields, fields + 1):
-                    raise DataError(f"{path}:{line}: {len(row)} fields; the model takes "
-                                    f"{num_dense} dense values and {num_features} categorical "
-                                    f"features ({fields} fields, or {fields + 1} with a label first)")
-                labelled = len(row) == fields + 1
-            if len(row) != fields + labelled:
+            if layout is None:
+                layout = _layout(path, line, row, num_dense, features, header)
+                if layout.header:
+                    continue
+            if len(row) != layout.width:
                 raise DataError(f"{path}:{line}: {len(row)} fields, the lines before have "
-                                f"{fields + labelled}")
-            chunk.append(row)
+                                f"{layout.width}")
+            chunk.append(row if layout.order is None else [row[j] for j in layout.order])
             lines.append(line)
             if len(chunk) == rows_per_chunk:
-                yield _parse(path, chunk, lines, num_dense, labelled)
+                yield _parse(path, chunk, lines, num_dense, layout.labelled)
                 chunk, lines = [], []
         if chunk:
-            yield _parse(path, chunk, lines, num_dense, bool(labelled))
+            yield _parse(path, chunk, lines, num_dense, layout.labelled)
+
+
+def _numbered(path: Path, reader) -> Iterator[Tuple[int, List[str]]]:
+    """(line number, fields) of each line; an undecodable file is a one-line error."""
+    try:
+        for row in reader:
+            yield reader.line_num, row
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text; save it as UTF-8") from None
+    except csv.Error as e:
+        raise DataError(f"{path}:{reader.line_num}: {e}") from None
+
+
+def _layout(path: Path, line: int, first: List[str], num_dense: int, features: List[str],
+            header: str) -> Layout:
+    """The rows' layout, from the first line: a header, or the first row."""
+    columns = [f"num_{i}" for i in range(num_dense)] + list(features)
+    if _is_header(path, line, first, header):
+        if _is_index_header(first):
+            return _positional(path, line, first, num_dense, len(features), header=True)
+        return _named(path, line, [name.strip() for name in first], num_dense, columns)
+    return _positional(path, line, first, num_dense, len(features), header=False)
+
+
+def _is_header(path: Path, line: int, first: List[str], header: str) -> bool:
+    """Whether the first line is a header; "auto" will not guess about pandas' 0,1,2,..."""
+    if header != "auto":
+        return header == "yes"
+    if _is_index_header(first):
+        raise DataError(f"{path}:{line}: the first line reads 0,1,...,{len(first) - 1}: pandas' "
+                        f"header of unnamed columns, or a row? Say --header yes or --header no")
+    return not _numbers(first)
+
+
+def _positional(path: Path, line: int, first: List[str], num_dense: int, num_features: int,
+                header: bool) -> Layout:
+    fields = num_dense + num_features
+    if len(first) not in (fields, fields + 1):
+        raise DataError(f"{path}:{line}: {len(first)} fields; the model takes {num_dense} dense "
+                        f"values and {num_features} categorical features ({fields} fields, or "
+                        f"{fields + 1} with a label first)")
+    return Layout(header, len(first), len(first) == fields + 1, None)
+
+
+def _named(path: Path, line: int, names: List[str], num_dense: int, columns: List[str]
+           ) -> Layout:
+    """Columns placed by a header's names, which must be the model's."""
+    spans = (f"{LABEL} (optional)", _span(columns[:num_dense]), _span(columns[num_dense:]))
+    described = ", ".join(span for span in spans if span) + ", in any order"
+    for name in names:
+        if name not in (LABEL, *columns):
+            raise DataError(f"{path}:{line}: the header names a column {name!r}; the model's "
+                            f"columns are {described}: name them so, or say --header no if "
+                            f"line {line} is a row")
+        if names.count(name) > 1:
+            raise DataError(f"{path}:{line}: the header names column {name!r} twice")
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise DataError(f"{path}:{line}: the header has no column {missing[0]}; the model's "
+                        f"columns are {described}")
+    labelled = LABEL in names
+    order = [names.index(c) for c in [LABEL] * labelled + columns]
+    return Layout(True, len(names), labelled, None if order == sorted(order) else order)
+
+
+def _span(names: List[str]) -> str:
+    return f"{names[0]}..{names[-1]}" if len(names) > 2 else ", ".join(names)
+
+
+def _is_index_header(row: List[str]) -> bool:
+    """pandas' header of a frame without column names: 0,1,2,..."""
+    return [field.strip() for field in row] == [str(i) for i in range(len(row))]
 
 
 def _first_line_has_tab(path: Path) -> bool:
-    with open(path, newline="") as stream:
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as stream:
         return "\t" in stream.readline()
 
 
@@ -75,22 +157,28 @@ def _numbers(row: List[str]) -> bool:
         return False
 
 
+def _floats(path: Path, rows: List[List[str]], lines: List[int], first: int, count: int,
+            what: str, missing: Optional[float]) -> np.ndarray:
+    """Fields first..first+count-1 of each row as float32; an empty one is `missing`
+    (None: an error)."""
+    out = np.empty((len(rows), count), dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j in range(count):
+            field = row[first + j].strip()
+            try:
+                out[i, j] = float(field) if field or missing is None else missing
+            except ValueError:
+                name = what if count == 1 else f"{what} {j}"
+                raise DataError(f"{path}:{lines[i]}: {name} is {field!r}, not a number") from None
+    return out
+
+
 def _parse(path: Path, rows: List[List[str]], lines: List[int], num_dense: int,
            labelled: bool) -> ScoringRows:
     locate = lambda i: f"{path}:{lines[i]}"  # noqa: E731
     start = 1 if labelled else 0
-    labels = dense = None
-    column = ""
-    try:
-        if labelled:
-            column = "label"
-            labels = np.array([float(r[0]) for r in rows], dtype=np.float32)
-        column = "dense"
-        dense = np.array([[float(v) for v in r[start:start + num_dense]] for r in rows],
-                         dtype=np.float32)
-    except ValueError:
-        bad = next(i for i, r in enumerate(rows) if not _numbers(r[:start + num_dense]))
-        raise DataError(f"{locate(bad)}: a {column} field is not a number") from None
+    labels = _floats(path, rows, lines, 0, 1, "the label", None)[:, 0] if labelled else None
+    dense = _floats(path, rows, lines, start, num_dense, "dense value", 0.0)
     if not np.isfinite(dense).all():
         bad = int(np.argwhere(~np.isfinite(dense))[0, 0])
         raise DataError(f"{locate(bad)}: a dense value is not finite (nan or inf); give the "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -27,13 +26,17 @@ from dlrm_hybrid.model.compositional import FeatureLookup, Part
 from dlrm_hybrid.model.dlrm import DLRM, build_model
 from dlrm_hybrid.model.embeddings import table_order
 from dlrm_hybrid.model.interactions import FactorizationMachine
+from dlrm_hybrid.serve.rowwise import quantize_into
 from dlrm_hybrid.serve.scoring_model import ScoringModel, StackedCrossNet
 from dlrm_hybrid.train.checkpoint import check_checkpoint, checkpoint_config_path, read_meta
 from dlrm_hybrid.train.inference import read_model_state
 
 QUANTIZATIONS = ("fp32", "fp16", "int8", "int4")
 DESCRIPTION = "model.json"  # the description's name inside the file and the sidecar's suffix
-FORMAT = "dlrm_hybrid.scoring_model/1"
+FORMAT = "dlrm_hybrid.scoring_model/2"
+# /1: int8 codes made with an fp32 scale that fp16 then rounded (fbgemm's quantize_embs); rows
+# narrower than ~0.0156 decode with up to 8x the error. Still scored, with a warning.
+FORMAT_FP32_CODED = "dlrm_hybrid.scoring_model/1"
 TABLE_PREFIX = "embedding_bags.embedding_bags."  # a table's weight in the model's state dict
 
 
@@ -112,6 +115,13 @@ def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
     """The served form of `model` (built on the meta device) with the checkpoint's `weights`."""
     parts = table_order(model.lookups)
     dense = {k: v for k, v in weights.items() if not k.startswith(TABLE_PREFIX)}
+    own = model.state_dict()
+    for key, value in dense.items():
+        if key in own and own[key].shape != value.shape:
+            raise UserError(f"checkpoint: does not fit the model its config describes ({key}: "
+                            f"{list(value.shape)} in the checkpoint, {list(own[key].shape)} in "
+                            f"the model); it was trained with other model settings: export it "
+                            f"with the config it was written with (no --set model.*)")
     missing, unexpected = model.load_state_dict(dense, strict=False)
     missing = [k for k in missing if not k.startswith(TABLE_PREFIX)]
     if missing or unexpected:
@@ -169,14 +179,14 @@ def _transform(lookup: FeatureLookup, part: Part) -> int:
 
 def quantized_tables(parts: List[Part], weights: Dict[str, torch.Tensor],
                      precisions: Dict[str, str]) -> torch.nn.Module:
-    """fbgemm's inference tables, in host memory, holding `weights` quantized row-wise."""
+    """fbgemm's inference tables, in host memory, holding `weights`: fp32, fp16, or quantized
+    row-wise (`rowwise`: codes made with the fp16 scale and bias they are stored with)."""
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import (BoundsCheckMode,
                                                                       EmbeddingLocation,
                                                                       PoolingMode)
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
         IntNBitTableBatchedEmbeddingBagsCodegen)
-    from fbgemm_gpu.tbe.utils import quantize_embs
 
     types = {name: SparseType(name) for name in QUANTIZATIONS}
     for part in parts:
@@ -195,16 +205,17 @@ def quantized_tables(parts: List[Part], weights: Dict[str, torch.Tensor],
         # them inside each part: fbgemm's own check (a tenth of a call's time) is redundant.
         bounds_check_mode=BoundsCheckMode.NONE)
     tables.initialize_weights()
-    quantized = []
-    for part in parts:
+    for part, (codes, scale_bias) in zip(parts, tables.split_embedding_weights()):
         weight = weights[part.table].float()
         if tuple(weight.shape) != (part.rows, part.dim):
             raise UserError(f"checkpoint: table {part.table} is {tuple(weight.shape)}, its config "
                             f"says ({part.rows}, {part.dim})")
-        with warnings.catch_warnings():  # fbgemm copies scale and bias with torch.tensor(t)
-            warnings.simplefilter("ignore", UserWarning)
-            quantized.append(quantize_embs(weight, types[precisions[part.table]]))
-    tables.assign_embedding_weights(quantized)
+        precision = precisions[part.table]
+        if precision in ("int8", "int4"):
+            quantize_into(weight, types[precision].bit_rate(), codes, scale_bias, part.table)
+        else:
+            codes.copy_(weight.to(torch.float16 if precision == "fp16" else torch.float32
+                                  ).view(torch.uint8))
     return tables
 
 

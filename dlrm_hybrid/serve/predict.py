@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator, List, Tuple
 
@@ -17,9 +18,11 @@ from torch.nn.functional import binary_cross_entropy
 from dlrm_hybrid.data.batch import Columns
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
-from dlrm_hybrid.data.text_rows import ScoringRows, text_row_chunks
+from dlrm_hybrid.data.text_rows import HEADERS, ScoringRows, text_row_chunks
 from dlrm_hybrid.errors import DataError, UserError
-from dlrm_hybrid.serve.export import DESCRIPTION, FORMAT, require_folder_of
+from dlrm_hybrid.serve.export import (DESCRIPTION, FORMAT, FORMAT_FP32_CODED,
+                                      require_folder_of)
+from dlrm_hybrid.train.checkpoint import META
 from dlrm_hybrid.train.evaluate import auc_or_nan
 
 
@@ -27,8 +30,12 @@ def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
     """An `export`ed file and the description stored in it."""
     importlib.import_module("fbgemm_gpu")  # registers the embedding kernels the file calls
 
+    if (path / META).is_file():
+        raise UserError(f"--model: {path} is a checkpoint; export it first (export --checkpoint "
+                        f"{path} --out model.pt) and give that file")
     if not path.is_file():
-        raise UserError(f"--model: {path} does not exist; give a file `export` wrote")
+        raise UserError(f"--model: {path} {'is a folder' if path.is_dir() else 'does not exist'}"
+                        f"; give a file `export` wrote")
     extra = {DESCRIPTION: ""}
     try:
         module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
@@ -40,15 +47,21 @@ def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
     if not extra[DESCRIPTION]:
         raise DataError(f"{path}: a TorchScript file without {DESCRIPTION}, so not one `export` "
                         f"wrote; export the checkpoint with this program")
-    if description.get("format") != FORMAT:
+    if description.get("format") == FORMAT_FP32_CODED:
+        if "int8" in description["quantization"]["tables"].values():
+            warnings.warn(f"{path}: its int8 tables were quantized by an earlier `export`, up to "
+                          f"8x less precisely for rows narrower than 0.016; export the "
+                          f"checkpoint again")
+    elif description.get("format") != FORMAT:
         raise DataError(f"{path}: was not written by `export` (format "
                         f"{description.get('format')!r}, expected {FORMAT})")
     return module, description
 
 
 def predict(model_path: str, data: str, out: str, split: str = "test",
-            batch_size: int = 4096) -> dict:
+            batch_size: int = 4096, header: str = "auto") -> dict:
     """Score every row of `data`; returns {"samples", and "auc", "logloss" when labelled}.
+    `header` (CSV/TSV): whether the first line is a header, "yes", "no" or "auto".
     Ids are checked here as well as in the model: here the error can name the row."""
     target = Path(out)
     require_folder_of(target)
@@ -57,7 +70,7 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
     module, description = load_scoring_model(Path(model_path))
     cardinalities = [f["cardinality"] for f in description["features"]]
     names = [f["name"] for f in description["features"]]
-    chunks = _chunks(Path(data), split, description, batch_size)
+    chunks = _chunks(Path(data), split, description, batch_size, header)
     partial = target.with_name(target.name + ".partial")
     probabilities, labels = [], []
     try:
@@ -79,15 +92,19 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
     return result
 
 
-def _chunks(path: Path, split: str, description: dict, batch_size: int
+def _chunks(path: Path, split: str, description: dict, batch_size: int, header: str
             ) -> Iterator[ScoringRows]:
     num_dense, features = description["num_dense"], description["features"]
+    if header not in HEADERS:
+        raise UserError(f"--header: {header!r} is not one of {', '.join(HEADERS)}")
     if path.is_dir():
+        if header != "auto":
+            raise UserError(f"--header: is for CSV/TSV files; {path} is a split-binary folder")
         return _split_binary_chunks(path, split, num_dense, features, batch_size)
     if not path.is_file():
         raise UserError(f"--data: {path} does not exist; give a split-binary folder or a "
                         f".csv/.tsv file")
-    return text_row_chunks(path, num_dense, len(features), batch_size)
+    return text_row_chunks(path, num_dense, [f["name"] for f in features], batch_size, header)
 
 
 def _split_binary_chunks(path: Path, split: str, num_dense: int, features: List[dict],
