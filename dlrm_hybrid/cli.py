@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="which split of a split-binary folder (default test)")
     predict.add_argument("--out", required=True, help="file to write, one probability per line")
     predict.add_argument("--batch-size", type=int, default=4096, help="rows per call (4096)")
+    predict.add_argument("--header", default="auto", choices=("auto", "yes", "no"),
+                         help="CSV/TSV: is the first line a header (auto: only when it is not "
+                         "numbers); a header's names (label, num_<i>, cat_<i>) place the columns")
     bench = _config_arguments(commands.add_parser(
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
@@ -147,7 +150,7 @@ def run_predict(args) -> None:
         raise UserError("predict: --batch-size must be at least 1")
     refuse_overwriting_inputs([("--out", args.out)],
                               [("--model", args.model), ("--data", args.data)], "predict")
-    result = predict(args.model, args.data, args.out, args.split, args.batch_size)
+    result = predict(args.model, args.data, args.out, args.split, args.batch_size, args.header)
     metrics = "".join(f" {k}={v:.5f}" for k, v in result.items() if k != "samples")
     print(f"predict: wrote {args.out} samples={result['samples']}{metrics}")
 
