@@ -1,7 +1,10 @@
 """`make install`: the torch -> fbgemm/torchrec table, and TORCH=system keeping the torch an
 environment already has (as in an NGC container or on a GPU host)."""
 
+import _ctypes
+import ctypes
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -26,11 +29,44 @@ def test_the_table_knows_each_supported_torch_and_reads_any_version_string():
     for version, minor in [("2.11.0+cu130", "2.11"), ("2.13.0", "2.13"),
                            ("2.9.0a0+50eac811a6.nv25.10", "2.9")]:  # NGC's spelling
         assert setup_env.torch_minor(version) == minor
-    # a torch built for CUDA on a machine without the NVIDIA driver gets the CPU build
-    assert setup_env.fbgemm_package({"version": "2.11.0", "cuda": "13.0", "hip": None}, "auto") \
-        == ("fbgemm-gpu" if setup_env.nvidia_driver() else "fbgemm-gpu-cpu")
     with pytest.raises(setup_env.InstallError, match="FBGEMM=cuda, but torch 2.13.0 is a CPU"):
         setup_env.fbgemm_package({"version": "2.13.0", "cuda": None, "hip": None}, "cuda")
+
+
+def fbgemm_choice(torch_info: dict, library_path: Path) -> str:
+    """setup_env's automatic fbgemm build, asked in a fresh process whose dynamic loader looks in
+    `library_path` first (it reads LD_LIBRARY_PATH only at start)."""
+    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location("
+            f"'setup_env', {str(ROOT / 'install/setup_env.py')!r}); m = importlib.util."
+            f"module_from_spec(spec); spec.loader.exec_module(m); "
+            f"print(m.fbgemm_package({torch_info!r}, 'auto'))")
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{library_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_cuda_build_only_for_a_cuda_torch_where_the_nvidia_driver_loads(tmp_path, monkeypatch):
+    """The driver is found as the loader finds libnvidia-ml.so.1; here a stand-in library of that
+    name on LD_LIBRARY_PATH. Without it (the loader refuses the name) a CUDA torch gets the CPU
+    build, and a CPU torch gets it either way."""
+    cuda_torch = {"version": "2.11.0", "cuda": "13.0", "hip": None}
+    cpu_torch = {"version": "2.13.0", "cuda": None, "hip": None}
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    shutil.copy(_ctypes.__file__, driver / "libnvidia-ml.so.1")  # any shared object loads
+    assert fbgemm_choice(cuda_torch, driver) == "fbgemm-gpu"
+    assert fbgemm_choice(cpu_torch, driver) == "fbgemm-gpu-cpu"
+
+    real_cdll = ctypes.CDLL
+
+    def no_driver(name, *args, **kwargs):
+        if "nvidia-ml" in str(name):
+            raise OSError(f"{name}: cannot open shared object file")
+        return real_cdll(name, *args, **kwargs)
+
+    monkeypatch.setattr(setup_env.ctypes, "CDLL", no_driver)
+    assert setup_env.fbgemm_package(cuda_torch, "auto") == "fbgemm-gpu-cpu"
+    assert setup_env.fbgemm_package(cuda_torch, "cuda") == "fbgemm-gpu"  # FBGEMM=cuda insists
 
 
 def test_a_malformed_table_row_names_its_line(tmp_path):
