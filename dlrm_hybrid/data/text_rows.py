@@ -3,9 +3,10 @@ values, then one field per categorical feature with its ids, already preprocesse
 indices of the model's tables); a multi-hot feature's ids are separated by spaces. An empty dense
 field is a missing value, 0.0, as `preprocess criteo` stores an empty integer field. Every line
 but a header is a row: `header` says whether the first line is one ("auto": only when it is
-clearly not a row). A header's names (the model's: label, num_<i>, cat_<i>, as feature_spec.yaml
-names them) place its columns, in any order; pandas' header of unnamed columns (0, 1, 2, ...)
-leaves them in place. Read in chunks, so a file of any size scores in bounded memory."""
+clearly not a row; it will not guess about pandas' 0,1,2,...). A header's names (the model's:
+label, num_<i>, cat_<i>, as feature_spec.yaml names them) place its columns, in any order;
+pandas' header of unnamed columns leaves them in place. Read in chunks, so a file of any size
+scores in bounded memory."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def text_row_chunks(path: Path, num_dense: int, features: List[str], rows_per_ch
             if len(chunk) == rows_per_chunk:
                 yield _parse(path, chunk, lines, num_dense, layout.labelled)
                 chunk, lines = [], []
-        if chunk:
+        if chunk and layout is not None:
             yield _parse(path, chunk, lines, num_dense, layout.labelled)
 
 
