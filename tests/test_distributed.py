@@ -74,6 +74,25 @@ def test_demo_config_on_two_ranks_approaches_the_oracle(tmp_path):
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["max_steps"] == 1000
 
 
+def checkpointed_shards(checkpoint):
+    """{table: [(rank, first column, columns, rows)]} of the embedding weight chunks a checkpoint
+    holds, by first column; the rank is the writer of the chunk's file (`__<rank>_<n>.distcp`)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
+
+    metadata = checkpoint_reader(checkpoint).read_metadata()
+    shards = {}
+    for fqn, tensor in metadata.state_dict_metadata.items():
+        if fqn.startswith("model.") and ".embedding_bags." in fqn:
+            for chunk in tensor.chunks:
+                path = metadata.storage_data[MetadataIndex(fqn, chunk.offsets)].relative_path
+                assert chunk.offsets[0] == 0, (fqn, chunk)  # column shards only
+                shards.setdefault(fqn.split(".")[-2], []).append(
+                    (int(path.split("_")[2]), chunk.offsets[1], chunk.sizes[1], chunk.sizes[0]))
+    return {table: sorted(chunks, key=lambda c: c[1]) for table, chunks in shards.items()}
+
+
 def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
     """`plan --out` then `train --set parallel.plan=...`: torchrec applies that very placement."""
     sets = ["data.cardinalities=[4000,100,100]", "data.hotness=[1]", "optim.embedding=sgd",
@@ -95,6 +114,12 @@ def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
     applied = json.loads((run_dir / "sharding.json").read_text())
     assert {name: (a["sharding"], a["ranks"]) for name, a in applied.items()} == planned
     done_fields(result.stdout)
+    # the shards torchrec built, as each rank wrote its local shards into the final checkpoint
+    plan_tables = json.loads(plan_path.read_text())["tables"]
+    assert checkpointed_shards(run_dir / "checkpoints/step_5") == {
+        name: [(rank, sum(t["columns"][:k]), cols, t["rows"])
+               for k, (rank, cols) in enumerate(zip(t["ranks"], t["columns"]))]
+        for name, t in plan_tables.items()}
     for rank in (0, 1):  # each rank's own log names the shards the plan gave it
         first, *steps = [json.loads(line) for line in (run_dir / f"rank_{rank}.jsonl").open()]
         owned = {s.split("[")[0] for s in first["shards"]}
