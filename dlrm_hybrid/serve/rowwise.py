@@ -9,6 +9,8 @@ scale is subnormal and no longer the one the codes were made with (measured, 128
 calls) codes from the fp16 scale, but rounds it to the nearest fp16: a scale only a few subnormal
 steps wide rounds down and the row's top values clip (28x the exact scale's error at int8 rows
 U(+-1e-5)). Here the bias is rounded down and the scale up, so the codes always span the row.
+The cost: in torch ops it is ~12x slower than fbgemm's kernel (1.3 s per million 128-wide rows
+on one thread), about 4 minutes for MLPerf's 200M rows, once per export.
 """
 
 from __future__ import annotations
