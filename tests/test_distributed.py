@@ -93,24 +93,35 @@ def checkpointed_shards(checkpoint):
     return {table: sorted(chunks, key=lambda c: c[1]) for table, chunks in shards.items()}
 
 
-def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
-    """`plan --out` then `train --set parallel.plan=...`: torchrec applies that very placement."""
-    sets = ["data.cardinalities=[4000,100,100]", "data.hotness=[1]", "optim.embedding=sgd",
+PLAN_RUN = ["data.cardinalities=[4000,100,100]", "data.hotness=[1]", "optim.embedding=sgd",
             "data.global_batch_size=256", "data.val_samples=2048", "train.max_steps=5",
             "train.log_every=2", "train.progress_bar=false"]
-    args = [arg for s in sets for arg in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def plan_file_run(tmp_path_factory):
+    """`plan --out` for 2 ranks, then a 2-rank `train --set parallel.plan=...` (rank logs on):
+    (plan file, run directory, the train command's result)."""
+    tmp_path = tmp_path_factory.mktemp("plan_file_run")
+    args = [arg for s in PLAN_RUN for arg in ("--set", s)]
     plan_path, run_dir = tmp_path / "plan.json", tmp_path / "run"
     made = run_cli(["plan", "--config", "configs/demo.yaml", "--world-size", "2",
                     "--gpu-memory", "8GiB", "--out", str(plan_path), *args])
     assert made.returncode == 0, made.stderr
-    planned = {name: (t["sharding"], t["ranks"])
-               for name, t in json.loads(plan_path.read_text())["tables"].items()}
-    assert planned["t_cat_0"][0] == "column_wise"  # the dominant table is split to balance
-
     result = run_cli(["train", "--config", "configs/demo.yaml", *args, "--set",
                       f"parallel.plan={plan_path}", "--set", f"train.run_dir={run_dir}",
                       "--set", "train.rank_logs=true"], nproc=2)
     assert result.returncode == 0, failure(result)
+    return plan_path, run_dir, result
+
+
+def test_two_rank_training_uses_a_plan_file_exactly(plan_file_run, tmp_path):
+    """`plan --out` then `train --set parallel.plan=...`: torchrec applies that very placement."""
+    plan_path, run_dir, result = plan_file_run
+    args = [arg for s in PLAN_RUN for arg in ("--set", s)]
+    planned = {name: (t["sharding"], t["ranks"])
+               for name, t in json.loads(plan_path.read_text())["tables"].items()}
+    assert planned["t_cat_0"][0] == "column_wise"  # the dominant table is split to balance
     applied = json.loads((run_dir / "sharding.json").read_text())
     assert {name: (a["sharding"], a["ranks"]) for name, a in applied.items()} == planned
     done_fields(result.stdout)
@@ -132,6 +143,26 @@ def test_two_rank_training_uses_a_plan_file_exactly(tmp_path):
     assert wrong.returncode == 2
     assert wrong.stderr.strip() == (f"error: parallel.plan: {plan_path} is for 2 ranks, this job "
                                     f"has 1; make one with `plan --world-size 1`")
+
+
+def eval_fields(result) -> dict:
+    assert result.returncode == 0, failure(result)
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("eval: "), result.stdout[-2000:]
+    return dict(item.split("=", 1) for item in last.split()[1:])
+
+
+def test_eval_on_two_ranks_scores_as_one_rank_and_the_run_did(plan_file_run):
+    """`eval` under torchrun: the checkpoint sharded on 2 ranks scores every validation sample
+    once, as one process does and as the run's own final evaluation did."""
+    _, run_dir, _ = plan_file_run
+    args = ["eval", "--checkpoint", str(run_dir / "checkpoints/step_5"), "--split", "val"]
+    two, one = eval_fields(run_cli(args, nproc=2)), eval_fields(run_cli(args))
+    assert two["samples"] == one["samples"] == "2048" and two["step"] == "5"
+    final = read_metrics(run_dir)[-1]
+    for key in ("val_auc", "val_logloss"):
+        assert abs(float(two[key]) - float(one[key])) <= 1e-5, (key, two, one)
+        assert abs(float(two[key]) - final[key]) <= 1e-5, (key, two, final)
 
 
 def test_two_hosts_join_through_c10d_rendezvous(tmp_path):
