@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import ROOT, read_metrics
@@ -134,3 +135,29 @@ def test_auc_of_a_one_class_split_is_reported_undefined_not_zero(tmp_path, proce
         f"split with both" for name in ("val_auc", "oracle_auc")]
     assert math.isnan(result.metrics["val_auc"])
     assert math.isfinite(result.metrics["val_logloss"])
+
+
+def test_a_shuffled_epoch_is_ordered_by_train_seed(tmp_path, process_group, monkeypatch):
+    """data.shuffle: each epoch's global batches in a permutation seeded by (train.seed, epoch).
+    Training hands its loader train.seed, and with seed 3 (8 batches an epoch) that loader
+    yields the batches in the order pinned here (numpy's default_rng([3, epoch]))."""
+    from dlrm_hybrid.train import loop
+
+    seeds, make_loader = [], loop.make_loader
+
+    def recording(data_cfg, dataset, split, env, seed=0, **kwargs):
+        seeds.append((split, seed))
+        return make_loader(data_cfg, dataset, split, env, seed, **kwargs)
+
+    monkeypatch.setattr(loop, "make_loader", recording)
+    cfg = small_config(tmp_path, "data.shuffle=true", "train.seed=3", "data.train_samples=2048",
+                       "train.max_steps=2")
+    train(cfg, process_group)
+    assert ("train", 3) in seeds
+    dataset = open_dataset(cfg.data)
+    loader = make_loader(cfg.data, dataset, "train", process_group, 3)
+    firsts = [next(loader).dense[0] for _ in range(16)]
+    loader.close()
+    order = [6, 7, 2, 1, 4, 5, 3, 0] + [2, 1, 4, 0, 5, 7, 6, 3]  # epochs 0 and 1
+    assert all(torch.equal(row, dataset.batch("train", b * 256, 1).dense[0])
+               for row, b in zip(firsts, order))
