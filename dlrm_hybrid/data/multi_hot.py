@@ -24,7 +24,6 @@ import numpy as np
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.day23 import RULE_KEY, UNRECORDED, recorded_rule
 from dlrm_hybrid.data.spec import DataSpec
-from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
 
 MLPERF_HOTNESS = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
@@ -80,6 +79,10 @@ def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = 
     """Write the multi-hot version of the one-hot dataset at `input_dir` to `output` (whole or
     not at all); returns the samples per split. `rows`: each table's size (default the input's
     cardinalities). The input's day-23 rule goes with its splits into the output's metadata."""
+    # Here, not at the top: the reader imports torchrec (~2.5 s), which every CLI command paid
+    # at start for this module's arguments.
+    from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
+
     source = SplitBinaryDataset(input_dir)
     spec = source.fspec.spec
     rows = rows or spec.cardinalities
