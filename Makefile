@@ -27,7 +27,7 @@ STAMP := $(VENV)/.installed-torch-$(TORCH)-fbgemm-$(FBGEMM)-gpus-$(GPUS)
 .PHONY: demo test install clean
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m dlrm_hybrid.torchrun --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -11,11 +11,12 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 nproc=${NPROC:-$([ "${gpus:-0}" -gt 0 ] && echo "$gpus" || echo 2)}
 # Restarted workers must not reuse the rendezvous store of the attempt before (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# torchrun as a module of PYTHON (default: this checkout's .venv, else `python` on PATH): in a
-# venv that sees a system torch, the `torchrun` on PATH runs the system Python.
+# torchrun (dlrm_hybrid.torchrun: torchrun, one line on a signal) as a module of PYTHON (default:
+# this checkout's .venv, else `python` on PATH): in a venv that sees a system torch, the `torchrun`
+# on PATH runs the system Python.
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$([ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python)}
-exec "$python" -m torch.distributed.run --nnodes="${NNODES:?set NNODES}" --nproc_per_node="$nproc" \
+exec "$python" -m dlrm_hybrid.torchrun --nnodes="${NNODES:?set NNODES}" --nproc_per_node="$nproc" \
     --rdzv_backend=c10d --rdzv_endpoint="${ENDPOINT:?set ENDPOINT=host:port}" \
     --rdzv_id="${JOB_ID:-dlrm_hybrid}" --max-restarts="${MAX_RESTARTS:-3}" \
     -m dlrm_hybrid train --config "$config" --set checkpoint.resume=auto "$@"

@@ -67,7 +67,7 @@ def test_single_node_runs_torchrun_standalone_one_process_per_gpu(tools, gpus, n
     result = launch("launch/single_node.sh", ["configs/demo.yaml", "--set", "train.max_steps=5"],
                     folder, **env)
     assert result.returncode == 0, result.stderr
-    assert calls(log) == [("python", "1", ["-m", "torch.distributed.run", "--standalone",
+    assert calls(log) == [("python", "1", ["-m", "dlrm_hybrid.torchrun", "--standalone",
                                            f"--nproc_per_node={expected}", *SINGLE])]
 
 
@@ -82,7 +82,7 @@ def test_slurm_starts_one_torchrun_per_node_meeting_on_the_first_node(tools):
                     SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(ROOT))
     assert result.returncode == 0, result.stderr
     assert calls(log) == [("srun", "1", [
-        str(folder / "python"), "-m", "torch.distributed.run", "--nnodes=20000",
+        str(folder / "python"), "-m", "dlrm_hybrid.torchrun", "--nnodes=20000",
         "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=gpu00001:29500",
         "--rdzv_id=4242", "--max-restarts=3", "-m", "dlrm_hybrid", "train", "--config",
         "configs/demo.yaml", "--set", "checkpoint.resume=auto", "--set", "data.path=/d"])]
@@ -118,7 +118,7 @@ def test_multi_node_restarts_from_the_newest_checkpoint_by_default(tools):
                     ENDPOINT="node0:29500", NPROC="8")
     assert result.returncode == 0, result.stderr
     assert calls(log) == [("python", "1", [
-        "-m", "torch.distributed.run", "--nnodes=4", "--nproc_per_node=8", "--rdzv_backend=c10d",
+        "-m", "dlrm_hybrid.torchrun", "--nnodes=4", "--nproc_per_node=8", "--rdzv_backend=c10d",
         "--rdzv_endpoint=node0:29500", "--rdzv_id=dlrm_hybrid", "--max-restarts=3",
         "-m", "dlrm_hybrid", "train", "--config", "configs/demo.yaml",
         "--set", "checkpoint.resume=auto"])]

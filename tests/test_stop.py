@@ -26,9 +26,14 @@ def train_args(run_dir: Path, settings) -> list:
             *[a for s in [*settings, f"train.run_dir={run_dir}"] for a in ("--set", s)]]
 
 
+# torchrun as the launch scripts and `make demo` run it
+LAUNCHER = [sys.executable, "-m", "dlrm_hybrid.torchrun"]
+
+
 def start(args: list, nproc: int = 0) -> subprocess.Popen:
-    """The CLI in its own session, as a terminal or a scheduler starts it (run_cli's command)."""
-    cmd = ([*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
+    """The CLI in its own session, as a terminal or a scheduler starts it (under the launch
+    scripts' torchrun with nproc ranks)."""
+    cmd = ([*LAUNCHER, "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
            if nproc else [sys.executable, "-m", "dlrm_hybrid", *args])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
@@ -76,8 +81,9 @@ def losses(run_dir: Path) -> list:
 
 def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp_path, launch,
                                                                             process_group):
-    """SIGTERM to torchrun, as SLURM and Kubernetes send it: it passes it on, the ranks stop at
-    one step, and the same command continues to the losses of an uninterrupted run."""
+    """SIGTERM to the launch scripts' torchrun, as SLURM and Kubernetes send it: it passes it on,
+    the ranks stop at one step, it exits 143 without a traceback, and the same command continues
+    to the losses of an uninterrupted run."""
     from dlrm_hybrid.config import load_config
     from dlrm_hybrid.train.checkpoint import complete_checkpoints
     from dlrm_hybrid.train.loop import train
@@ -97,12 +103,12 @@ def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp
     assert complete_checkpoints(checkpoint.parent) == [checkpoint]
     assert not list(checkpoint.parent.glob(".*.partial"))
     assert read_metrics(run_dir)[-1] == {"step": step, "stopped_by": "SIGTERM"}
-    # Nothing from the ranks on stderr: only torchrun's notices and its own SignalException
-    # (torchrun exits 1 after a signal, whatever its workers return).
-    assert run.returncode == 1
+    # Nothing from the ranks on stderr, no traceback: only torchrun's notices (its banner, the
+    # signal it passes on), and 128 + SIGTERM, where plain torchrun raises and exits 1.
+    assert run.returncode == 143, err
     lines = err.strip().splitlines()
-    assert not [l for l in lines if l.startswith("[rank")] and err.count("Traceback") == 1, err
-    assert lines[-1].endswith("got signal: 15") and len(lines) <= 45, err
+    assert not [l for l in lines if l.startswith("[rank")] and "Traceback" not in err, err
+    assert len(lines) <= 8, err
 
     resumed = run_cli(train_args(run_dir, SETTINGS), nproc=2)
     assert resumed.returncode == 0, failure(resumed)
