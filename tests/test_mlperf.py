@@ -20,7 +20,7 @@ from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.errors import TrainingDiverged
 from dlrm_hybrid.train.loop import train
-from dlrm_hybrid.train.mlperf_log import optimizer_name
+from dlrm_hybrid.train.mlperf_log import division, optimizer_name
 from dlrm_hybrid.train.run_schedule import run_schedule
 
 RULESET = "6.0.0"  # the newest training ruleset with dlrm_dcnv2 (6.1.0 has dlrmv4 instead)
@@ -185,6 +185,8 @@ def test_mlperf_settings_that_contradict_each_other_are_refused(overrides, messa
 def test_the_mlperf_configs_log_the_optimizer_they_run(config):
     cfg = load_config(str(ROOT / "configs" / config), ["train.mlperf_log=x.log"])
     assert (cfg.optim.embedding, cfg.optim.dense, optimizer_name(cfg)) == ("adagrad",) * 3
+    # QR tables are not the reference model: such a run is an open-division one
+    assert division(cfg) == ("open" if config == "mlperf_dcnv2_qr.yaml" else "closed")
 
 
 def test_the_schedule_is_twenty_evaluations_per_epoch_at_most_one_epoch():
