@@ -49,6 +49,18 @@ def test_synth_writes_a_dataset_that_train_reads(made):
     assert f"path: {made['dataset']}" in (made["run"] / "config.yaml").read_text()
 
 
+def test_synth_over_an_existing_file_is_a_one_line_error(made, tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine\n")
+    result = run_cli(["synth", "--config", str(made["dataset"].parent / "tiny.yaml"),
+                      "--output", str(taken)])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --output: {taken} exists and is not empty; choose a new folder"]
+    assert taken.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.txt"]
+
+
 def test_eval_scores_the_test_split_by_default(made):
     result = run_cli(["eval", "--checkpoint", str(made["checkpoint"])])
     assert result.returncode == 0, failure(result)

@@ -55,7 +55,7 @@ from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST, validation_rows
 from dlrm_hybrid.data.feature_spec import SPLITS
 from dlrm_hybrid.data.spec import DataSpec
-from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter
+from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter, check_new_output
 from dlrm_hybrid.errors import DataError
 
 NUM_NUMERICAL, NUM_CATEGORICAL = 13, 26
@@ -663,14 +663,7 @@ def _check_arguments(inputs, output, threshold, max_table_size, workers) -> None
                           f"got {max_table_size}")
     if workers < 1:
         raise ConfigError(f"--workers: must be at least 1, got {workers}")
-    check_new_output(output)
-
-
-def check_new_output(output) -> None:
-    """Fail before hours of reading, not when the writer starts."""
-    out = Path(output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--output: {output} exists and is not empty; choose a new folder")
+    check_new_output(output)  # before hours of reading, not when the writer starts
 
 
 # ---- command line -------------------------------------------------------------------------

@@ -18,6 +18,13 @@ from dlrm_hybrid.data.spec import DataSpec
 REPORT = "preprocess_report.json"  # what the preprocess commands say about a dataset, beside it
 
 
+def check_new_output(output) -> None:
+    """`output` is free for a new dataset: missing, or an empty folder (not a file)."""
+    out = Path(output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--output: {output} exists and is not empty; choose a new folder")
+
+
 class SplitBinaryWriter:
     """Appends samples to a dataset being built in a temporary folder next to `output`, and
     moves it into place only in `finish()` (or at the end of a `with` block that raised
@@ -25,8 +32,7 @@ class SplitBinaryWriter:
 
     def __init__(self, output: str, spec: DataSpec, splits: Sequence[str] = SPLITS) -> None:
         self.output = Path(output)
-        if self.output.exists() and any(self.output.iterdir()):
-            raise ConfigError(f"--output: {output} exists and is not empty; choose a new folder")
+        check_new_output(output)
         remove_stale_partials(self.output)
         self.tmp = self.output.with_name(partial_name(self.output.name))
         shutil.rmtree(self.tmp, ignore_errors=True)
