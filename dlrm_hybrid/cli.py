@@ -116,9 +116,11 @@ def run_eval(args) -> None:
 
 
 def run_export(args) -> None:
+    from dlrm_hybrid.serve.export import description_path
+
     outputs = [("--out", args.out)]
     if not args.state_dict:
-        outputs.append(("--out's description", str(Path(args.out).with_suffix(".json"))))
+        outputs.append(("--out's description", str(description_path(Path(args.out)))))
     refuse_overwriting_inputs(outputs, [("--checkpoint", args.checkpoint)], "export")
     if args.state_dict:
         from dlrm_hybrid.train.inference import export_checkpoint
@@ -131,7 +133,7 @@ def run_export(args) -> None:
         print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it with "
               f"weights_only=True into dlrm_hybrid.model.dlrm.build_model(...))")
         return
-    from dlrm_hybrid.serve.export import description_path, export_model
+    from dlrm_hybrid.serve.export import export_model
 
     description = export_model(args.checkpoint, args.out, args.quantize, args.table_overrides,
                                args.overrides)

@@ -17,7 +17,7 @@ from dlrm_hybrid.config import load_config
 from dlrm_hybrid.model.interactions import DotInteraction
 from dlrm_hybrid.train.cuda_graphs import DenseGraph
 from dlrm_hybrid.train.loop import train
-from dlrm_hybrid.train.precision import cpu_capability, cpu_has_native
+from dlrm_hybrid.train.precision import cpu_capability, cpu_has_native, onednn_has_kernel
 
 SMALL = ["train.progress_bar=false", "data.val_samples=2048", "data.global_batch_size=256",
          "train.log_every=1", "train.eval_every=0"]
@@ -333,9 +333,7 @@ def test_measuring_the_matmul_peak_stays_short_where_the_cpu_emulates_the_dtype(
     peaks = measure_peaks(torch.device("cpu"), dtype)
     assert time.perf_counter() - start < 10
     assert peaks.dtype == dtype and peaks.flops_per_s > 0 and peaks.bandwidth > 0
-    onednn_kernel = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
-                     torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}[dtype]()
-    if not onednn_kernel:
+    if not onednn_has_kernel(dtype):
         assert peaks.matmul_size < 2048
     assert measure_peaks(torch.device("cpu"), dtype, seconds=0).matmul_size == 256
 

@@ -52,11 +52,17 @@ def emulation_reason(dtype: torch.dtype, cpuinfo: str, env: Mapping[str, str]) -
 def cpu_emulation(dtype: torch.dtype) -> Optional[str]:
     """Why this CPU would compute `dtype` slowly (see `emulation_reason`), or None."""
     reason = emulation_reason(dtype, _cpuinfo(), os.environ)
-    supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
-                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
-    if reason is None and supported is not None and not supported():
+    if reason is None and not onednn_has_kernel(dtype):
         return "no oneDNN support"
     return reason
+
+
+def onednn_has_kernel(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes `dtype` at all (natively or by conversion); where it does not,
+    torch runs its reference kernels, 20-100x slower than fp32."""
+    supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}.get(dtype)
+    return supported is None or supported()
 
 
 def cpu_has_native(dtype: torch.dtype) -> bool:
