@@ -106,6 +106,9 @@ class TrainConfig:
     seed: int = 0  # model initialisation
     progress_bar: bool = True
     rank_logs: bool = False  # every rank also writes run_dir/rank_<r>.jsonl (its shards, losses, time)
+    # Rank 0 writes TensorBoard event files in run_dir/tensorboard: auto (when the tensorboard
+    # package is installed) | true (an error if it is not) | false.
+    tensorboard: str = "auto"
     precision: str = "fp32"  # fp32 | tf32 | bf16 | fp16 (autocast; fp16 with a loss scaler)
     # On a CPU whose oneDNN has no bf16/fp16 matmul (e.g. AVX2-only), that precision runs torch's
     # reference kernels, 20-100x slower than fp32: true computes in fp32 instead, with a warning.
@@ -162,6 +165,7 @@ CHOICES = {
     "parallel.exchange": ("pooled", "des", "auto"),
     "train.precision": ("fp32", "tf32", "bf16", "fp16"),
     "train.pipeline": ("auto", "enabled", "disabled"),
+    "train.tensorboard": ("auto", "true", "false"),
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
     "optim.dense": ("sgd", "adagrad", "adam"),
 }
@@ -243,6 +247,8 @@ def _check_type(key: str, hint: Any, value: Any) -> Any:
             return float(value)
         except ValueError:
             pass
+    if hint is str and isinstance(value, bool) and "true" in CHOICES.get(key, ()):
+        return str(value).lower()  # YAML reads true/false as booleans
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

@@ -18,7 +18,7 @@ from dlrm_hybrid.train.dataset_identity import (dataset_identity, identity_chang
                                                 readable_identity)
 
 MAY_CHANGE = ("train.max_steps", "train.log_every", "train.eval_every", "train.run_dir",
-              "train.progress_bar", "train.rank_logs", "train.precision",
+              "train.progress_bar", "train.rank_logs", "train.tensorboard", "train.precision",
               "train.precision_fallback", "train.cuda_graphs", "train.pipeline",
               "train.evals_per_epoch", "train.target_auc", "train.mlperf_log",
               "train.stop_grace_s", "data.loader", "data.prefetch", "parallel.", "checkpoint.")
