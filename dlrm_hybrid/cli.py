@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
+from dlrm_hybrid import curves
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data import criteo_tsv, day23, multi_hot, npy_days
 from dlrm_hybrid.errors import UserError
@@ -25,7 +26,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     _quiet_library_noise()
     commands = {"train": run_train, "plan": dry_run.run, "synth": run_synth, "eval": run_eval,
                 "export": run_export, "predict": run_predict, "preprocess": run_preprocess,
-                "bench": run_bench}
+                "bench": run_bench, "plot": curves.run}
     try:
         commands[args.command](args)
     except UserError as e:
@@ -80,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    curves.add_arguments(commands.add_parser(
+        "plot", help="draw runs' loss and AUC against steps and time (from metrics.jsonl)"))
     formats = commands.add_parser("preprocess", help="raw click logs -> split-binary dataset"
                                   ).add_subparsers(dest="format", required=True)
     criteo_tsv.add_arguments(formats.add_parser("criteo", help="Criteo TSV (Kaggle or 1TB, .gz ok)"))
@@ -101,8 +104,10 @@ def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def run_train(args) -> None:
     from dlrm_hybrid.parallel.process_group import world_size_from_env
+    from dlrm_hybrid.train.tensorboard_log import check_tensorboard
 
     cfg = load_config(args.config, args.overrides, world_size=world_size_from_env())
+    check_tensorboard(cfg.train.tensorboard)  # `true` without the package: before any work
     from dlrm_hybrid.train.loop import train  # after the config check: torchrec takes seconds
 
     run_distributed(lambda env: train(cfg, env), cfg.parallel.backend)

@@ -10,6 +10,8 @@ from typing import Optional
 from tqdm import tqdm
 
 from dlrm_hybrid.parallel.plan_file import save_plan
+from dlrm_hybrid.parallel.plan_report import describe
+from dlrm_hybrid.train.tensorboard_log import TensorBoardSink, check_tensorboard
 
 
 class MetricsLog:
@@ -19,6 +21,7 @@ class MetricsLog:
         self.enabled = rank == 0
         self.rank_logs = rank_logs
         self._file = self._rank_file = None
+        self._sink = None  # TensorBoard's copy of the records (train.tensorboard)
 
     def begin(self, cfg, plan, applied_sharding: dict, resumed: int = 0) -> None:
         """Once the run is known to start: the run directory with the resolved config, the plan
@@ -28,6 +31,8 @@ class MetricsLog:
         if self.enabled or self.rank_logs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.enabled:
+            if check_tensorboard(cfg.train.tensorboard):
+                self._sink = TensorBoardSink(self.run_dir, describe(plan), resumed)
             cfg.save(self.run_dir / "config.yaml")
             save_plan(plan, self.run_dir / "plan.json")
             (self.run_dir / "sharding.json").write_text(json.dumps(applied_sharding, indent=1))
@@ -45,6 +50,8 @@ class MetricsLog:
     def record(self, event: dict) -> None:
         """An event of the whole job (rank 0 writes it)."""
         _write(self._file, event)
+        if self._sink is not None:
+            self._sink.record(event)
 
     def record_rank(self, event: dict) -> None:
         """An event of this rank alone, kept only when rank logs were asked for."""
@@ -56,6 +63,8 @@ class MetricsLog:
             tqdm.write(line)
 
     def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
         for f in (self._file, self._rank_file):
             if f is not None:
                 f.close()
