@@ -104,7 +104,9 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate only at the end
     run_dir: str = "runs/default"
     seed: int = 0  # model initialisation
-    progress_bar: bool = True
+    # auto: rank 0's tqdm bar when stdout and stderr are terminals, else a line per log_every
+    # steps (a batch log gets no carriage returns) | true: the bar | false: the lines
+    progress_bar: str = "auto"
     rank_logs: bool = False  # every rank also writes run_dir/rank_<r>.jsonl (its shards, losses, time)
     # Rank 0 writes TensorBoard event files in run_dir/tensorboard: auto (when the tensorboard
     # package is installed) | true (an error if it is not) | false.
@@ -165,6 +167,7 @@ CHOICES = {
     "parallel.exchange": ("pooled", "des", "auto"),
     "train.precision": ("fp32", "tf32", "bf16", "fp16"),
     "train.pipeline": ("auto", "enabled", "disabled"),
+    "train.progress_bar": ("auto", "true", "false"),
     "train.tensorboard": ("auto", "true", "false"),
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
     "optim.dense": ("sgd", "adagrad", "adam"),

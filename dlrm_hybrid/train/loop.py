@@ -13,7 +13,6 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.day23 import require_reference_rule
@@ -34,7 +33,9 @@ from dlrm_hybrid.train.resume_rules import check_same_experiment
 from dlrm_hybrid.train.divergence import DivergenceGuard
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.mlperf_log import MLPerfLog
-from dlrm_hybrid.train.optim import advance_schedule, attach_embedding_optimizer, build_optimizer
+from dlrm_hybrid.train.optim import (advance_schedule, attach_embedding_optimizer, build_optimizer,
+                                     current_lrs)
+from dlrm_hybrid.train.progress import Progress
 from dlrm_hybrid.train.run_schedule import RunSchedule, run_schedule
 from dlrm_hybrid.train.step import TrainStep
 from dlrm_hybrid.train.stop_request import RunStopped, StopRequest, resume_hint
@@ -85,32 +86,39 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
                           on_device=train_step.pipeline is None)  # else the pipeline copies
     log.record({"step": first, "loader": batches.name, "step_driver": train_step.driver})
-    losses, train_time = [], 0.0
+    progress = Progress(first, steps, cfg.train.progress_bar, env.is_main)
+    losses, train_time, logged_time = [], 0.0, 0.0  # training seconds, in all and at the last log
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
     step = stop.step = first
     stopped = 0  # the signal the ranks agreed to stop on
     path = None  # the checkpoint of `step`, once written
-    for step in tqdm(range(first + 1, steps + 1), initial=first, total=steps, desc="train",
-                     unit="step", disable=not (env.is_main and cfg.train.progress_bar)):
+    for step in range(first + 1, steps + 1):
         start = time.perf_counter()
         loss = train_step(batches)
         guard.observe(loss)
         loss_sum += loss
         window += 1
-        train_time += time.perf_counter() - start
-        if step % cfg.train.log_every == 0 or step == steps:
-            log.record_rank({"step": step, "local_loss": loss_sum.item() / window,
-                             "train_seconds": train_time, **dmp.module.exchange_counter.take(window)})
+        logs = step % cfg.train.log_every == 0 or step == steps
+        if logs:  # waits for the device: the window's time includes the work it queued
             losses.append(global_mean(loss_sum, env) / window)
+        train_time += time.perf_counter() - start
+        if logs:
+            exchange = dmp.module.exchange_counter.take(window)
+            log.record_rank({"step": step, "local_loss": loss_sum.item() / window,
+                             "train_seconds": train_time, **exchange})
             guard.check_loss(losses[-1], step)
-            log.record({"step": step, "loss": losses[-1], "lr": schedule.get_last_lr()[-1],
-                        **train_step.precision.log_fields()})
+            progress.show(log.record(training_record(
+                step, losses[-1], window * B / (train_time - logged_time), train_step, cfg,
+                exchange)))
+            logged_time = train_time
             loss_sum.zero_()
             window = 0
+        progress.step()
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
             guard.check_state(dmp, step)
             path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
                                    train_step.state_dict(), run_id)
+            log.say(f"checkpoint: {path}")
         if run.evaluates_at(step):
             train_step.pause()
             metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
@@ -122,6 +130,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         if stopped:
             break
 
+    progress.close()
     batches.close()
     train_step.pause()
     if window:  # stopped (at the target, or on a signal) between two loss events
@@ -130,9 +139,10 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         guard.check_state(dmp, step)
         path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
                                train_step.state_dict(), run_id)
+        if not stopped:  # else the stop's line names it
+            log.say(f"checkpoint: {path}")
     if stopped:
         raise stopped_at(step, stopped, path, cfg, log)
-    log.say(f"checkpoint: {path}")
     if not target.hit:
         metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
         mlperf.run_stop(target.reached(metrics, env), run.epoch_num(step))
@@ -144,6 +154,18 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         log.say(done_line(step, losses[-1], metrics, samples_per_s, target.fields()))
     log.close()
     return TrainResult(step, losses, metrics, samples_per_s)
+
+
+def training_record(step: int, loss: float, samples_per_s: float, train_step: TrainStep,
+                    cfg: Config, exchange: dict) -> dict:
+    """metrics.jsonl's record of a log step: the loss and throughput of the steps since the
+    last one, the LRs of the next step (`lr` is `lr_dense`, as earlier versions wrote it) and
+    rank 0's embedding exchange bytes per step."""
+    lrs = current_lrs(train_step.optimizer, train_step.schedule, cfg.optim)
+    return {"step": step, "loss": loss, "samples_per_s": samples_per_s, "lr": lrs["lr_dense"],
+            **lrs, "exchange_fwd_bytes": exchange["exchange_fwd_bytes"],
+            "exchange_bwd_bytes": exchange["exchange_bwd_bytes"],
+            **train_step.precision.log_fields()}
 
 
 def stopped_at(step: int, signum: int, checkpoint: Path, cfg: Config, log: MetricsLog
@@ -194,13 +216,14 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
 def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog, step: int,
                      mlperf: MLPerfLog, run: RunSchedule) -> Dict[str, float]:
     mlperf.eval_start(run.epoch_num(step))
+    start = time.perf_counter()
     batches = make_loader(cfg.data, dataset, "val", env)
     metrics = evaluate(dmp, batches, env)
     batches.close()
     if metrics is None:
         return {}
     mlperf.eval_stop(metrics["val_auc"], run.epoch_num(step))
-    log.record({"step": step, **metrics})
+    log.record({"step": step, **metrics, "eval_s": time.perf_counter() - start})
     log.say(f"eval step {step}: {metrics_text(metrics)}")
     return metrics
 

@@ -4,6 +4,8 @@ lines, and, on request (`train.rank_logs`), every rank's own `rank_<r>.jsonl`.""
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +23,7 @@ class MetricsLog:
         self.enabled = rank == 0
         self.rank_logs = rank_logs
         self._file = self._rank_file = None
+        self.started = time.perf_counter()  # the run's start, for elapsed_s
         self._sink = None  # TensorBoard's copy of the records (train.tensorboard)
 
     def begin(self, cfg, plan, applied_sharding: dict, resumed: int = 0) -> None:
@@ -47,11 +50,14 @@ class MetricsLog:
                       for s in plan.shards_on(self.rank)]
             self.record_rank({"rank": self.rank, "shards": shards})
 
-    def record(self, event: dict) -> None:
-        """An event of the whole job (rank 0 writes it)."""
+    def record(self, event: dict) -> dict:
+        """An event of the whole job (rank 0 writes it), stamped with the time (unix seconds)
+        and the seconds since the run's start (`elapsed_s`); the stamped event is returned."""
+        event = {**event, "time": time.time(), "elapsed_s": time.perf_counter() - self.started}
         _write(self._file, event)
         if self._sink is not None:
             self._sink.record(event)
+        return event
 
     def record_rank(self, event: dict) -> None:
         """An event of this rank alone, kept only when rank logs were asked for."""
@@ -61,6 +67,7 @@ class MetricsLog:
         """Print on rank 0 without breaking the progress bar."""
         if self.enabled:
             tqdm.write(line)
+            sys.stdout.flush()  # a batch log shows it now
 
     def close(self) -> None:
         if self._sink is not None:

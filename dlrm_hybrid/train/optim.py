@@ -65,6 +65,16 @@ def advance_schedule(schedule: LambdaLR, step: int) -> None:
             schedule.step()
 
 
+def current_lrs(optimizer: CombinedOptimizer, schedule: LambdaLR, optim_cfg) -> dict:
+    """The LRs the next step trains with, for the run's record: the dense optimizer's, and the
+    fused embedding optimizer's param group's, which its `zero_grad()` hands to fbgemm. A rank
+    that holds no table has no fused param group: it reports the schedule's embedding LR."""
+    (_, fused), (_, dense) = optimizer.optimizers
+    embedding = (fused.param_groups[0]["lr"] if fused.param_groups else
+                 optim_cfg.embedding_lr * lr_factor(schedule.last_epoch, optim_cfg))
+    return {"lr_dense": dense.param_groups[0]["lr"], "lr_embedding": embedding}
+
+
 def lr_factor(step: int, optim_cfg) -> float:
     """Multiplier of the base LR at (0-based) `step`: warmup, hold, polynomial decay, floor."""
     c = optim_cfg
