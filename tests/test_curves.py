@@ -1,0 +1,253 @@
+"""Curves a user can look at: TensorBoard event files written by training (read back with
+TensorBoard's own reader) and `dlrm-hybrid plot` (images read back with matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import failure, read_metrics, run_cli
+
+TRAIN = ["train", "--config", "configs/demo.yaml", "--set", "data.global_batch_size=64",
+         "--set", "data.val_samples=2048", "--set", "train.log_every=5",
+         "--set", "train.eval_every=10", "--set", "train.progress_bar=false",
+         "--set", "checkpoint.every=10"]
+C0, C1 = (0.122, 0.467, 0.706), (1.0, 0.498, 0.055)  # matplotlib's first two line colours
+HEIGHT, WIDTH = 800, 1200
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A fresh 20-step run, and a copy of it resumed from its step 10 checkpoint to step 25
+    (steps 11-20 trained again)."""
+    root = tmp_path_factory.mktemp("curves")
+    fresh, resumed = root / "fresh", root / "resumed"
+    result = run_cli([*TRAIN, "--set", f"train.run_dir={fresh}", "--set", "train.max_steps=20"])
+    assert result.returncode == 0, failure(result)
+    shutil.copytree(fresh, resumed)
+    again = run_cli([*TRAIN, "--set", f"train.run_dir={resumed}", "--set", "train.max_steps=25",
+                     "--set", f"checkpoint.resume={resumed / 'checkpoints' / 'step_10'}"])
+    assert again.returncode == 0, failure(again)
+    return {"fresh": fresh, "resumed": resumed, "stdout": result.stdout}
+
+
+def _events(run_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0,
+                                                                           "tensors": 0})
+    events.Reload()
+    return events
+
+
+def _expected_scalars(run_dir: Path) -> dict:
+    """{tag: [(step, value, time)]}: each numeric field of metrics.jsonl's training records
+    (those with a loss) under train/, of its evaluations under eval/."""
+    expected = {}
+    for record in read_metrics(run_dir):
+        group = "eval" if "val_auc" in record else "train" if "loss" in record else None
+        if group is None:
+            continue
+        for key, value in record.items():
+            if key not in ("step", "time") and type(value) in (int, float):
+                expected.setdefault(f"{group}/{key}", []).append(
+                    (record["step"], float(np.float32(value)), record["time"]))
+    return expected
+
+
+def _assert_mirrors_metrics(run_dir: Path) -> None:
+    events = _events(run_dir)
+    expected = _expected_scalars(run_dir)
+    assert sorted(events.Tags()["scalars"]) == sorted(expected)
+    for tag, points in expected.items():
+        assert [(e.step, e.value, e.wall_time) for e in events.Scalars(tag)] == points, tag
+
+
+def test_tensorboard_mirrors_metrics_jsonl(runs):
+    """By default (tensorboard installed) the run writes event files whose scalars are
+    metrics.jsonl's fields: same tags, steps, values (float32) and wall times."""
+    fresh = runs["fresh"]
+    tags = _events(fresh).Tags()["scalars"]
+    assert {"train/loss", "train/samples_per_s", "train/lr_dense", "train/lr_embedding",
+            "eval/val_auc", "eval/val_logloss", "eval/eval_s"} <= set(tags)
+    assert [e.step for e in _events(fresh).Scalars("train/loss")] == [5, 10, 15, 20]
+    assert [e.step for e in _events(fresh).Scalars("eval/val_auc")] == [10, 20]
+    _assert_mirrors_metrics(fresh)
+
+
+def test_tensorboard_placement_text_is_the_printed_plan(runs):
+    lines = runs["stdout"].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("plan ("))
+    end = next(i for i, line in enumerate(lines) if line.startswith("imbalance"))
+    (text,) = _events(runs["fresh"]).Tensors("placement/text_summary")
+    placement = text.tensor_proto.string_val[0].decode()
+    for line in lines[start:end + 1]:
+        assert line in placement
+
+
+def test_resumed_run_has_one_tensorboard_value_per_step(runs):
+    """Steps 11-20 were trained twice: TensorBoard shows only the resumed attempt's values,
+    as metrics.jsonl does after the resume."""
+    resumed = runs["resumed"]
+    assert [e.step for e in _events(resumed).Scalars("train/loss")] == [5, 10, 15, 20, 25]
+    _assert_mirrors_metrics(resumed)
+
+
+def test_tensorboard_false_writes_no_events(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli([*TRAIN, "--set", f"train.run_dir={run_dir}", "--set", "train.max_steps=2",
+                      "--set", "data.val_samples=256", "--set", "train.tensorboard=false"])
+    assert result.returncode == 0, failure(result)
+    assert (run_dir / "metrics.jsonl").exists()
+    assert not (run_dir / "tensorboard").exists()
+
+
+def test_tensorboard_true_without_the_package_is_one_line(tmp_path):
+    shadow = tmp_path / "shadow" / "tensorboard"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named tensorboard')\n")
+    run_dir = tmp_path / "run"
+    result = run_cli([*TRAIN, "--set", f"train.run_dir={run_dir}", "--set", "train.max_steps=2",
+                      "--set", "train.tensorboard=true"],
+                     extra_env={"PYTHONPATH": str(shadow.parent)})
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines() == [
+        "error: train.tensorboard: true, but the tensorboard package is not installed; install "
+        "it (.venv/bin/pip install tensorboard) or set train.tensorboard=auto or false"]
+    assert not run_dir.exists()
+
+
+def test_tensorboard_auto_without_the_package_is_off(monkeypatch):
+    from dlrm_hybrid.train.tensorboard_log import check_tensorboard
+
+    assert check_tensorboard("auto")
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard: ImportError
+    assert not check_tensorboard("auto")
+
+
+# --- dlrm-hybrid plot, on metrics.jsonl files written here -------------------------------
+
+def _fabricate(run_dir: Path, timed: bool = True, scale: float = 1.0) -> Path:
+    """A run's metrics.jsonl: a start record, losses every 5 steps, evaluations every 20."""
+    run_dir.mkdir(parents=True)
+    records = [{"step": 0, "loader": "torch", "step_driver": "plain"}]
+    for step in range(5, 105, 5):
+        records.append({"step": step, "loss": scale * (0.45 + 0.3 / step), "lr_dense": 0.1})
+        if step % 20 == 0:
+            records.append({"step": step, "val_auc": 0.7 + scale * step / 1000,
+                            "val_logloss": 0.46})
+    if timed:
+        for record in records:
+            record.update(time=1.7e9 + 2 * record["step"], elapsed_s=2.0 * record["step"])
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+def _read_png(path: Path) -> np.ndarray:
+    import matplotlib.image
+
+    return matplotlib.image.imread(str(path))
+
+
+def _colour_pixels(image: np.ndarray, colour) -> np.ndarray:
+    """[[top left, top right], [bottom left, bottom right]]: pixels of `colour` in each panel
+    (loss / AUC against steps / time)."""
+    near = (np.abs(image[:, :, :3] - np.array(colour)) < 0.05).all(axis=2)
+    h, w = image.shape[0] // 2, image.shape[1] // 2
+    return np.array([[near[:h, :w].sum(), near[:h, w:].sum()],
+                     [near[h:, :w].sum(), near[h:, w:].sum()]])
+
+
+def test_plot_one_run_default_out(tmp_path):
+    run_dir = _fabricate(tmp_path / "alpha")
+    result = run_cli(["plot", str(run_dir)])
+    assert result.returncode == 0, failure(result)
+    assert result.stdout.strip() == f"plot: wrote {run_dir / 'curves.png'} (1 run)"
+    image = _read_png(run_dir / "curves.png")
+    assert image.shape[:2] == (HEIGHT, WIDTH)
+    assert image[:, :, :3].std() > 0.05
+    assert (_colour_pixels(image, C0) > 300).all()  # a curve in each of the four panels
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_plot_overlays_several_runs(tmp_path):
+    a = _fabricate(tmp_path / "a")
+    b = _fabricate(tmp_path / "b", scale=1.2)
+    out = tmp_path / "both.png"
+    result = run_cli(["plot", str(a), str(b), "--out", str(out)])
+    assert result.returncode == 0, failure(result)
+    image = _read_png(out)
+    assert image.shape[:2] == (HEIGHT, WIDTH)
+    assert (_colour_pixels(image, C0) > 300).all() and (_colour_pixels(image, C1) > 300).all()
+
+
+def test_plot_several_runs_default_out_is_the_current_folder(tmp_path):
+    a, b = _fabricate(tmp_path / "a"), _fabricate(tmp_path / "b", scale=1.2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "dlrm_hybrid", "plot", "a", "b"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert _read_png(tmp_path / "curves.png").shape[:2] == (HEIGHT, WIDTH)
+    assert not (a / "curves.png").exists() and not (b / "curves.png").exists()
+
+
+def test_plot_older_run_without_time_plots_against_steps(tmp_path):
+    run_dir = _fabricate(tmp_path / "old", timed=False)
+    result = run_cli(["plot", str(run_dir)])
+    assert result.returncode == 0, failure(result)
+    assert "no time panel for old" in result.stderr
+    pixels = _colour_pixels(_read_png(run_dir / "curves.png"), C0)
+    assert (pixels[:, 0] > 300).all() and (pixels[:, 1] == 0).all()
+
+
+def test_plot_skips_a_cut_last_line_and_the_resume_marker(tmp_path):
+    """A killed run's cut last line and a resume's `resumed` record (its superseded events
+    inside) leave the image as the clean record draws it."""
+    clean = _fabricate(tmp_path / "clean" / "run")
+    messy = _fabricate(tmp_path / "messy" / "run")
+    lines = (messy / "metrics.jsonl").read_text().splitlines()
+    superseded = [{"step": 60, "loss": 9.0, "time": 1.7e9, "elapsed_s": 999.0}]
+    lines.insert(12, json.dumps({"step": 50, "resumed": True, "superseded": superseded}))
+    (messy / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 105, "loss": 0.4')
+    results = [run_cli(["plot", str(d)]) for d in (clean, messy)]
+    assert [r.returncode for r in results] == [0, 0], failure(results[1])
+    assert f"skipped line {len(lines) + 1}, cut short" in results[1].stderr
+    assert np.array_equal(_read_png(clean / "curves.png"), _read_png(messy / "curves.png"))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "is not a folder"),
+    ("no_metrics", "holds no metrics.jsonl"),
+    ("empty", "has no loss or val_auc records yet"),
+    ("damaged", "line 2 is not a JSON record"),
+    ("out_is_input", "is the run record"),
+])
+def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, case, message):
+    good = _fabricate(tmp_path / "good")
+    run_dir, out = tmp_path / "run", tmp_path / "out.png"
+    if case == "no_metrics":
+        run_dir.mkdir()
+    elif case == "empty":
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text("")
+    elif case == "damaged":
+        _fabricate(run_dir)
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines[1] = lines[1][:10]
+        (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    elif case == "out_is_input":
+        run_dir, out = good, good / "metrics.jsonl"
+    before = out.read_bytes() if out.exists() else None
+    result = run_cli(["plot", str(good), str(run_dir), "--out", str(out)])
+    assert result.returncode == 2, failure(result)
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: plot: ") and message in line
+    assert (out.read_bytes() if out.exists() else None) == before
+    assert not list(tmp_path.rglob("*.png")) and not list(tmp_path.rglob("*.partial"))
