@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from dlrm_hybrid import curves
+from dlrm_hybrid import curves, rank_failure
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data import criteo_tsv, day23, multi_hot, npy_days
 from dlrm_hybrid.errors import UserError
@@ -228,11 +228,11 @@ def _fail(message: str) -> None:
     rank waits a moment first, so that when rank 0 failed too torchrun stops this rank before it
     repeats it (and a rank's own error, e.g. a file only its host lacks, is still said)."""
     rank = os.environ.get("RANK", "0")
-    if rank == "0":
-        print(f"error: {message}", file=sys.stderr)
-    else:
+    if rank != "0":
         time.sleep(FOLLOWER_ERROR_DELAY_S)
-        print(f"error (rank {rank}): {message}", file=sys.stderr)
+    line = f"error: {message}" if rank == "0" else f"error (rank {rank}): {message}"
+    print(line, file=sys.stderr)
+    rank_failure.record(line)  # for the launcher (dlrm_hybrid.torchrun)
     _exit(2)
 
 

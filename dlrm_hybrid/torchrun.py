@@ -1,23 +1,55 @@
 """torchrun as the launch scripts and `make demo` run it: `python -m dlrm_hybrid.torchrun ARGS`
-takes torchrun's own arguments. The one difference: when a signal (Ctrl-C, a scheduler's
-SIGTERM) stops the job, torchrun passes it on to the ranks, waits for them (they stop at a step,
-write a checkpoint and say so in one line), and then raises `SignalException`, whose ~30-line
-traceback would bury that line and exit 1; here it exits with 128 + the signal's number instead,
-as the ranks do, and prints nothing more."""
+takes torchrun's own arguments. The differences, all about how a job that cannot run ends:
+
+- `-m dlrm_hybrid train|eval ...`: the config is checked once before torchrun starts
+  (preflight.py); a mistake is one `error: ...` line and exit 2, as without torchrun.
+- Ranks that fail: the first rank's `error: ...` line stays the last line, and the exit code is
+  that rank's (2 for a user error), not torchrun's 1 after its ~45-line ChildFailedError
+  traceback and notices (rank_failure.py). A rank's own traceback is its own output, kept.
+- A signal (Ctrl-C, a scheduler's SIGTERM): torchrun passes it on to the ranks, waits for them
+  (they stop at a step, write a checkpoint and say so in one line), and then raises
+  `SignalException`, whose traceback would bury that line; here it exits with 128 + the
+  signal's number instead, as the ranks do, and prints nothing more.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
+from typing import List, Optional
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.run import main
+from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.preflight import check_launch
+
+# What torchrun's agent logs when a rank fails: the failure (said again at the end, or the
+# rank's own output says it) and its stopping the other ranks.
+AGENT_NOTICES = ("failed (exitcode: ", "Sending process ")
 
 
-def run() -> None:
+def run(argv: Optional[List[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        main()
+        check_launch(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run as torchrun
+
+    from dlrm_hybrid.rank_failure import summary
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not str(record.msg).startswith(AGENT_NOTICES))
+    try:
+        torchrun(parse_args(argv))  # torchrun's main() less its @record, which logs the failure
     except SignalException as stopped:
         sys.exit(128 + int(stopped.sigval))
+    except ChildFailedError as failed:
+        line, code = summary(failed.failures)
+        if line:
+            print(line, file=sys.stderr)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The launch wrappers' commands, as each would run them: stand-ins for python, nvidia-smi,
 docker, scontrol and srun on PATH record what they were asked (no training runs; the
-multi-host join itself is run in test_distributed.py)."""
+multi-host join itself is run in test_distributed.py). Then how a launch that cannot run ends:
+a config mistake before torchrun starts, an error only the ranks see after."""
 
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,8 +104,9 @@ def test_docker_run_mounts_data_and_runs_and_launches_single_node_inside(tools, 
         "dlrm_hybrid:test", "launch/single_node.sh", "configs/criteo_1tb_fl15.yaml",
         "--set", "train.run_dir=/workspace/runs/criteo_1tb_fl15", "--set", "data.path=/data"])]
     dockerfile = (ROOT / "Dockerfile").read_text().splitlines()  # the command runs from the
-    assert {"WORKDIR /workspace/dlrm_hybrid", "COPY launch ./launch", "COPY configs ./configs",
-            "ENTRYPOINT []"} <= set(dockerfile)  # checkout's copy, as itself
+    assert {"WORKDIR /workspace/dlrm_hybrid", "COPY launch ./launch",
+            "COPY configs ./configs"} <= set(dockerfile)  # checkout's copy, as itself, through
+    assert not [line for line in dockerfile if line.startswith("ENTRYPOINT")]  # NGC's entry point
 
     log.unlink()
     missing = launch("launch/docker_run.sh", args, folder)
@@ -126,3 +129,75 @@ def test_multi_node_restarts_from_the_newest_checkpoint_by_default(tools):
     missing = launch("launch/multi_node.sh", ["configs/demo.yaml"], folder, NNODES="4")
     assert missing.returncode != 0 and "set ENDPOINT=host:port" in missing.stderr
     assert not log.exists()
+
+
+def launch_on_cpu(args: list, tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """launch/single_node.sh with this interpreter and 2 CPU ranks; torchrun's files (it makes
+    a torchelastic_* folder when it starts) in tmp_path/tmp."""
+    (tmp_path / "tmp").mkdir()
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    environment.update(PYTHON=sys.executable, NPROC="2", OMP_NUM_THREADS="1",
+                       CUDA_VISIBLE_DEVICES="", TMPDIR=str(tmp_path / "tmp"))
+    return subprocess.run(["bash", "launch/single_node.sh", "configs/demo.yaml", *args], cwd=ROOT,
+                          env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("setting, error", [
+    ("model.embedding_dim=abc", "error: model.embedding_dim: expected int, got 'abc'"),
+    ("data.path=missing", "error: data.path: cannot read missing/feature_spec.yaml"),
+    ("data.global_batch_size=1023", "error: data.global_batch_size: 1023 is not divisible by "
+                                    "the world size 2"),
+    ("model.size=2", "error: model.size: unknown key")], ids=["value", "data", "world", "key"])
+def test_a_config_mistake_is_one_line_before_torchrun_starts(tmp_path, setting, error):
+    result = launch_on_cpu(["--set", setting, "--set", f"train.run_dir={tmp_path / 'run'}"],
+                           tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(error), result.stderr
+    assert not list((tmp_path / "tmp").iterdir()) and not (tmp_path / "run").exists()
+
+
+def test_eval_under_the_launcher_checks_its_config_first(tmp_path):
+    """The wrapper as `make demo` runs it (make demo takes no settings), running eval."""
+    (tmp_path / "tmp").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "dlrm_hybrid.torchrun", "--standalone", "--nproc_per_node=2",
+         "-m", "dlrm_hybrid", "eval", "--checkpoint", str(tmp_path / "step_5"), "--config",
+         "configs/nope.yaml"], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: config file configs/nope.yaml: cannot read (No such file or directory); check "
+        "the path"]
+    assert not list((tmp_path / "tmp").iterdir())
+
+
+def test_an_error_only_ranks_see_ends_the_launch_in_the_ranks_line(tmp_path):
+    """nccl on a host without GPUs: the ranks find out (the launcher imports no torch). Their
+    line is the last one, with their exit code; torchrun's traceback and notices are gone."""
+    result = launch_on_cpu(["--set", "parallel.backend=nccl"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    said = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert said == ["error: parallel.backend: nccl needs one GPU per local rank, found 0 GPUs "
+                    "for 2 ranks; use fewer ranks or parallel.backend=gloo"], result.stderr
+    assert result.stderr.strip().splitlines()[-1] == said[0]
+    assert not any(word in result.stderr for word in ("Traceback", "ChildFailedError", "FAILED"))
+
+
+def test_failed_ranks_end_with_the_first_cause_and_its_exit_code(tmp_path, monkeypatch):
+    """Which line the launcher ends with, and its exit code, for failures as torchrun reports
+    them (in the order it saw the ranks end; those it stopped come last)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from dlrm_hybrid.rank_failure import record, summary
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    record("error: data.path: cannot read d/train/label.bin")
+    user = ProcessFailure(0, 100, 2, str(tmp_path / "error.json"))
+    crashed, killed, stopped = (ProcessFailure(1, 101, code, str(tmp_path / "none.json"))
+                                for code in (1, -9, -15))
+    assert summary({0: user, 1: stopped}) == (None, 2)  # its own line is the last
+    assert summary({1: crashed, 0: user}) == ("error: data.path: cannot read d/train/label.bin",
+                                              2)  # said again below the crash's traceback
+    assert summary({1: crashed, 0: stopped}) == ("error: rank 1 exited with code 1", 1)
+    assert summary({1: killed, 0: stopped}) == ("error: rank 1 was killed by SIGKILL", 137)
