@@ -11,9 +11,10 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 nproc=${NPROC:-$([ "${gpus:-0}" -gt 0 ] && echo "$gpus" || echo 2)}
 # Restarted workers must not reuse the rendezvous store of the attempt before (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# torchrun (dlrm_hybrid.torchrun: torchrun, one line on a signal) as a module of PYTHON (default:
-# this checkout's .venv, else `python` on PATH): in a venv that sees a system torch, the `torchrun`
-# on PATH runs the system Python.
+# torchrun as dlrm_hybrid.torchrun (the config checked once before any rank starts; a failure
+# or a signal ends in the ranks' one line and exit code), a module of PYTHON (default:
+# this checkout's .venv, else `python` on PATH): in a venv that sees a system
+# torch, the `torchrun` on PATH runs the system Python.
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$([ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python)}
 exec "$python" -m dlrm_hybrid.torchrun --nnodes="${NNODES:?set NNODES}" --nproc_per_node="$nproc" \
