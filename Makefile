@@ -1,12 +1,20 @@
 # `make demo` trains the default config; `make test` runs the tests. Both create or reuse .venv.
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
+# VENV= (empty): no venv: install into $(PYTHON) itself, as the Dockerfile does into the NGC
+# image's Python (with TORCH=system); the install's state then goes in its prefix's share/.
+ifeq ($(VENV),)
+  PY := $(PYTHON)
+  STATE := $(shell $(PYTHON) -c 'import sys; print(sys.prefix)')/share/dlrm_hybrid
+else
+  PY := $(VENV)/bin/python
+  STATE := $(VENV)
+endif
 # TORCH: the torch release to install (default 2.13.0), or `system` to keep the torch the
 # environment already has (an NGC container, a GPU host): the venv is then created with
 # --system-site-packages, or an existing one is used as it is. fbgemm-gpu and torchrec follow
-# the torch from install/torch_versions.txt. The choice is remembered in $(VENV)/.torch.
-TORCH ?= $(shell cat $(VENV)/.torch 2>/dev/null || echo 2.13.0)
+# the torch from install/torch_versions.txt. The choice is remembered in $(STATE)/.torch.
+TORCH ?= $(shell cat $(STATE)/.torch 2>/dev/null || echo 2.13.0)
 ifeq ($(TORCH),system)
   VENV_FLAGS := --system-site-packages
   TORCH_ARG := --keep-torch
@@ -22,7 +30,7 @@ else
 endif
 # FBGEMM: auto (the CUDA build where torch has CUDA and the NVIDIA driver is installed), cuda, cpu.
 FBGEMM ?= auto
-STAMP := $(VENV)/.installed-torch-$(TORCH)-fbgemm-$(FBGEMM)-gpus-$(GPUS)
+STAMP := $(STATE)/.installed-torch-$(TORCH)-fbgemm-$(FBGEMM)-gpus-$(GPUS)
 
 .PHONY: demo test install clean
 
@@ -36,10 +44,10 @@ install: $(STAMP)
 
 $(STAMP): requirements.txt setup.py Makefile install/setup_env.py install/torch_versions.txt \
           dlrm_hybrid/csrc/cpu_lookup.c
-	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	rm -f $(VENV)/.installed-*
+	$(if $(VENV),test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV),mkdir -p $(STATE))
+	rm -f $(STATE)/.installed-*
 	$(PY) install/setup_env.py $(TORCH_ARG) --fbgemm $(FBGEMM)
-	echo $(TORCH) > $(VENV)/.torch
+	echo $(TORCH) > $(STATE)/.torch
 	touch $@
 
 clean:

@@ -6,8 +6,10 @@ setup(
     description="Hybrid-parallel DLRM training: model-parallel embeddings, data-parallel MLPs",
     packages=find_packages(include=["dlrm_hybrid", "dlrm_hybrid.*"]),
     python_requires=">=3.10",
-    # Installed by the Makefile because torchrec must go in with --no-deps and fbgemm must match
-    # the machine (CPU or CUDA build); see DESIGN.md "Version set".
+    # None here: `make install` (install/setup_env.py) installs them, since fbgemm-gpu and
+    # torchrec must be the pair built for the torch found (install/torch_versions.txt), fbgemm in
+    # the build the machine loads (CPU or CUDA), and torchrec with --no-deps, as it declares the
+    # CUDA build, which fails to load on a CPU machine and overwrites the CPU build's files.
     install_requires=[],
     # A plain C library loaded with ctypes (no Python API inside): the CPU embedding id check and
     # SGD update, see dlrm_hybrid/parallel/cpu_lookup.py. Without it those run in fbgemm.

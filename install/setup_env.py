@@ -8,6 +8,11 @@ with and the machine has (`fbgemm-gpu`, the CUDA build, where torch has CUDA and
 driver is installed, since it does not load without the driver's libnvidia-ml; else
 `fbgemm-gpu-cpu`, which runs under a CUDA torch too), and torchrec goes in with `--no-deps`: it
 declares the CUDA fbgemm-gpu, which on a CPU build fails to load and overwrites the CPU files.
+
+It installs into the Python that runs it: a venv's (`make install`), or an image's own Python
+(`make install VENV=`, as the Dockerfile does on NGC's image). A DALI that Python already imports
+is kept (NGC's images ship one built for their CUDA), not joined by requirements.txt's. The
+install ends with `pip check`: every line it adds must be one of KNOWN_UNMET, else it fails.
 Only the standard library is used, since nothing else may be installed yet.
 """
 
@@ -27,6 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MLPERF_LOGGING = "mlperf-logging==4.1.68"  # train.mlperf_log (MLPerf Training logs)
 TABLE = Path(__file__).resolve().parent / "torch_versions.txt"
 PIP = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+UNMET = re.compile(r"(\S+) \S+ requires (\S+), which is not installed\.")
+# What the install imports at its end: our package and the modules it uses beside it, among
+# them mlperf-logging's, which must load without pandas and scipy.
+MODULES = ["dlrm_hybrid", "torchmetrics.functional.classification", "mlperf_logging.mllog",
+           "mlperf_logging.compliance_checker.mlp_compliance"]
 
 
 class Pair(NamedTuple):
@@ -131,6 +141,63 @@ def remove_other_build(fbgemm: str) -> None:
             raise InstallError(f"`pip uninstall {other} {fbgemm}` failed (its output is above)")
 
 
+def importable_dali() -> str | None:
+    """The DALI this Python already imports ("2.4.0 at PATH"), or None: an NGC image ships one
+    built for its CUDA, and requirements.txt's, another distribution of the same files, would
+    overwrite it."""
+    probe = "import nvidia.dali as d; print(d.__version__, 'at', d.__file__)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return result.stdout.strip().splitlines()[-1] if result.returncode == 0 else None
+
+
+def requirements(keep_dali: bool) -> str:
+    """requirements.txt, less its nvidia-dali line where a DALI is kept."""
+    lines = (ROOT / "requirements.txt").read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if not (keep_dali and line.startswith("nvidia-dali")))
+
+
+def known_unmet(fbgemm: str) -> set[tuple[str, str]]:
+    """`pip check`'s (distribution, missing requirement) pairs this install leaves on purpose."""
+    known = {("mlperf-logging", "pandas"), ("mlperf-logging", "scipy")}  # --no-deps, see install
+    if fbgemm == "fbgemm-gpu-cpu":  # torchrec declares the CUDA build; this one stands in for it
+        known.add(("torchrec", "fbgemm-gpu"))
+    return known
+
+
+def pip_check() -> set[str]:
+    """`pip check`'s complaints about this environment, one per line (none when it passes)."""
+    result = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
+    return set(result.stdout.strip().splitlines()) if result.returncode != 0 else set()
+
+
+def unexpected(lines: set[str], fbgemm: str) -> list[str]:
+    """The `pip check` lines that are not known_unmet(fbgemm)."""
+    def pair(line: str) -> tuple[str, ...] | None:
+        match = UNMET.fullmatch(line)
+        return match and tuple(re.sub(r"[-_.]+", "-", name).lower() for name in match.groups())
+    return sorted(line for line in lines if pair(line) not in known_unmet(fbgemm))
+
+
+def check_requirements(before: set[str], fbgemm: str) -> None:
+    """Fails on a `pip check` line the install added that is not a known one; lines that were
+    there before it (an image's own packages) are shown and left alone."""
+    after = pip_check()
+    wrong = unexpected(after, fbgemm)
+    added = [line for line in wrong if line not in before]
+    for line in wrong:
+        if line in before:
+            print(f"setup_env: pip check, there before this install, left as is: {line}")
+    if added:
+        print(*added, sep="\n", file=sys.stderr, flush=True)
+        more = f" (and {len(added) - 1} more, above)" if len(added) > 1 else ""
+        raise InstallError(f"`pip check` after the install: {added[0].rstrip('.')}{more}; make "
+                           f"the pins in requirements.txt and install/torch_versions.txt agree "
+                           f"with it")
+    for line in sorted(after - set(wrong)):
+        print(f"setup_env: pip check, known (install/setup_env.py known_unmet): {line}")
+    print("setup_env: pip check: nothing else", flush=True)
+
+
 def pip(*args: str) -> None:
     result = subprocess.run([*PIP, *args])
     if result.returncode != 0:
@@ -138,6 +205,7 @@ def pip(*args: str) -> None:
 
 
 def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> dict:
+    before = pip_check()
     if torch_version is not None:
         pair_for(torch_version, table)  # an unknown release fails before anything is installed
         pip(f"torch=={torch_version}")
@@ -151,34 +219,41 @@ def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> di
         print(f"setup_env: keeping the torch inside {sys.prefix}, which does not see the system "
               f"site-packages; for the system's torch, remove it first (make clean)", flush=True)
     remove_other_build(fbgemm)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
+    dali = importable_dali()
+    if dali:
+        print(f"setup_env: keeping the DALI this Python has (nvidia.dali {dali}); "
+              f"requirements.txt's nvidia-dali is not installed", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
         # Whatever a requirement declares, the torch found stays: pip fails instead of replacing
         # it. The distribution's version, not torch.__version__: PyPI's CUDA wheels say "2.11.0"
         # in their metadata and "2.11.0+cu130" at run time.
-        constraints.write(f"torch=={torch_info['dist']}\n")
-        constraints.flush()
-        pip("-c", constraints.name, f"{fbgemm}=={pair.fbgemm}", "-r", str(ROOT / "requirements.txt"))
+        constraints, wanted = Path(folder, "constraints.txt"), Path(folder, "requirements.txt")
+        constraints.write_text(f"torch=={torch_info['dist']}\n")
+        wanted.write_text(requirements(keep_dali=dali is not None))
+        pip("-c", str(constraints), f"{fbgemm}=={pair.fbgemm}", "-r", str(wanted))
     pip("--no-deps", f"torchrec=={pair.torchrec}")
-    # mllog and the compliance checker need only pyyaml; the pandas and scipy it declares serve
-    # its result summarizer and RCP checker, which this program does not use (about 60 MB).
+    # mllog and the compliance checker need only pyyaml (MODULES imports them below); the pandas
+    # and scipy it declares serve its result summarizer and RCP checker, which this program does
+    # not use (160 MB installed). `pip check` names them: known_unmet.
     pip("--no-deps", MLPERF_LOGGING)
     pip("--no-deps", "--no-build-isolation", "-e", str(ROOT))
     after = installed_torch()
     if (after["version"], after["file"]) != (torch_info["version"], torch_info["file"]):
         raise InstallError(f"torch changed during the install: {torch_info['version']} at "
                            f"{torch_info['file']} became {after['version']} at {after['file']}")
-    modules = "fbgemm_gpu, torchrec, dlrm_hybrid"
+    modules = ["fbgemm_gpu", "torchrec", *MODULES]
     if fbgemm == "fbgemm-gpu" and not nvidia_driver():
         # A docker build has no driver, and the CUDA build needs it to load.
-        print("setup_env: no NVIDIA driver here, so only dlrm_hybrid is imported now; "
-              "fbgemm_gpu and torchrec load where the GPUs are", flush=True)
-        modules = "dlrm_hybrid"
-    check = subprocess.run([sys.executable, "-c", f"import {modules}"], capture_output=True,
-                           text=True)
+        print("setup_env: no NVIDIA driver here, so fbgemm_gpu and torchrec are not imported "
+              "now; they load where the GPUs are", flush=True)
+        modules = MODULES
+    check = subprocess.run([sys.executable, "-c", f"import {', '.join(modules)}"],
+                           capture_output=True, text=True)
     if check.returncode != 0:
         last = (check.stderr.strip().splitlines() or ["no output"])[-1]
-        raise InstallError(f"installed, but `import {modules}` fails under torch "
+        raise InstallError(f"installed, but `import {', '.join(modules)}` fails under torch "
                            f"{after['version']}: {last}")
+    check_requirements(before, fbgemm)
     return after
 
 

