@@ -11,22 +11,63 @@ from typing import List, Optional
 
 import pytest
 
+from cli_zygote import Zygote, needs_fresh
+
+pytest_plugins = ["suite_timing"]
+
 ROOT = Path(__file__).resolve().parents[1]
 # torchrun as a module of this interpreter: in a venv that sees a system torch (TORCH=system), the
 # `torchrun` script on PATH belongs to the system Python, which does not see this package.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+SESSION_ENV = dict(os.environ)  # before any test changes it: the zygote's environment
+_zygote: Optional[Zygote] = None
+_fresh_cli = False  # --fresh-cli
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fresh-cli", action="store_true", help="run_cli: start every run as a "
+                     "fresh `python -m dlrm_hybrid` / torchrun, not forked from the CLI zygote")
 
 
 def run_cli(args: List[str], nproc: int = 0, timeout: int = 300,
-            extra_env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    """`python -m dlrm_hybrid ARGS`, or under `torchrun --nproc_per_node=nproc` when nproc > 0."""
+            extra_env: Optional[dict] = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m dlrm_hybrid ARGS`, or under `torchrun --nproc_per_node=nproc` when nproc > 0.
+
+    Forked from the CLI zygote (tests/cli_zygote.py: the same run without ~3 s of imports per
+    process), unless `fresh`, `--fresh-cli`, or `extra_env` sets what libraries read when they
+    load (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY, PYTHONPATH...): then a real interpreter/torchrun."""
+    global _zygote
     if nproc:
         cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
     else:
         cmd = [sys.executable, "-m", "dlrm_hybrid", *args]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update({"OMP_NUM_THREADS": "1", **(extra_env or {})})
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = _cli_env(os.environ, extra_env)
+    if fresh or _fresh_cli or needs_fresh(env, _cli_env(SESSION_ENV)):
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    if _zygote is None:
+        _zygote = Zygote(_cli_env(SESSION_ENV))
+    return _zygote.run(args, env, ROOT, nproc, timeout, cmd)
+
+
+def _cli_env(base, extra_env: Optional[dict] = None) -> dict:
+    env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+
+
+def pytest_configure(config):
+    global _fresh_cli
+    _fresh_cli = config.getoption("--fresh-cli")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cli_zygote():
+    """The zygote lives for the session: started by the first run_cli, ended here."""
+    yield
+    global _zygote
+    if _zygote is not None:
+        _zygote.close()
+        _zygote = None
 
 
 def failure(result: subprocess.CompletedProcess) -> str:

@@ -1,0 +1,278 @@
+"""The CLI zygote: `python -m dlrm_hybrid ARGS` for the tests without the interpreter's start-up.
+
+A fresh `python -m dlrm_hybrid train ...` spends ~3 s importing torch, torchrec and fbgemm before
+it does anything, a 2-rank torchrun launch ~4-5 s. The zygote is one process that imports them
+once and then forks, per run, a process that runs the CLI as `python -m dlrm_hybrid` would: the
+run's own working directory and environment (os.environ replaced), stdout and stderr to the
+caller's files, the exit code the interpreter would give (SystemExit's code; 1 after an uncaught
+exception's traceback). A run of N ranks forks N processes with the environment torchrun gives
+its workers (each forms its own gloo group, as under torchrun); they share stdout and stderr, and
+when one fails the others are stopped (SIGTERM, SIGKILL after STOP_GRACE_S) and the job's code is
+the failed rank's (torchrun's own is 1; a rank killed by signal N gives -N, as subprocess says).
+
+Fork-safe by construction: the zygote only imports, never runs a torch op, and holds one thread
+(asserted before every fork), so that OpenMP, oneDNN and gloo start in the forked run as they do
+in a fresh interpreter. What differs from one, and so must run fresh (the caller routes it): an
+environment that the imported libraries read when loaded (FRESH_ENV_PREFIXES).
+
+Processes: zygote -> job (fork per request, waits for the ranks) -> rank(s) (fork, each a session
+leader like torchrun's workers). Protocol, one SOCK_SEQPACKET connection per run: the request is a
+JSON message {argv, env, cwd, nproc} carrying the stdout and stderr descriptors (SCM_RIGHTS); the
+answer {"returncode": n} or {"error": text}. The caller closing the connection stops the run (its
+timeout). The zygote ends when its stdin closes (the test session ended or died).
+
+usage: python tests/cli_zygote.py LISTENING_SOCKET_FD   (Zygote below starts it)
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import locale
+import os
+import random
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+# What train, eval, export, predict and bench import (torch, torchrec and fbgemm among them).
+PRELOAD = ("torch", "torchrec", "fbgemm_gpu", "torch.utils.tensorboard", "torchmetrics",
+           "dlrm_hybrid.cli", "dlrm_hybrid.parallel.host_memory",
+           "dlrm_hybrid.parallel.process_group", "dlrm_hybrid.train.loop",
+           "dlrm_hybrid.train.inference", "dlrm_hybrid.serve.export", "dlrm_hybrid.serve.predict",
+           "dlrm_hybrid.bench.run")
+# Read by the interpreter or by libraries when they load (libgomp: OMP_NUM_THREADS; ATen: its
+# CPU capability; oneDNN: its ISA limit; the dynamic loader; Python itself): a run whose value
+# differs from the zygote's cannot be a fork of it.
+FRESH_ENV_PREFIXES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_",
+                      "ATEN_", "TORCH_CPP_", "MALLOC_")
+STOP_GRACE_S = 5.0
+MESSAGE_BYTES = 1 << 20
+
+
+def needs_fresh(env: Dict[str, str], zygote_env: Dict[str, str]) -> bool:
+    """Whether a run in `env` must start a fresh interpreter rather than fork the zygote."""
+    return any(key.startswith(FRESH_ENV_PREFIXES) and env.get(key) != zygote_env.get(key)
+               for key in set(env) | set(zygote_env))
+
+
+class Zygote:
+    """The test session's side: starts the zygote and sends it runs."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.env = dict(env)
+        self._address = f"\0dlrm_hybrid-cli-zygote-{os.getpid()}-{os.urandom(4).hex()}"
+        self._log = tempfile.TemporaryFile()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+            listener.bind(self._address)
+            listener.listen(16)  # runs sent before the zygote is ready wait here
+            self._process = subprocess.Popen(
+                [sys.executable, __file__, str(listener.fileno())], cwd=ROOT, env=self.env,
+                stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
+                pass_fds=[listener.fileno()])
+
+    def run(self, argv: List[str], env: Dict[str, str], cwd: Path, nproc: int, timeout: float,
+            cmd: List[str]) -> subprocess.CompletedProcess:
+        """`cmd` (`python -m dlrm_hybrid ARGV`, under torchrun for nproc > 0) as subprocess.run
+        with capture_output=True, text=True would give it, forked from the zygote."""
+        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc})
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn, \
+                tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                conn.connect(self._address)
+            except OSError as e:
+                raise RuntimeError(f"the CLI zygote is gone ({e}): {self.log_tail()}") from None
+            socket.send_fds(conn, [request.encode()], [out.fileno(), err.fileno()])
+            conn.settimeout(timeout)
+            try:
+                answer = conn.recv(MESSAGE_BYTES)
+            except socket.timeout:
+                conn.close()  # the job stops its ranks
+                raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
+            if not answer:
+                raise RuntimeError(f"the CLI zygote ended a run without an answer: "
+                                   f"{self.log_tail()}")
+            reply = json.loads(answer)
+            if "error" in reply:
+                raise RuntimeError(f"the CLI zygote could not run {argv}: {reply['error']}")
+            return subprocess.CompletedProcess(cmd, reply["returncode"], _text(out), _text(err))
+
+    def log_tail(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        self._process.stdin.close()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._log.close()
+
+
+def _text(file) -> str:
+    """What subprocess's text mode gives: the locale's decoding, universal newlines."""
+    file.seek(0)
+    data = file.read().decode(locale.getpreferredencoding(False))
+    return data.replace("\r\n", "\n").replace("\r", "\n")
+
+
+# --- the zygote process ----------------------------------------------------------------------
+
+def _assert_one_thread() -> None:
+    """Forking a process with other threads copies their locks in whatever state they are."""
+    threads = len(os.listdir("/proc/self/task"))
+    assert threads == 1, f"the CLI zygote has {threads} threads; it must fork with one"
+
+
+def serve(listener_fd: int) -> Optional[List[str]]:
+    """The zygote's loop. Returns None when the session ends; in a forked rank, returns the
+    CLI's arguments (the rank then runs them from the top level, outside this loop)."""
+    sys.path[0] = str(ROOT)  # `python -m` from the checkout: the package from there
+    for module in PRELOAD:
+        importlib.import_module(module)
+    listener = socket.socket(fileno=listener_fd)
+    while True:
+        ready, _, _ = select.select([listener, 0], [], [], 1.0)
+        _reap_jobs()
+        if 0 in ready:  # stdin closed: the session is over
+            return None
+        if listener in ready:
+            conn, _ = listener.accept()
+            _assert_one_thread()
+            if os.fork() == 0:
+                listener.close()
+                return _job(conn)
+            conn.close()
+
+
+def _reap_jobs() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def _job(conn: socket.socket) -> List[str]:
+    """One run: fork its rank(s), wait for them, answer. Returns only in a rank."""
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 2)
+        request = json.loads(message)
+        nproc = request["nproc"]
+        envs = [request["env"]] if not nproc else _rank_envs(request["env"], nproc)
+        pids = []
+        for env in envs:
+            _assert_one_thread()
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                _become_rank(env, request["cwd"], *fds)
+                return request["argv"]
+            pids.append(pid)
+        for fd in fds:
+            os.close(fd)
+        conn.send(json.dumps({"returncode": _wait(pids, conn)}).encode())
+    except BaseException:
+        try:
+            conn.send(json.dumps({"error": traceback.format_exc()}).encode())
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def _rank_envs(env: Dict[str, str], nproc: int) -> List[Dict[str, str]]:
+    """What torchrun --standalone --nproc_per_node=nproc gives each worker (less its agent's
+    store and error files, which only torchrun's agent reads)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = {"WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc, "ROLE_WORLD_SIZE": nproc,
+           "GROUP_RANK": 0, "GROUP_WORLD_SIZE": 1, "ROLE_NAME": "default",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": 0,
+           "TORCHELASTIC_MAX_RESTARTS": 0, "TORCHELASTIC_RUN_ID": f"zygote-{os.getpid()}",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": 1}
+    return [{**env, **{k: str(v) for k, v in job.items()},
+             "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)} for r in range(nproc)]
+
+
+def _become_rank(env: Dict[str, str], cwd: str, out: int, err: int) -> None:
+    """Turn this fork into the fresh process the run would have been."""
+    try:
+        os.setsid()  # its own process group, stopped as one, like torchrun's workers
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in (devnull, out, err):
+            os.close(fd)
+        sys.path[0] = os.getcwd()  # as `python -m` sets it
+        random.seed()  # a fresh interpreter seeds these from the OS, not from the zygote
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+
+
+def _wait(pids: List[int], conn: socket.socket) -> int:
+    """Wait for the ranks as torchrun does: all succeed, or the first to fail ends the job.
+    The connection becoming readable means the caller gave up (timeout): stop everything."""
+    running = {os.pidfd_open(pid): pid for pid in pids}
+    code = 0
+    while running and not code:
+        ready, _, _ = select.select([conn, *running], [], [])
+        if conn in ready:
+            code = -signal.SIGKILL
+            break
+        fd = ready[0]
+        code = os.waitstatus_to_exitcode(os.waitpid(running.pop(fd), 0)[1])
+        os.close(fd)
+    _stop(running)
+    for pid in pids:  # what a rank left behind in its group
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return code
+
+
+def _stop(running: Dict[int, int]) -> None:
+    """SIGTERM to the ranks still running, SIGKILL to those left after STOP_GRACE_S."""
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
+        for pid in running.values():
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + (grace if grace is not None else 60)
+        while running and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(running), [], [], deadline - time.monotonic())
+            for fd in ready:
+                os.waitpid(running.pop(fd), 0)
+                os.close(fd)
+
+
+def _main() -> None:
+    argv = serve(int(sys.argv[1]))
+    if argv is None:  # the session is over; nothing to flush or tear down
+        os._exit(0)
+    sys.argv = [sys.argv[0], *argv]  # a rank: exactly what `python -m dlrm_hybrid ARGV` runs
+    runpy.run_module("dlrm_hybrid", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _main()

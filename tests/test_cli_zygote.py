@@ -1,0 +1,54 @@
+"""The test infrastructure itself: runs forked from the CLI zygote (tests/cli_zygote.py) are the
+runs a fresh interpreter and torchrun give, and the per-file timing notice (suite_timing.py)."""
+
+import pytest
+
+from cli_zygote import needs_fresh
+from conftest import done_fields, failure, read_metrics, run_cli
+from suite_timing import grown
+
+SHORT = ["train.max_steps=4", "train.log_every=1", "train.eval_every=0", "data.val_samples=2048",
+         "train.progress_bar=false", "checkpoint.every=0"]
+
+
+def test_a_two_rank_train_forked_from_the_zygote_is_the_torchrun_one(tmp_path):
+    runs = {}
+    for fresh in (False, True):
+        run_dir = tmp_path / ("torchrun" if fresh else "zygote")
+        result = run_cli(["train", "--config", "configs/demo.yaml", *[
+            a for o in [*SHORT, f"train.run_dir={run_dir}"] for a in ("--set", o)]],
+            nproc=2, fresh=fresh)
+        assert result.returncode == 0, failure(result)
+        done = done_fields(result.stdout)
+        del done["samples_per_s"]
+        runs[fresh] = done, [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+    assert len(runs[True][1]) == 4
+    assert runs[False] == runs[True]
+
+
+def test_a_failing_rank_ends_the_zygote_job_with_its_code(request):
+    """Every rank meets the config error; rank 0 says it at once and exits 2, the other waits
+    before it would repeat it, and is stopped then, as torchrun stops it."""
+    if request.config.getoption("--fresh-cli"):
+        pytest.skip("about the zygote; --fresh-cli runs torchrun")
+    result = run_cli(["train", "--config", "configs/demo.yaml", "--set", "model.embedding_dim=7"],
+                     nproc=2)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: model.embedding_dim: 7 is not a multiple of 4, which fbgemm's embedding tables "
+        "need (CPU and GPU); use 4 or 8"]
+
+
+def test_runs_whose_environment_libraries_read_when_loaded_start_fresh():
+    zygote = {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    assert not needs_fresh({**zygote, "WORLD_SIZE": "2", "PATH": "/usr/bin"}, zygote)
+    assert needs_fresh({**zygote, "OMP_NUM_THREADS": "2"}, zygote)
+    assert needs_fresh({**zygote, "ATEN_CPU_CAPABILITY": "avx2"}, zygote)
+    assert needs_fresh({**zygote, "PYTHONPATH": "/elsewhere"}, zygote)
+    assert needs_fresh({"PATH": "/bin"}, zygote)  # OMP_NUM_THREADS unset: the library default
+
+
+def test_the_timing_notice_names_files_well_over_their_recorded_time():
+    recorded = {"tests/a.py": 10.0, "tests/b.py": 20.0, "tests/c.py": 2.0}
+    measured = {"tests/a.py": 16.0, "tests/b.py": 29.0, "tests/c.py": 6.0, "tests/new.py": 5.5}
+    assert grown(recorded, measured) == [("tests/a.py", 10.0, 16.0), ("tests/new.py", 0.0, 5.5)]
