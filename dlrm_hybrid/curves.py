@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> None:
 
 def read_run(run_dir: str, name: str) -> Run:
     """The loss and AUC points of `run_dir/metrics.jsonl`; a last line cut short (a run killed
-    while writing it) is skipped with a notice, the marker a resume leaves (`resumed`) ignored."""
+    while writing it) is skipped with a notice. Only top-level `loss` and `val_auc` fields are
+    points, so the events a resume superseded (kept inside its `resumed` record) are not."""
     path = Path(run_dir) / METRICS
     if not path.is_file():
         what = "is not a folder" if not Path(run_dir).is_dir() else f"holds no {METRICS}"
@@ -75,7 +76,7 @@ def read_run(run_dir: str, name: str) -> Run:
         elif event is None:
             raise UserError(f"plot: {path} line {number} is not a JSON record; the file is "
                             f"damaged (remove that line to plot the rest)")
-        elif not event.get("resumed"):
+        else:  # the record a resume leaves (`resumed`) holds no point: skipped there
             _add_point(run, event)
     if not run.loss and not run.auc:
         raise UserError(f"plot: {path} has no loss or val_auc records yet; plot it once the run "

@@ -76,7 +76,8 @@ def test_tensorboard_mirrors_metrics_jsonl(runs):
     fresh = runs["fresh"]
     tags = _events(fresh).Tags()["scalars"]
     assert {"train/loss", "train/samples_per_s", "train/lr_dense", "train/lr_embedding",
-            "eval/val_auc", "eval/val_logloss", "eval/eval_s"} <= set(tags)
+            "train/exchange_fwd_bytes", "eval/val_auc", "eval/val_logloss", "eval/eval_s"
+            } <= set(tags)
     assert [e.step for e in _events(fresh).Scalars("train/loss")] == [5, 10, 15, 20]
     assert [e.step for e in _events(fresh).Scalars("eval/val_auc")] == [10, 20]
     _assert_mirrors_metrics(fresh)
@@ -165,60 +166,60 @@ def _colour_pixels(image: np.ndarray, colour) -> np.ndarray:
                      [near[h:, :w].sum(), near[h:, w:].sum()]])
 
 
-def test_plot_one_run_default_out(tmp_path):
-    run_dir = _fabricate(tmp_path / "alpha")
-    result = run_cli(["plot", str(run_dir)])
+@pytest.fixture(scope="module")
+def plotted(tmp_path_factory):
+    """One run plotted with the defaults: (its folder, what plot said)."""
+    run_dir = _fabricate(tmp_path_factory.mktemp("plotted") / "run")
+    return run_dir, run_cli(["plot", str(run_dir)])
+
+
+def test_plot_one_run_default_out(plotted):
+    run_dir, result = plotted
     assert result.returncode == 0, failure(result)
     assert result.stdout.strip() == f"plot: wrote {run_dir / 'curves.png'} (1 run)"
     image = _read_png(run_dir / "curves.png")
     assert image.shape[:2] == (HEIGHT, WIDTH)
     assert image[:, :, :3].std() > 0.05
     assert (_colour_pixels(image, C0) > 300).all()  # a curve in each of the four panels
-    assert not list(tmp_path.rglob("*.partial"))
+    assert not list(run_dir.glob("*.partial"))
 
 
-def test_plot_overlays_several_runs(tmp_path):
-    a = _fabricate(tmp_path / "a")
-    b = _fabricate(tmp_path / "b", scale=1.2)
-    out = tmp_path / "both.png"
-    result = run_cli(["plot", str(a), str(b), "--out", str(out)])
-    assert result.returncode == 0, failure(result)
-    image = _read_png(out)
-    assert image.shape[:2] == (HEIGHT, WIDTH)
-    assert (_colour_pixels(image, C0) > 300).all() and (_colour_pixels(image, C1) > 300).all()
-
-
-def test_plot_several_runs_default_out_is_the_current_folder(tmp_path):
+def test_plot_overlays_several_runs_into_the_current_folder(tmp_path):
+    """Several runs: one image, each run's curves in every panel, written where the command
+    runs (by default; no run's folder is preferred)."""
     a, b = _fabricate(tmp_path / "a"), _fabricate(tmp_path / "b", scale=1.2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "dlrm_hybrid", "plot", "a", "b"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert _read_png(tmp_path / "curves.png").shape[:2] == (HEIGHT, WIDTH)
+    image = _read_png(tmp_path / "curves.png")
+    assert image.shape[:2] == (HEIGHT, WIDTH)
+    assert (_colour_pixels(image, C0) > 300).all() and (_colour_pixels(image, C1) > 300).all()
     assert not (a / "curves.png").exists() and not (b / "curves.png").exists()
 
 
 def test_plot_older_run_without_time_plots_against_steps(tmp_path):
     run_dir = _fabricate(tmp_path / "old", timed=False)
-    result = run_cli(["plot", str(run_dir)])
+    out = tmp_path / "old.png"
+    result = run_cli(["plot", str(run_dir), "--out", str(out)])
     assert result.returncode == 0, failure(result)
     assert "no time panel for old" in result.stderr
-    pixels = _colour_pixels(_read_png(run_dir / "curves.png"), C0)
+    pixels = _colour_pixels(_read_png(out), C0)
     assert (pixels[:, 0] > 300).all() and (pixels[:, 1] == 0).all()
 
 
-def test_plot_skips_a_cut_last_line_and_the_resume_marker(tmp_path):
+def test_plot_skips_a_cut_last_line_and_the_resume_marker(tmp_path, plotted):
     """A killed run's cut last line and a resume's `resumed` record (its superseded events
     inside) leave the image as the clean record draws it."""
-    clean = _fabricate(tmp_path / "clean" / "run")
-    messy = _fabricate(tmp_path / "messy" / "run")
+    clean, _ = plotted
+    messy = _fabricate(tmp_path / "run")  # the same folder name: the same legend
     lines = (messy / "metrics.jsonl").read_text().splitlines()
     superseded = [{"step": 60, "loss": 9.0, "time": 1.7e9, "elapsed_s": 999.0}]
     lines.insert(12, json.dumps({"step": 50, "resumed": True, "superseded": superseded}))
     (messy / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 105, "loss": 0.4')
-    results = [run_cli(["plot", str(d)]) for d in (clean, messy)]
-    assert [r.returncode for r in results] == [0, 0], failure(results[1])
-    assert f"skipped line {len(lines) + 1}, cut short" in results[1].stderr
+    result = run_cli(["plot", str(messy)])
+    assert result.returncode == 0, failure(result)
+    assert f"skipped line {len(lines) + 1}, cut short" in result.stderr
     assert np.array_equal(_read_png(clean / "curves.png"), _read_png(messy / "curves.png"))
 
 
