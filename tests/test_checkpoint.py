@@ -10,7 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, TORCHRUN, assert_eval_and_export_reproduce, failure, run_cli
+from conftest import (ROOT, TORCHRUN, assert_eval_and_export_reproduce, failure, read_metrics,
+                      run_cli)
+from shared_runs import DEMO_RUN, DEMO_STEPS, copy_of
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.errors import DataError, TrainingDiverged
@@ -19,6 +21,7 @@ from dlrm_hybrid.train.loop import train
 COMMON = ["checkpoint.resume=auto", "data.global_batch_size=768", "data.val_samples=2048",
           "train.log_every=1",
           "train.progress_bar=false", "optim.embedding=adagrad", "optim.embedding_lr=0.1"]
+pytest_plugins = ["shared_runs"]  # the session's shared demo run
 
 
 def sets(*overrides):
@@ -36,26 +39,45 @@ def assert_same_losses(got, expected, steps):
         assert abs(got[step] - expected[step]) <= 1e-4 * abs(expected[step]), step
 
 
-@pytest.mark.parametrize("embedding", ["adagrad", "sgd"])
-def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path, embedding):
-    full = tmp_path / "full"
+def two_rank_run(run_dir, steps, every, embedding="adagrad"):
+    """An uninterrupted 2-rank run of `steps` steps, checkpointed every `every`: (its run
+    directory, steps, every)."""
     result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
-        f"optim.embedding={embedding}", "train.max_steps=12", "checkpoint.every=6",
-        f"train.run_dir={full}")], nproc=2)
+        f"optim.embedding={embedding}", f"train.max_steps={steps}", f"checkpoint.every={every}",
+        f"train.run_dir={run_dir}")], nproc=2)
     assert result.returncode == 0, failure(result)
-    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_12", "step_6"]
+    return run_dir, steps, every
+
+
+# The killed run's length: its kill lands after the first checkpoint with 80 steps to spare.
+KILLED_STEPS, KILLED_EVERY = 100, 20
+
+
+@pytest.fixture(scope="module")
+def two_rank_adagrad(tmp_path_factory):
+    """The uninterrupted 2-rank Adagrad run that the resharded resumes and the killed and
+    restarted run must both reproduce (launches are the slow part: one serves both)."""
+    return two_rank_run(tmp_path_factory.mktemp("two_rank") / "full", KILLED_STEPS, KILLED_EVERY)
+
+
+@pytest.mark.parametrize("embedding", ["adagrad", "sgd"])
+def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path, embedding, request):
+    full, steps, every = (request.getfixturevalue("two_rank_adagrad") if embedding == "adagrad"
+                          else two_rank_run(tmp_path / "full", 12, 6, embedding))
+    middle = full / "checkpoints" / f"step_{steps - every}"
+    assert {p.name for p in (full / "checkpoints").iterdir()} == {middle.name, f"step_{steps}"}
     expected = step_losses(full)
     # Adagrad reshards onto 1 and 3 ranks; SGD (whose fused state has empty entries) onto 3.
     for nproc in (1, 3) if embedding == "adagrad" else (3,):
         run_dir = tmp_path / f"on{nproc}"
         result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
-            f"optim.embedding={embedding}", "train.max_steps=12",
-            f"checkpoint.resume={full / 'checkpoints' / 'step_6'}", f"train.run_dir={run_dir}")],
+            f"optim.embedding={embedding}", f"train.max_steps={steps}",
+            f"checkpoint.resume={middle}", f"train.run_dir={run_dir}")],
             nproc=nproc if nproc > 1 else 0)  # one rank: the plain process
         assert result.returncode == 0, failure(result)
-        assert f"resumed from {full / 'checkpoints' / 'step_6'} (step 6)" in result.stdout
-        assert sorted(step_losses(run_dir)) == list(range(7, 13))
-        assert_same_losses(step_losses(run_dir), expected, range(7, 13))
+        assert f"resumed from {middle} (step {steps - every})" in result.stdout
+        assert sorted(step_losses(run_dir)) == list(range(steps - every + 1, steps + 1))
+        assert_same_losses(step_losses(run_dir), expected, range(steps - every + 1, steps + 1))
 
 
 def test_rowwise_adagrad_column_shards_that_cannot_reshard_say_why(tmp_path):
@@ -83,13 +105,9 @@ def test_rowwise_adagrad_column_shards_that_cannot_reshard_say_why(tmp_path):
         f"(parallel.plan=<its run_dir>/plan.json)")
 
 
-def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path):
-    steps = ["train.max_steps=150", "checkpoint.every=25"]
-    clean = tmp_path / "clean"
-    result = run_cli(["train", "--config", "configs/demo.yaml",
-                      *sets(*steps, f"train.run_dir={clean}")], nproc=2)
-    assert result.returncode == 0, failure(result)
-
+def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path, two_rank_adagrad):
+    clean, _, _ = two_rank_adagrad
+    steps = [f"train.max_steps={KILLED_STEPS}", f"checkpoint.every={KILLED_EVERY}"]
     killed = tmp_path / "killed"
     job = subprocess.Popen(
         [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
@@ -100,7 +118,7 @@ def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path):
         # attempt's gloo addresses: restarted workers then cannot connect (pytorch#135712).
         env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     deadline = time.time() + 120
-    while not (killed / "checkpoints" / "step_25").exists() and time.time() < deadline:
+    while not (killed / "checkpoints" / f"step_{KILLED_EVERY}").exists() and time.time() < deadline:
         time.sleep(0.05)
     workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(job.pid)], capture_output=True,
                              text=True).stdout.split()
@@ -108,10 +126,12 @@ def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path):
     subprocess.run(["kill", "-9", workers[-1]])
     out, err = job.communicate(timeout=300)
     assert job.returncode == 0, err[-3000:]
-    assert "resumed from" in out and out.strip().splitlines()[-1].startswith("done: steps=150")
+    assert "resumed from" in out
+    assert out.strip().splitlines()[-1].startswith(f"done: steps={KILLED_STEPS}")
     resumed_at = int(out.split("resumed from")[1].split("(step ")[1].split(")")[0])
-    assert resumed_at >= 25
-    assert_same_losses(step_losses(killed), step_losses(clean), range(resumed_at + 1, 151))
+    assert resumed_at >= KILLED_EVERY
+    assert_same_losses(step_losses(killed), step_losses(clean),
+                       range(resumed_at + 1, KILLED_STEPS + 1))
 
 
 def test_a_run_interrupted_while_writing_a_checkpoint_resumes_from_the_one_before(
@@ -160,17 +180,17 @@ def damage(file):
 
 
 def test_a_truncated_checkpoint_without_digests_is_a_one_line_error_naming_it(
-        tmp_path, process_group, capsys):
+        tmp_path, process_group, capsys, demo_run):
     """An earlier version's checkpoint cannot be checked before it loads: used with a notice,
     and a truncated shard is still the load's one-line error."""
-    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        *COMMON, "train.max_steps=2", "checkpoint.resume=auto", f"train.run_dir={tmp_path}"])
-    train(cfg, process_group)
-    step = tmp_path / "checkpoints" / "step_2"
+    run_dir = copy_of(demo_run, tmp_path / "run")
+    step = run_dir / "checkpoints" / f"step_{DEMO_STEPS}"
     as_earlier_version(step)
     for shard in step.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
-    cfg.train.max_steps = 3
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
+        *DEMO_RUN, "checkpoint.resume=auto", f"train.max_steps={DEMO_STEPS + 1}",
+        f"train.run_dir={run_dir}"])
     capsys.readouterr()
     with pytest.raises(DataError, match=f"{step}: cannot load checkpoint"):
         train(cfg, process_group)
@@ -301,15 +321,13 @@ def test_a_run_diverging_before_its_first_checkpoint_publishes_none(tmp_path):
     assert not list((run / "checkpoints").glob("step_*"))
 
 
-def test_eval_and_export_reproduce_the_training_run(tmp_path, process_group):
+def test_eval_and_export_reproduce_the_training_run(tmp_path, demo_run, demo_checkpoint):
     """`eval` scores a checkpoint like the run's own final evaluation; `export` gives one file
     that an unsharded model on one process loads strictly and scores the same."""
-    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        *COMMON, "train.max_steps=30", f"train.run_dir={tmp_path}"])
-    final = train(cfg, process_group).metrics
-    assert_eval_and_export_reproduce(tmp_path / "checkpoints" / "step_30", final["val_auc"],
-                                     tmp_path / "model.pt")
+    final = [e for e in read_metrics(demo_run) if "val_auc" in e][-1]
+    assert final["step"] == DEMO_STEPS
+    assert_eval_and_export_reproduce(demo_checkpoint, final["val_auc"], tmp_path / "model.pt")
 
-    bad = run_cli(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x.pt")])
+    bad = run_cli(["export", "--checkpoint", str(demo_run), "--out", str(tmp_path / "x.pt")])
     assert bad.returncode == 2 and "is not a complete checkpoint" in bad.stderr
     assert not (tmp_path / "x.pt").exists()

@@ -12,11 +12,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from conftest import ROOT
+from shared_runs import DEMO_STEPS
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.train.checkpoint_reader import SafeFileSystemReader, checkpoint_reader
 from dlrm_hybrid.train.loop import train
+
+pytest_plugins = ["shared_runs"]  # the session's shared demo run
 
 
 class Payload:
@@ -36,16 +38,10 @@ def load_keys(keys, **where):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, process_group):
-    """A checkpoint this program wrote: 2 steps of the demo model (sharded tables, fused
-    optimizer state)."""
-    run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        "train.max_steps=2", "checkpoint.every=2", "checkpoint.resume=none",
-        "data.global_batch_size=256", "data.val_samples=1024", "train.progress_bar=false",
-        f"train.run_dir={run_dir}"])
-    train(cfg, process_group)
-    return run_dir / "checkpoints" / "step_2"
+def trained(demo_checkpoint):
+    """A checkpoint this program wrote (sharded tables, fused optimizer state): the session's
+    shared demo run (shared_runs.py), read only; tests that change it copy it."""
+    return demo_checkpoint
 
 
 @pytest.fixture
@@ -228,7 +224,7 @@ def test_eval_export_and_resume_refuse_a_planted_checkpoint(trained, tmp_path, p
     from conftest import run_cli
 
     marker = tmp_path / "pwned"
-    planted = tmp_path / "run" / "checkpoints" / "step_2"
+    planted = tmp_path / "run" / "checkpoints" / trained.name
     shutil.copytree(trained, planted)
     (planted / ".metadata").write_bytes(pickle.dumps(Payload(os.system, f"touch {marker}")))
     rehash(planted, ".metadata")  # digests are no defence against a crafted folder
@@ -244,7 +240,8 @@ def test_eval_export_and_resume_refuse_a_planted_checkpoint(trained, tmp_path, p
         assert not marker.exists(), name
     assert not (tmp_path / "m.pt").exists()
     resumed = load_config(str(planted / "config.yaml"), [  # resume: auto finds the planted one
-        f"train.run_dir={tmp_path / 'run'}", "checkpoint.resume=auto", "train.max_steps=3"])
+        f"train.run_dir={tmp_path / 'run'}", "checkpoint.resume=auto",
+        f"train.max_steps={DEMO_STEPS + 1}"])
     with pytest.raises(DataError, match=re.escape(refused)):
         train(resumed, process_group)
     assert not marker.exists()

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from conftest import ROOT, failure, read_metrics, run_cli
+from shared_runs import DEMO_RUN, DEMO_STEPS, copy_of
 from test_checkpoint_reader import rehash
 from dlrm_hybrid.config import ConfigError, load_config
 from dlrm_hybrid.train.loop import train
 
 COMMON = ["checkpoint.resume=auto", "data.global_batch_size=256", "data.val_samples=2048",
           "train.log_every=1", "train.progress_bar=false"]
+pytest_plugins = ["shared_runs"]  # the session's shared demo run
 
 
 def config(run_dir, *overrides):
@@ -119,28 +121,28 @@ def test_resume_restores_fbgemms_step_counter(tmp_path, process_group):
 
 
 def test_eval_of_a_checkpoint_trained_with_a_gpu_only_optimizer_runs_on_cpu(tmp_path,
-                                                                           process_group):
+                                                                           demo_checkpoint):
     """A GPU run's Adam checkpoint, evaluated on a CPU host (fbgemm's CPU build has no Adam)."""
     import yaml
 
-    train(config(tmp_path, "train.max_steps=2", "optim.embedding=sgd"), process_group)
-    step = tmp_path / "checkpoints" / "step_2"
+    step = copy_of(demo_checkpoint, tmp_path / demo_checkpoint.name)
     saved = yaml.safe_load((step / "config.yaml").read_text())
     saved["optim"]["embedding"] = "adam"
     (step / "config.yaml").write_text(yaml.safe_dump(saved))
     rehash(step, "config.yaml")  # as that run recorded it
     result = run_cli(["eval", "--checkpoint", str(step), "--split", "val"])
     assert result.returncode == 0, failure(result)
-    assert result.stdout.strip().splitlines()[-1].startswith(f"eval: checkpoint={step} step=2 ")
+    assert result.stdout.strip().splitlines()[-1].startswith(
+        f"eval: checkpoint={step} step={DEMO_STEPS} ")
     assert torch.isfinite(torch.tensor(float(result.stdout.split("val_auc=")[1].split()[0])))
 
 
-@pytest.fixture(scope="module")
-def step_2(tmp_path_factory, process_group):
-    """A 2-step checkpoint of the demo model, resumed elsewhere by the tests that use it."""
-    run_dir = tmp_path_factory.mktemp("two_steps")
-    train(config(run_dir, "train.max_steps=2"), process_group)
-    return run_dir / "checkpoints" / "step_2"
+def resuming(checkpoint, run_dir, *overrides):
+    """The shared demo run's settings (shared_runs.py), resuming its `checkpoint` into `run_dir`
+    for one more step."""
+    return load_config(str(ROOT / "configs/demo.yaml"), [
+        *DEMO_RUN, f"train.max_steps={DEMO_STEPS + 1}", f"checkpoint.resume={checkpoint}",
+        f"train.run_dir={run_dir}", *overrides])
 
 
 @pytest.mark.parametrize("changes", [
@@ -153,39 +155,43 @@ def step_2(tmp_path_factory, process_group):
      "train.precision_fallback=false", "data.loader=dali", "parallel.backend=gloo",
      "parallel.reserve_per_rank=1GiB"],
 ], ids=["run-and-parallel", "schedule-and-loader"])
-def test_every_setting_the_resume_rules_allow_to_change_resumes(tmp_path, process_group, step_2,
-                                                                capsys, changes):
+def test_every_setting_the_resume_rules_allow_to_change_resumes(tmp_path, process_group,
+                                                                demo_checkpoint, capsys, changes):
     """README "Resume rules": the run directory, checkpoint folder and the keys above change at
     once, and the run continues from the checkpoint (train.mlperf_log: test_mlperf.py)."""
     capsys.readouterr()
-    result = train(config(tmp_path / "elsewhere", "train.max_steps=3", f"checkpoint.resume={step_2}",
-                          f"checkpoint.dir={tmp_path / 'checkpoints'}", *changes), process_group)
-    assert f"resumed from {step_2} (step 2)" in capsys.readouterr().out.splitlines()
-    assert result.steps == 3 and (tmp_path / "checkpoints" / "step_3").exists()
+    result = train(resuming(demo_checkpoint, tmp_path / "elsewhere",
+                            f"checkpoint.dir={tmp_path / 'checkpoints'}", *changes), process_group)
+    assert f"resumed from {demo_checkpoint} (step {DEMO_STEPS})" in \
+        capsys.readouterr().out.splitlines()
+    assert result.steps == DEMO_STEPS + 1
+    assert (tmp_path / "checkpoints" / f"step_{DEMO_STEPS + 1}").exists()
 
 
-def test_settings_of_the_experiment_are_refused_each_named(tmp_path, process_group, step_2):
+def test_settings_of_the_experiment_are_refused_each_named(tmp_path, process_group,
+                                                          demo_checkpoint):
     changes = {"model.top_mlp": ([64, 32, 1], [32, 1]), "optim.embedding_lr": (0.1, 0.2),
-               "data.global_batch_size": (256, 512), "data.shuffle": (False, True),
+               "data.global_batch_size": (1024, 512), "data.shuffle": (False, True),
                "train.seed": (0, 1), "optim.warmup_steps": (20, 0)}
     with pytest.raises(ConfigError) as info:
-        train(config(tmp_path, "train.max_steps=3", f"checkpoint.resume={step_2}",
-                     *[f"{key}={here}" for key, (_, here) in changes.items()]), process_group)
+        train(resuming(demo_checkpoint, tmp_path,
+                       *[f"{key}={here}" for key, (_, here) in changes.items()]), process_group)
     named = str(info.value).split(" was trained with other settings: ")[1]
     for key, (there, here) in changes.items():
         assert f"{key} ({there!r} there, {here!r} here)" in named
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_a_checkpoint_of_another_model_is_reported_as_such_not_as_corrupt(step_2, process_group):
+def test_a_checkpoint_of_another_model_is_reported_as_such_not_as_corrupt(demo_checkpoint,
+                                                                          process_group):
     from dlrm_hybrid.errors import DataError
     from dlrm_hybrid.train.inference import evaluate_checkpoint
 
     with pytest.raises(DataError) as info:
-        evaluate_checkpoint(str(step_2), None, ["model.embedding_dim=32",
-                                                "model.bottom_mlp=[64,32]"], process_group, "val")
+        evaluate_checkpoint(str(demo_checkpoint), None, [
+            "model.embedding_dim=32", "model.bottom_mlp=[64,32]"], process_group, "val")
     message = str(info.value)
-    assert message.startswith(f"{step_2}: does not fit this model (")
+    assert message.startswith(f"{demo_checkpoint}: does not fit this model (")
     assert message.endswith("it was trained with other model or table settings: use the config "
                             "it was written with")
     assert "corrupt" not in message

@@ -17,6 +17,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from conftest import ROOT, failure, run_cli
+from shared_runs import DEMO_STEPS, DEMO_VAL_SAMPLES
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.data.synthetic import SyntheticClicks
@@ -30,7 +31,8 @@ from dlrm_hybrid.serve.predict import load_scoring_model, predict
 from dlrm_hybrid.train.inference import read_model_state
 from dlrm_hybrid.train.loop import train
 
-ROWS = 8192  # validation rows the precisions are compared on
+pytest_plugins = ["shared_runs"]  # the session's shared demo run
+ROWS = DEMO_VAL_SAMPLES  # validation rows the precisions are compared on
 # Largest |p - p_fp32| allowed per precision, and largest AUC difference to the fp32 model: about
 # 1.5x the gaps measured (|p| fp16 1.8e-4, int8 2.3e-3, int4 0.039; AUC fp16 2.4e-7, int8 3.5e-5,
 # int4 5.2e-4), so that a quantizer a little off fails (int4 of weights x1.3: |p| 0.16, AUC
@@ -40,15 +42,10 @@ AUC_TOLERANCE = {"fp32": 1e-6, "fp16": 5e-7, "int8": 6e-5, "int4": 8e-4}
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, process_group):
-    """The demo model after 150 steps (its multi-hot features included), checkpointed."""
-    run_dir = tmp_path_factory.mktemp("run")
-    cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        "train.max_steps=150", "optim.decay_start_step=75", "optim.decay_steps=75",
-        f"data.val_samples={ROWS}", "train.progress_bar=false", "checkpoint.resume=none",
-        f"train.run_dir={run_dir}"])
-    train(cfg, process_group)
-    return run_dir / "checkpoints" / "step_150"
+def trained(demo_checkpoint):
+    """The demo model after 150 steps (its multi-hot features included), checkpointed: the run
+    shared by the test session (shared_runs.py), validated on ROWS samples."""
+    return demo_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +322,7 @@ def test_export_refuses_unknown_tables_and_precisions_without_writing(trained, t
     assert description["quantization"]["tables"]["t_cat_0"] == "fp16"
     assert description["tables"][0] == {"name": "t_cat_0", "rows": 1000, "dim": 16,
                                         "quantization": "fp16", "bytes": 1000 * 16 * 2}
-    assert description["source"]["step"] == 150
+    assert description["source"]["step"] == DEMO_STEPS
     assert json.loads(out.with_suffix(".json").read_text()) == description
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "m.pt"]
 

@@ -1,0 +1,44 @@
+"""Runs that many test files read and none changes, trained once per test session.
+
+`demo_run` is the demo model after 150 steps (its decay compressed into steps 75..150), trained
+through the CLI on one process: serving compares its exported precisions against it, and eval,
+export, the resume rules and the checkpoint reader only need a real checkpoint. A test that
+changes the run or its checkpoint copies it first (`copy_of`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import failure, run_cli
+
+DEMO_STEPS = 150
+DEMO_VAL_SAMPLES = 8192  # what serving compares the precisions on
+DEMO_RUN = [f"train.max_steps={DEMO_STEPS}", "optim.decay_start_step=75", "optim.decay_steps=75",
+            f"data.val_samples={DEMO_VAL_SAMPLES}", "train.progress_bar=false",
+            "checkpoint.resume=none"]
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """The run directory of `train --config configs/demo.yaml` with DEMO_RUN: its config.yaml,
+    metrics.jsonl and one checkpoint, checkpoints/step_150. Read it; never write into it."""
+    run_dir = tmp_path_factory.mktemp("shared") / "demo_run"
+    result = run_cli(["train", "--config", "configs/demo.yaml",
+                      *[a for o in [*DEMO_RUN, f"train.run_dir={run_dir}"] for a in ("--set", o)]])
+    assert result.returncode == 0, failure(result)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(demo_run) -> Path:
+    """The shared run's final (and only) checkpoint."""
+    return demo_run / "checkpoints" / f"step_{DEMO_STEPS}"
+
+
+def copy_of(folder: Path, to: Path) -> Path:
+    """A copy of a shared run or checkpoint at `to`, for a test that changes it."""
+    shutil.copytree(folder, to)
+    return to
