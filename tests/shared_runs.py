@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import failure, run_cli
+from conftest import failure, read_metrics, run_cli
 
 DEMO_STEPS = 150
 DEMO_VAL_SAMPLES = 8192  # what serving compares the precisions on
@@ -36,6 +36,33 @@ def demo_run(tmp_path_factory) -> Path:
 def demo_checkpoint(demo_run) -> Path:
     """The shared run's final (and only) checkpoint."""
     return demo_run / "checkpoints" / f"step_{DEMO_STEPS}"
+
+
+# Dense SGD: Adagrad's first steps move each weight by +-lr whatever its gradient's size, so
+# the sign of a near-zero gradient (rounding of another reduction order) would decide them.
+EQUIVALENCE = ["train.max_steps=20", "train.log_every=1", "train.eval_every=0",
+               "data.val_samples=8192", "train.progress_bar=false", "optim.dense=sgd",
+               "optim.dense_lr=0.5"]
+
+
+def equivalence_run(run_dir: Path, nproc: int, optimizer: str, extra_env=None):
+    """The demo config with EQUIVALENCE and `optimizer` tables on `nproc` gloo ranks (1: the
+    plain process): (its per-step losses, the CLI's result)."""
+    overrides = [*EQUIVALENCE, f"optim.embedding={optimizer}", f"train.run_dir={run_dir}"]
+    result = run_cli(["train", "--config", "configs/demo.yaml",
+                      *[arg for o in overrides for arg in ("--set", o)]],
+                     nproc=nproc if nproc > 1 else 0, extra_env=extra_env)
+    assert result.returncode == 0, failure(result)
+    return [e["loss"] for e in read_metrics(run_dir) if "loss" in e], result
+
+
+@pytest.fixture(scope="session")
+def two_rank_sgd(tmp_path_factory):
+    """equivalence_run with SGD tables on 2 ranks, one thread each: (losses, result, run
+    directory). 1 rank must match it (test_distributed.py), and so must 2 threads a rank
+    (test_cpu_lookup.py)."""
+    run_dir = tmp_path_factory.mktemp("two_rank_sgd") / "run"
+    return (*equivalence_run(run_dir, 2, "sgd"), run_dir)
 
 
 def copy_of(folder: Path, to: Path) -> Path:

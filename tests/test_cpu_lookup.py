@@ -13,13 +13,16 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
 
-from conftest import ROOT, failure, read_metrics, run_cli
+from conftest import ROOT
+from shared_runs import equivalence_run
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.source import open_dataset
 from dlrm_hybrid.parallel import cpu_lookup
 from dlrm_hybrid.parallel.cpu_lookup import CpuSgdTBE, _all_modules, speed_up_cpu_tables
 from dlrm_hybrid.parallel.host_memory import use_huge_pages
 from dlrm_hybrid.train.loop import build_sharded_model
+
+pytest_plugins = ["shared_runs"]  # the session's shared 2-rank SGD run
 
 ROWS, DIM, BATCH = [50, 7, 300, 20, 1000], 8, 32
 
@@ -108,21 +111,13 @@ def test_sharded_cpu_model_uses_the_c_update(tmp_path, process_group):
     assert any(type(m) is CpuSgdTBE for m in _all_modules(dmp))
 
 
-def test_two_ranks_train_the_same_with_one_or_two_threads_each(tmp_path):
-    losses = {}
-    for threads in ("1", "2"):
-        run_dir = tmp_path / threads
-        overrides = ["train.max_steps=12", "train.log_every=1", "train.eval_every=0",
-                     "train.progress_bar=false", "data.val_samples=2048", "optim.embedding=sgd",
-                     f"train.run_dir={run_dir}"]
-        result = run_cli(["train", "--config", "configs/demo.yaml",
-                          *[a for o in overrides for a in ("--set", o)]],
-                         nproc=2, extra_env={"OMP_NUM_THREADS": threads})
-        assert result.returncode == 0, failure(result)
-        losses[threads] = [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+def test_two_ranks_train_the_same_with_one_or_two_threads_each(tmp_path, two_rank_sgd):
+    """One thread a rank: the session's 2-rank SGD run (shared_runs.py)."""
+    losses = {"1": two_rank_sgd[0]}
+    losses["2"], _ = equivalence_run(tmp_path / "2", 2, "sgd", {"OMP_NUM_THREADS": "2"})
     # Each table is updated whole by one thread, so the tables agree bit for bit; the MLP
     # GEMMs may round differently on 2 threads.
-    assert len(losses["2"]) == 12 and losses["2"] == pytest.approx(losses["1"], rel=1e-5)
+    assert len(losses["2"]) == 20 and losses["2"] == pytest.approx(losses["1"], rel=1e-5)
 
 
 def test_huge_pages_keep_the_values():

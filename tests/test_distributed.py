@@ -10,23 +10,20 @@ import pytest
 import yaml
 
 from conftest import ROOT, done_fields, exported_val_scores, failure, read_metrics, run_cli
+from shared_runs import equivalence_run
 
-# Dense SGD: Adagrad's first steps move each weight by +-lr whatever its gradient's size, so
-# the sign of a near-zero gradient (rounding of another reduction order) would decide them.
-EQUIVALENCE = ["train.max_steps=20", "train.log_every=1", "train.eval_every=0",
-               "data.val_samples=8192", "train.progress_bar=false", "optim.dense=sgd",
-               "optim.dense_lr=0.5"]
+pytest_plugins = ["shared_runs"]  # the session's shared 2-rank SGD run
 
 
-def train_losses(tmp_path, nproc, optimizer):
-    run_dir = tmp_path / f"{optimizer}-{nproc}"
-    overrides = [*EQUIVALENCE, f"optim.embedding={optimizer}", f"train.run_dir={run_dir}"]
-    result = run_cli(["train", "--config", "configs/demo.yaml",
-                      *[arg for o in overrides for arg in ("--set", o)]],
-                     nproc=nproc if nproc > 1 else 0)  # one rank: the plain process
-    assert result.returncode == 0, failure(result)
-    events = read_metrics(run_dir)
-    return [e["loss"] for e in events if "loss" in e], done_fields(result.stdout), run_dir
+def train_losses(tmp_path, nproc, optimizer, request):
+    """(per-step losses, `done:` fields, run directory) of shared_runs.equivalence_run; the
+    2-rank SGD one is the session's (test_cpu_lookup.py compares with it too)."""
+    if (nproc, optimizer) == (2, "sgd"):
+        losses, result, run_dir = request.getfixturevalue("two_rank_sgd")
+    else:
+        run_dir = tmp_path / f"{optimizer}-{nproc}"
+        losses, result = equivalence_run(run_dir, nproc, optimizer)
+    return losses, done_fields(result.stdout), run_dir
 
 
 def validation_logits(run_dir):
@@ -39,14 +36,14 @@ def validation_logits(run_dir):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_one_and_two_ranks_give_the_same_losses(tmp_path, optimizer):
+def test_one_and_two_ranks_give_the_same_losses(tmp_path, optimizer, request):
     """The same model, not merely similar numbers: per-step losses, and the final model's
     predictions on the validation split (the AUC of a 20-step model sits on near-ties, so it
     amplifies the rounding of another reduction order: it is not compared)."""
     import torch
 
-    one, done_one, run_one = train_losses(tmp_path, 1, optimizer)
-    two, done_two, run_two = train_losses(tmp_path, 2, optimizer)
+    one, done_one, run_one = train_losses(tmp_path, 1, optimizer, request)
+    two, done_two, run_two = train_losses(tmp_path, 2, optimizer, request)
     assert len(one) == len(two) == 20
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) / abs(a) < 1e-4, f"step {step}: 1 rank {a}, 2 ranks {b}"
