@@ -12,7 +12,7 @@ declares the CUDA fbgemm-gpu, which on a CPU build fails to load and overwrites 
 It installs into the Python that runs it: a venv's (`make install`), or an image's own Python
 (`make install VENV=`, as the Dockerfile does on NGC's image). A DALI that Python already imports
 is kept (NGC's images ship one built for their CUDA), not joined by requirements.txt's. The
-install ends with `pip check`: every line it adds must be one of KNOWN_UNMET, else it fails.
+install ends with `pip check`: a line it adds that is not in known_unmet fails it.
 Only the standard library is used, since nothing else may be installed yet.
 """
 
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MLPERF_LOGGING = "mlperf-logging==4.1.68"  # train.mlperf_log (MLPerf Training logs)
 TABLE = Path(__file__).resolve().parent / "torch_versions.txt"
 PIP = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-UNMET = re.compile(r"(\S+) \S+ requires (\S+), which is not installed\.")
+UNMET = re.compile(r"(\S+) \S+ requires (\S+), which is not installed\.")  # a `pip check` line
 # What the install imports at its end: our package and the modules it uses beside it, among
 # them mlperf-logging's, which must load without pandas and scipy.
 MODULES = ["dlrm_hybrid", "torchmetrics.functional.classification", "mlperf_logging.mllog",
