@@ -189,7 +189,9 @@ def test_the_dockerfiles_install_keeps_the_pythons_torch_and_dali_and_installs_i
                         ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     command = dockerfile_install()
     assert command[:2] == ["make", "install"] and "FBGEMM=cuda" in command
-    command[command.index("FBGEMM=cuda")] = "FBGEMM=cpu"  # a CPU torch here
+    # The build this suite's environment has: the other would be swapped in for it, there too.
+    build = "cuda" if setup_env.installed("fbgemm-gpu") else "cpu"
+    command[command.index("FBGEMM=cuda")] = f"FBGEMM={build}"
     path = f"{env / 'bin'}:{os.environ['PATH']}"  # `python3` is the environment's
     run = subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PATH": path})
