@@ -29,9 +29,10 @@ def pytest_addoption(parser):
                      "fresh `python -m dlrm_hybrid` / torchrun, not forked from the CLI zygote")
 
 
-def run_cli(args: List[str], nproc: int = 0, timeout: int = 300,
-            extra_env: Optional[dict] = None, fresh: bool = False) -> subprocess.CompletedProcess:
-    """`python -m dlrm_hybrid ARGS`, or under `torchrun --nproc_per_node=nproc` when nproc > 0.
+def run_cli(args: List[str], nproc: int = 0, timeout: int = 300, extra_env: Optional[dict] = None,
+            fresh: bool = False, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`python -m dlrm_hybrid ARGS` in `cwd`, or under `torchrun --nproc_per_node=nproc` when
+    nproc > 0.
 
     Forked from the CLI zygote (tests/cli_zygote.py: the same run without ~3 s of imports per
     process), unless `fresh`, `--fresh-cli`, or `extra_env` sets what libraries read when they
@@ -43,11 +44,11 @@ def run_cli(args: List[str], nproc: int = 0, timeout: int = 300,
         cmd = [sys.executable, "-m", "dlrm_hybrid", *args]
     env = _cli_env(os.environ, extra_env)
     if fresh or _fresh_cli or needs_fresh(env, _cli_env(SESSION_ENV)):
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
     if _zygote is None:
         _zygote = Zygote(_cli_env(SESSION_ENV))
-    return _zygote.run(args, env, ROOT, nproc, timeout, cmd)
+    return _zygote.run(args, env, cwd, nproc, timeout, cmd)
 
 
 def _cli_env(base, extra_env: Optional[dict] = None) -> dict:

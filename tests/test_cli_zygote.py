@@ -4,7 +4,7 @@ runs a fresh interpreter and torchrun give, and the per-file timing notice (suit
 import pytest
 
 from cli_zygote import needs_fresh
-from conftest import done_fields, failure, read_metrics, run_cli
+from conftest import ROOT, done_fields, failure, read_metrics, run_cli
 from suite_timing import grown
 
 SHORT = ["train.max_steps=4", "train.log_every=1", "train.eval_every=0", "data.val_samples=2048",
@@ -37,6 +37,13 @@ def test_a_failing_rank_ends_the_zygote_job_with_its_code(request):
     assert result.stderr.strip().splitlines() == [
         "error: model.embedding_dim: 7 is not a multiple of 4, which fbgemm's embedding tables "
         "need (CPU and GPU); use 4 or 8"]
+
+
+def test_a_run_works_in_its_own_folder(tmp_path):
+    result = run_cli(["plan", "--config", str(ROOT / "configs/demo.yaml"), "--out", "plan.json"],
+                     cwd=tmp_path)
+    assert result.returncode == 0, failure(result)
+    assert (tmp_path / "plan.json").exists()
 
 
 def test_runs_whose_environment_libraries_read_when_loaded_start_fresh():
