@@ -99,6 +99,28 @@ def test_resumed_run_has_one_tensorboard_value_per_step(runs):
     resumed = runs["resumed"]
     assert [e.step for e in _events(resumed).Scalars("train/loss")] == [5, 10, 15, 20, 25]
     _assert_mirrors_metrics(resumed)
+    records = read_metrics(resumed)
+    (mark,) = [i for i, record in enumerate(records) if record.get("resumed")]
+    assert records[mark]["elapsed_s"] == records[mark - 1]["elapsed_s"]
+    for later in records[mark + 1:]:  # the resumed run's clock goes on from step 10's
+        since_resume = later["time"] - records[mark]["time"]
+        assert later["elapsed_s"] >= records[mark]["elapsed_s"] + since_resume
+
+
+def test_a_fresh_run_sets_the_earlier_runs_events_aside(runs, tmp_path):
+    """A fresh run into a folder holding an earlier run moves that run's events (and its
+    curves) aside with its metrics.jsonl: each folder's TensorBoard shows one run."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["fresh"], run_dir)
+    (run_dir / "curves.png").write_bytes(b"earlier")
+    result = run_cli([*TRAIN, "--set", f"train.run_dir={run_dir}", "--set", "train.max_steps=2",
+                      "--set", "data.val_samples=256", "--set", "checkpoint.resume=none"])
+    assert result.returncode == 0, failure(result)
+    (aside,) = run_dir.glob("earlier_run_*")
+    assert [e.step for e in _events(aside).Scalars("train/loss")] == [5, 10, 15, 20]
+    assert (aside / "curves.png").read_bytes() == b"earlier"
+    assert [e.step for e in _events(run_dir).Scalars("train/loss")] == [2]
+    assert not (run_dir / "curves.png").exists()
 
 
 def test_tensorboard_false_writes_no_events(tmp_path):

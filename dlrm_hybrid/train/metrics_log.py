@@ -40,7 +40,7 @@ class MetricsLog:
             save_plan(plan, self.run_dir / "plan.json")
             (self.run_dir / "sharding.json").write_text(json.dumps(applied_sharding, indent=1))
             if resumed:
-                supersede(self.run_dir / "metrics.jsonl", resumed)
+                self.started -= supersede(self.run_dir / "metrics.jsonl", resumed)
             self._file = open(self.run_dir / "metrics.jsonl", mode)
         if self.rank_logs:
             if resumed:
@@ -77,13 +77,14 @@ class MetricsLog:
                 f.close()
 
 
-def supersede(path: Path, step: int) -> None:
+def supersede(path: Path, step: int) -> float:
     """A run resumed from the checkpoint of `step` trains the steps after it again: the events
     an earlier attempt logged for them move into one `resumed` event, so that the file holds one
-    value per step (one curve) and still shows what happened. Rewritten atomically."""
+    value per step (one curve) and still shows what happened. Rewritten atomically. Returns the
+    last kept event's `elapsed_s`, from which the resumed run's clock goes on (0 if none)."""
     if not path.exists():
-        return
-    kept, superseded = [], []
+        return 0.0
+    kept, superseded, elapsed = [], [], 0.0
     for line in path.read_text().splitlines():
         try:
             event = json.loads(line)
@@ -94,10 +95,13 @@ def supersede(path: Path, step: int) -> None:
             superseded.append(event)
         else:
             kept.append(line)
-    kept.append(json.dumps({"step": step, "resumed": True, "superseded": superseded}))
+            elapsed = event.get("elapsed_s", elapsed) if isinstance(event, dict) else elapsed
+    kept.append(json.dumps({"step": step, "resumed": True, "superseded": superseded,
+                            "time": time.time(), "elapsed_s": elapsed}))
     partial = path.with_name(path.name + ".partial")
     partial.write_text("".join(line + "\n" for line in kept))
     partial.replace(path)
+    return elapsed
 
 
 def _write(file, event: dict) -> None:
