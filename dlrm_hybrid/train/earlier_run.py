@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from dlrm_hybrid.train.checkpoint import checkpoint_root, vacant
 
-RECORD = ("metrics.jsonl", "config.yaml", "plan.json", "sharding.json", "rank_*.jsonl", "tensorboard",
-          "curves.png")
+RECORD = ("metrics.jsonl", "config.yaml", "plan.json", "sharding.json", "rank_*.jsonl",
+          "tensorboard", "curves.png")
 
 
 def set_aside_earlier_run(cfg, say: Callable[[str], None]) -> None:
