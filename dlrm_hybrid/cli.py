@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import List, Optional
 
 from dlrm_hybrid import curves, rank_failure
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config import load_config, world_size_from_env
 from dlrm_hybrid.data import criteo_tsv, day23, multi_hot, npy_days
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
+from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 
 FOLLOWER_ERROR_DELAY_S = 3.0
 
@@ -31,6 +32,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         commands[args.command](args)
     except UserError as e:
         _fail(str(e))
+    except BrokenPipeError:  # `dlrm-hybrid plan ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        _exit(1)
     except KeyboardInterrupt:  # Ctrl-C where no step boundary is near (training catches it)
         if os.environ.get("RANK", "0") == "0":
             print("interrupted (Ctrl-C)", file=sys.stderr)
@@ -103,7 +107,6 @@ def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def run_train(args) -> None:
-    from dlrm_hybrid.parallel.process_group import world_size_from_env
     from dlrm_hybrid.train.tensorboard_log import check_tensorboard
 
     cfg = load_config(args.config, args.overrides, world_size=world_size_from_env())
@@ -114,6 +117,7 @@ def run_train(args) -> None:
 
 
 def run_eval(args) -> None:
+    checkpoint_config_path(Path(args.checkpoint))  # before torchrec's seconds of import
     from dlrm_hybrid.train.inference import evaluate_checkpoint
 
     run_distributed(lambda env: evaluate_checkpoint(args.checkpoint, args.config, args.overrides,
@@ -121,6 +125,7 @@ def run_eval(args) -> None:
 
 
 def run_export(args) -> None:
+    checkpoint_config_path(Path(args.checkpoint))  # before torch's seconds of import
     from dlrm_hybrid.serve.export import description_path
 
     outputs = [("--out", args.out)]
@@ -181,7 +186,6 @@ def run_preprocess(args) -> None:
 
 def run_bench(args) -> None:
     from dlrm_hybrid.bench.run import ROUNDS, bench
-    from dlrm_hybrid.parallel.process_group import world_size_from_env
 
     if world_size_from_env() > 1:
         raise UserError("bench: runs in one process (ours and the baseline side by side); for "

@@ -7,6 +7,7 @@ the CLI prints it and exits with code 2.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,6 +177,12 @@ TECHNIQUES = ("full", "hash", "qr")
 QR_OPERATIONS = ("mult", "add", "concat")
 POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.num_dense", "data.train_samples", "data.val_samples",
             "model.embedding_dim", "data.teacher_dim", "train.log_every", "train.stop_grace_s")
+
+
+def world_size_from_env() -> int:
+    """The job's size as torchrun tells each rank (1 without torchrun): configs are validated
+    for it before torch is imported."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def load_config(path: Optional[str], overrides: List[str] = (), world_size: int = 1) -> Config:

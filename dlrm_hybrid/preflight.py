@@ -6,6 +6,7 @@ Imports no torch: the ranks pay that."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 CHECKED_COMMANDS = ("train", "eval")
@@ -22,11 +23,13 @@ def check_launch(torchrun_args: List[str]) -> None:
     from dlrm_hybrid.cli import _parser
     from dlrm_hybrid.config import load_config
     from dlrm_hybrid.data.spec import data_spec
+    from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 
     args = _parser().parse_args(launch[1])  # a usage error: argparse's message, exit 2
-    if args.command == "eval" and not args.config:
-        return  # the checkpoint's own config, which its ranks read
-    cfg = load_config(args.config, args.overrides, world_size(launch[0]) or 1)
+    config = args.config
+    if args.command == "eval" and not config:  # the checkpoint's own, as its ranks read it
+        config = str(checkpoint_config_path(Path(args.checkpoint)))
+    cfg = load_config(config, args.overrides, world_size(launch[0]) or 1)
     data_spec(cfg.data)  # data.path: a readable feature_spec.yaml
 
 

@@ -157,18 +157,23 @@ def test_a_config_mistake_is_one_line_before_torchrun_starts(tmp_path, setting, 
     assert not list((tmp_path / "tmp").iterdir()) and not (tmp_path / "run").exists()
 
 
-def test_eval_under_the_launcher_checks_its_config_first(tmp_path):
-    """The wrapper as `make demo` runs it (make demo takes no settings), running eval."""
+@pytest.mark.parametrize("config", ["configs/nope.yaml", None], ids=["config", "checkpoint"])
+def test_eval_under_the_launcher_checks_its_config_first(tmp_path, config):
+    """The wrapper as `make demo` runs it (make demo takes no settings), running eval: with a
+    --config, that file; without, the checkpoint's own config (here: no checkpoint at all)."""
     (tmp_path / "tmp").mkdir()
+    checkpoint = tmp_path / "step_5"
     result = subprocess.run(
         [sys.executable, "-m", "dlrm_hybrid.torchrun", "--standalone", "--nproc_per_node=2",
-         "-m", "dlrm_hybrid", "eval", "--checkpoint", str(tmp_path / "step_5"), "--config",
-         "configs/nope.yaml"], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
+         "-m", "dlrm_hybrid", "eval", "--checkpoint", str(checkpoint),
+         *(["--config", config] if config else [])],
+        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "error: config file configs/nope.yaml: cannot read (No such file or directory); check "
-        "the path"]
+        "the path" if config else f"error: --checkpoint: {checkpoint} is not a complete "
+        "checkpoint (no meta.json); give a step_<n> folder"]
     assert not list((tmp_path / "tmp").iterdir())
 
 

@@ -26,10 +26,6 @@ class DistEnv:
         return self.rank == 0
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_distributed(backend: str = "auto") -> DistEnv:
     """`backend`: auto (NCCL when CUDA is present, else gloo), nccl, or gloo."""
     if "RANK" not in os.environ:  # started without torchrun: a job of one process

@@ -30,10 +30,10 @@ from dlrm_hybrid.config import ConfigError, load_config
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.parallel.exchange import make_replicas_current
 from dlrm_hybrid.train.checkpoint_digest import ALGORITHM, damaged_files, file_digest, file_digests
+from dlrm_hybrid.train.checkpoint_folder import CONFIG, META, checkpoint_config_path
 from dlrm_hybrid.train.checkpoint_reader import METADATA, checkpoint_reader
 from dlrm_hybrid.train.dataset_identity import dataset_identity
 
-META, CONFIG = "meta.json", "config.yaml"
 NAME = re.compile(r"step_(\d+)$")
 EARLIER_RUN = ""  # the run of a checkpoint written before runs were recorded
 
@@ -251,11 +251,3 @@ def _optimizer_of(path: Path) -> str:
         return load_config(str(path / CONFIG)).optim.embedding
     except ConfigError:
         return ""
-
-
-def checkpoint_config_path(path: Path) -> Path:
-    """The resolved config a checkpoint was written with."""
-    if not (path / META).exists():
-        raise ConfigError(f"--checkpoint: {path} is not a complete checkpoint (no {META}); give a "
-                          f"step_<n> folder")
-    return path / CONFIG
