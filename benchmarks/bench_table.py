@@ -1,4 +1,4 @@
-"""The README's benchmark table: `python -m dlrm_hybrid bench` once per precision setting.
+"""The benchmark table of benchmarks/README.md: `python -m dlrm_hybrid bench` once per precision setting.
 
     .venv/bin/python benchmarks/bench_table.py [--config configs/bench_cpu.yaml] [--steps 60]
         [--settings fp32 bf16] [--repeat 3] [--emulate-avx2]

@@ -42,7 +42,7 @@ class ModelConfig:
     embedding_precision: str = "fp32"  # fp32 | fp16
     bottom_mlp: List[int] = field(default_factory=lambda: [64, 16])
     top_mlp: List[int] = field(default_factory=lambda: [64, 32, 1])
-    interaction: str = "dot"  # dot | cat | dcn | fm (factorization machine, README)
+    interaction: str = "dot"  # dot | cat | dcn | fm (factorization machine, docs/des.md)
     self_interaction: bool = False  # dot: also include each vector's dot with itself
     dcn_layers: int = 3
     dcn_low_rank: int = 512

@@ -50,7 +50,7 @@ def mllog(path: Path):
 def compliance_failures(log: Path, folder: Path) -> list:
     """The official checker's complaints about `log`, less the one the synthetic data must
     fail: eval_samples == 89,137,319, the size of the real validation set. This post-filter is
-    the only relaxation (the README documents it); the log itself is never edited."""
+    the only relaxation (docs/mlperf.md documents it); the log itself is never edited."""
     result = subprocess.run(
         [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
          "--ruleset", RULESET, "--log_output", str(folder / "checker.log"), str(log)],

@@ -1,4 +1,4 @@
-"""Resuming: only the same experiment continues (what may change is listed in the README), a
+"""Resuming: only the same experiment continues (what may change is listed in docs/checkpoints.md), a
 finished run says so, and an fp16 run resumes with its loss scaler and fbgemm's step counter."""
 
 import json
@@ -157,7 +157,7 @@ def resuming(checkpoint, run_dir, *overrides):
 ], ids=["run-and-parallel", "schedule-and-loader"])
 def test_every_setting_the_resume_rules_allow_to_change_resumes(tmp_path, process_group,
                                                                 demo_checkpoint, capsys, changes):
-    """README "Resume rules": the run directory, checkpoint folder and the keys above change at
+    """docs/checkpoints.md "Resume rules": the run directory, checkpoint folder and the keys above change at
     once, and the run continues from the checkpoint (train.mlperf_log: test_mlperf.py)."""
     capsys.readouterr()
     result = train(resuming(demo_checkpoint, tmp_path / "elsewhere",

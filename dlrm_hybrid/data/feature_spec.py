@@ -103,7 +103,7 @@ def load_feature_spec(root: str) -> FeatureSpec:
         return _parse(Path(root), path, raw)
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise DataError(f"{path}: malformed ({type(e).__name__}: {e}); compare with the layout "
-                          f"in the README")
+                          f"in docs/real-data.md")
 
 
 def _parse(root: Path, path: Path, raw: dict) -> FeatureSpec:
