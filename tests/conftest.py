@@ -13,7 +13,7 @@ import pytest
 
 from cli_zygote import Zygote, needs_fresh
 
-pytest_plugins = ["suite_timing"]
+pytest_plugins = ["suite_timing", "shared_runs"]  # the timing notice; the runs tests share
 
 ROOT = Path(__file__).resolve().parents[1]
 # torchrun as a module of this interpreter: in a venv that sees a system torch (TORCH=system), the

@@ -21,7 +21,6 @@ from dlrm_hybrid.train.loop import train
 COMMON = ["checkpoint.resume=auto", "data.global_batch_size=768", "data.val_samples=2048",
           "train.log_every=1",
           "train.progress_bar=false", "optim.embedding=adagrad", "optim.embedding_lr=0.1"]
-pytest_plugins = ["shared_runs"]  # the session's shared demo run
 
 
 def sets(*overrides):

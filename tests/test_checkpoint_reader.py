@@ -18,7 +18,6 @@ from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.train.checkpoint_reader import SafeFileSystemReader, checkpoint_reader
 from dlrm_hybrid.train.loop import train
 
-pytest_plugins = ["shared_runs"]  # the session's shared demo run
 
 
 class Payload:

@@ -22,7 +22,6 @@ from dlrm_hybrid.parallel.cpu_lookup import CpuSgdTBE, _all_modules, speed_up_cp
 from dlrm_hybrid.parallel.host_memory import use_huge_pages
 from dlrm_hybrid.train.loop import build_sharded_model
 
-pytest_plugins = ["shared_runs"]  # the session's shared 2-rank SGD run
 
 ROWS, DIM, BATCH = [50, 7, 300, 20, 1000], 8, 32
 

@@ -12,7 +12,6 @@ import yaml
 from conftest import ROOT, done_fields, exported_val_scores, failure, read_metrics, run_cli
 from shared_runs import equivalence_run
 
-pytest_plugins = ["shared_runs"]  # the session's shared 2-rank SGD run
 
 
 def train_losses(tmp_path, nproc, optimizer, request):

@@ -14,7 +14,6 @@ from dlrm_hybrid.train.loop import train
 
 COMMON = ["checkpoint.resume=auto", "data.global_batch_size=256", "data.val_samples=2048",
           "train.log_every=1", "train.progress_bar=false"]
-pytest_plugins = ["shared_runs"]  # the session's shared demo run
 
 
 def config(run_dir, *overrides):

@@ -31,7 +31,6 @@ from dlrm_hybrid.serve.predict import load_scoring_model, predict
 from dlrm_hybrid.train.inference import read_model_state
 from dlrm_hybrid.train.loop import train
 
-pytest_plugins = ["shared_runs"]  # the session's shared demo run
 ROWS = DEMO_VAL_SAMPLES  # validation rows the precisions are compared on
 # Largest |p - p_fp32| allowed per precision, and largest AUC difference to the fp32 model: about
 # 1.5x the gaps measured (|p| fp16 1.8e-4, int8 2.3e-3, int4 0.039; AUC fp16 2.4e-7, int8 3.5e-5,
