@@ -81,10 +81,12 @@ class Zygote:
                 pass_fds=[listener.fileno()])
 
     def run(self, argv: List[str], env: Dict[str, str], cwd: Path, nproc: int, timeout: float,
-            cmd: List[str]) -> subprocess.CompletedProcess:
-        """`cmd` (`python -m dlrm_hybrid ARGV`, under torchrun for nproc > 0) as subprocess.run
-        with capture_output=True, text=True would give it, forked from the zygote."""
-        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc})
+            cmd: List[str], script: str = "") -> subprocess.CompletedProcess:
+        """`cmd` (`python -m dlrm_hybrid ARGV`, or `python SCRIPT ARGV`; under torchrun for
+        nproc > 0) as subprocess.run with capture_output=True, text=True would give it, forked
+        from the zygote."""
+        request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc,
+                              "script": script})
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn, \
                 tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
@@ -135,9 +137,9 @@ def _assert_one_thread() -> None:
     assert threads == 1, f"the CLI zygote has {threads} threads; it must fork with one"
 
 
-def serve(listener_fd: int) -> Optional[List[str]]:
+def serve(listener_fd: int) -> Optional[dict]:
     """The zygote's loop. Returns None when the session ends; in a forked rank, returns the
-    CLI's arguments (the rank then runs them from the top level, outside this loop)."""
+    run's request (the rank then runs it from the top level, outside this loop)."""
     sys.path[0] = str(ROOT)  # `python -m` from the checkout: the package from there
     for module in PRELOAD:
         importlib.import_module(module)
@@ -164,7 +166,7 @@ def _reap_jobs() -> None:
         pass
 
 
-def _job(conn: socket.socket) -> List[str]:
+def _job(conn: socket.socket) -> dict:
     """One run: fork its rank(s), wait for them, answer. Returns only in a rank."""
     try:
         message, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 2)
@@ -178,7 +180,7 @@ def _job(conn: socket.socket) -> List[str]:
             if pid == 0:
                 conn.close()
                 _become_rank(env, request["cwd"], *fds)
-                return request["argv"]
+                return request
             pids.append(pid)
         for fd in fds:
             os.close(fd)
@@ -267,11 +269,17 @@ def _stop(running: Dict[int, int]) -> None:
 
 
 def _main() -> None:
-    argv = serve(int(sys.argv[1]))
-    if argv is None:  # the session is over; nothing to flush or tear down
+    request = serve(int(sys.argv[1]))
+    if request is None:  # the session is over; nothing to flush or tear down
         os._exit(0)
-    sys.argv = [sys.argv[0], *argv]  # a rank: exactly what `python -m dlrm_hybrid ARGV` runs
-    runpy.run_module("dlrm_hybrid", run_name="__main__", alter_sys=True)
+    script = request.get("script")
+    if script:  # a rank: exactly what `python SCRIPT ARGV` runs
+        sys.argv = [script, *request["argv"]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+    else:  # a rank: exactly what `python -m dlrm_hybrid ARGV` runs
+        sys.argv = [sys.argv[0], *request["argv"]]
+        runpy.run_module("dlrm_hybrid", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,11 @@
 model is exactly the same (parallel/exchange.py)."""
 
 import json
-import os
-import subprocess
 
 import pytest
 import torch
 
-from conftest import ROOT, TORCHRUN, assert_eval_and_export_reproduce, read_metrics, run_cli
+from conftest import ROOT, assert_eval_and_export_reproduce, read_metrics, run_cli
 
 DIM, TABLES, BATCH = 16, 8, 1024  # configs/demo.yaml
 TOP = 48  # the first top layer's width in des_job.py: cat's partial sums per sample
@@ -18,11 +16,7 @@ FIRST_ORDER = 4  # fm: each feature's first-order weight table is 4 columns wide
 def run_job(tmp_path, nproc: int, *flags: str) -> dict:
     out = tmp_path / f"job{nproc}"
     out.mkdir()
-    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests/des_job.py"), str(out), *flags]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**env, "OMP_NUM_THREADS": "1"})
+    result = run_cli([str(out), *flags], nproc=nproc, script=ROOT / "tests/des_job.py")
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((out / "losses.json").read_text())
 
