@@ -100,13 +100,19 @@ def test_keep_torch_without_a_torch_is_one_line(tmp_path):
     assert "drop TORCH=system" in lines[0]
 
 
+# The environment of a shell, not of `make test`'s recipe: a make started from a recipe prints
+# "Entering directory" lines, and would share the outer make's flags.
+OUTSIDE_MAKE = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+
+
 def test_make_install_makes_a_venv_unless_venv_is_empty(tmp_path):
     """VENV=path (default .venv) makes a venv that sees the system's packages for TORCH=system
     and installs into it; VENV= installs into PYTHON itself, its state in PYTHON's prefix (that
     install runs in the Dockerfile's test below)."""
     def recipe(*settings: str) -> list[str]:
         dry_run = subprocess.run(["make", "-n", "-B", "install", "TORCH=system", *settings],
-                                 cwd=ROOT, capture_output=True, text=True, check=True)
+                                 cwd=ROOT, capture_output=True, text=True, check=True,
+                                 env=OUTSIDE_MAKE)
         return dry_run.stdout.splitlines()
 
     venv_dir = tmp_path / "venv"
@@ -194,7 +200,7 @@ def test_the_dockerfiles_install_keeps_the_pythons_torch_and_dali_and_installs_i
     command[command.index("FBGEMM=cuda")] = f"FBGEMM={build}"
     path = f"{env / 'bin'}:{os.environ['PATH']}"  # `python3` is the environment's
     run = subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PATH": path})
+                         env={**OUTSIDE_MAKE, "PATH": path})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"setup_env: torch {torch.__version__} ({torch.__file__})" in run.stdout
     dali = importlib.util.find_spec("nvidia.dali").origin  # this suite's, not imported here
