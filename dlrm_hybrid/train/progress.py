@@ -42,7 +42,10 @@ class Progress:
 
     def show(self, record: dict) -> None:
         if self.lines:
-            print(f"step {record['step']}/{self.total}: {figures(record)}", flush=True)
+            # One write with its newline: a Ctrl-C handler printing while this line is flushed
+            # (print writes the text and the newline apart) would otherwise join the two lines.
+            sys.stdout.write(f"step {record['step']}/{self.total}: {figures(record)}\n")
+            sys.stdout.flush()
         else:
             self.bar.set_postfix_str(figures(record, skip=("elapsed_s",)), refresh=False)
 
