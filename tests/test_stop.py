@@ -36,9 +36,15 @@ def start(args: list, nproc: int = 0) -> subprocess.Popen:
     cmd = ([*LAUNCHER, "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
            if nproc else [sys.executable, "-m", "dlrm_hybrid", *args])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # With SIGINT's default action, as a terminal gives it: the suite itself may run where it
+    # is ignored (a shell's background job), which the command would inherit.
     return subprocess.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture
@@ -59,6 +65,15 @@ def launch():
             except subprocess.TimeoutExpired:
                 run.kill()
                 run.communicate()
+
+
+def iter_until(stream, prefix: str):
+    """The lines of `stream` up to and including the first that starts with `prefix`."""
+    for line in stream:
+        yield line
+        if line.startswith(prefix):
+            return
+    raise AssertionError(f"the output ended before a line starting {prefix!r}")
 
 
 def wait_for_step(run: subprocess.Popen, run_dir: Path, step: int) -> None:
@@ -145,9 +160,12 @@ def test_ctrl_c_stops_at_a_step_and_a_second_ctrl_c_at_once(tmp_path, launch):
     run = launch([*args, "--set", "checkpoint.resume=auto"])
     wait_for_step(run, tmp_path, step + 2)  # step + 1 is behind it
     os.killpg(run.pid, signal.SIGINT)
-    time.sleep(0.05)  # a separate second signal (one still pending would merge with it)
+    # The second signal once the first is acknowledged (one still pending would merge with it),
+    # at once: a stop this small ends a few milliseconds later.
+    before = "".join(iter_until(run.stdout, "SIGINT: stopping"))
     os.killpg(run.pid, signal.SIGINT)
     out, err = run.communicate(timeout=120)
+    out = before + out
     assert f"resumed from {tmp_path / 'checkpoints' / f'step_{step}'} (step {step})" in out
     stop = re.fullmatch(r"stopped at once after step (\d+) \(a second Ctrl-C\), without a "
                         r"checkpoint of it; resume with the same command: it continues from "
