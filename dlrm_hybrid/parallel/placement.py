@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,16 +52,27 @@ class Plan:
     tables: Dict[str, TableSpec]
     shards: List[Shard]
     gpus_per_node: Optional[int] = None
+    # Tables every rank holds whole (torchrec `data_parallel`): no shards, no all-to-all; their
+    # gradients are all-reduced instead.
+    replicated: FrozenSet[str] = frozenset()
     loads: np.ndarray = field(init=False, repr=False)  # [3, world]: memory, a2a, lookup bytes
     _index: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.replicated = frozenset(self.replicated)
         self.loads = _rank_loads(self.tables, self.shards, self.world_size, self.batch_size)
+        for name in sorted(self.replicated):  # every rank: the whole table, its own samples
+            t = self.tables[name]
+            self.loads[0] += t.bytes
+            self.loads[2] += t.shard_lookup_bytes(t.dim, self.batch_size) / self.world_size
 
     def shards_of(self, table: str) -> List[Shard]:
+        """The column shards of a table; none for a replicated one."""
         return list(self._indexed()[0].get(table, ()))
 
     def sharding_type(self, table: str) -> str:
+        if table in self.replicated:
+            return "data_parallel"
         return "table_wise" if len(self.shards_of(table)) == 1 else "column_wise"
 
     def shards_on(self, rank: int) -> List[Shard]:

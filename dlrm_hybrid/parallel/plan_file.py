@@ -51,8 +51,10 @@ def load_plan(path: str) -> Plan:
             for rank, cols in zip(t["ranks"], t["columns"]):
                 shards.append(Shard(name, rank, offset, cols))
                 offset += cols
+        replicated = frozenset(name for name, t in raw["tables"].items()
+                               if t["sharding"] == "data_parallel")
         return Plan(raw["world_size"], raw["strategy"], raw["budget_bytes"], raw["batch_size"],
-                    tables, shards, raw.get("gpus_per_node"))
+                    tables, shards, raw.get("gpus_per_node"), replicated)
     except OSError as e:
         raise ConfigError(f"parallel.plan: cannot read {path} ({e.strerror})")
     except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -78,7 +80,8 @@ def check_plan(plan: Plan, path: str, model_tables: List[TableSpec], world_size:
                               f"but {mine.rows}x{mine.dim} in the model; make the plan from this "
                               f"job's config")
     for name in plan.tables:
-        _check_shards(plan, name, path, world_size)
+        if name not in plan.replicated:
+            _check_shards(plan, name, path, world_size)
 
 
 def _check_shards(plan: Plan, name: str, path: str, world_size: int) -> None:
