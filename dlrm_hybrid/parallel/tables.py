@@ -22,6 +22,11 @@ OPTIMIZER_STATE_PER_ROW = {  # fp32 values per row of a shard with `cols` column
     "adam": lambda cols: 2 * cols,
 }
 ID_BYTES, LENGTH_BYTES, POOLED_BYTES = 8, 4, 4
+# Optimizers whose update of a replicated table (dense, all-reduced gradient) is the fused sparse
+# one's: a row no sample touched stays as it is. Adam's moments would decay on every row.
+REPLICABLE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+# Optimizers with state per row of each shard: a column split changes the update.
+PER_SHARD_ROW_STATE = ("rowwise_adagrad",)
 
 
 @dataclass(frozen=True)
