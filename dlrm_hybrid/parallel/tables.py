@@ -48,9 +48,18 @@ class TableSpec:
         weights = self.rows * cols * BYTES_PER_WEIGHT[self.precision]
         return weights + self.rows * OPTIMIZER_STATE_PER_ROW[self.optimizer](cols) * 4
 
+    @property
+    def id_bytes(self) -> float:
+        """Bytes per sample a shard takes in: the ids and the bags' lengths."""
+        return ID_BYTES * self.hotness + self.bags * LENGTH_BYTES
+
+    def pooled_bytes(self, cols: int) -> float:
+        """Bytes per sample of a `cols` shard's pooled vectors (and of their gradients)."""
+        return self.bags * POOLED_BYTES * cols
+
     def shard_a2a_bytes(self, cols: int, batch: int) -> float:
         """All-to-all bytes per step (ids in, pooled out, gradients back) of a `cols` shard."""
-        return batch * (ID_BYTES * self.hotness + self.bags * (LENGTH_BYTES + 2 * POOLED_BYTES * cols))
+        return batch * (self.id_bytes + 2 * self.pooled_bytes(cols))
 
     def shard_lookup_bytes(self, cols: int, batch: int) -> float:
         """Weight bytes read in the forward and updated in the backward per step."""
