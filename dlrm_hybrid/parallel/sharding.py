@@ -7,7 +7,7 @@ what makes a 1-rank and an 8-rank run start from the same weights.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import (CommType, QCommsConfig,
                                                      get_qcomm_codecs_registry)
 from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
-                                                table_wise)
+                                                data_parallel, table_wise)
 from torchrec.distributed.types import ShardingPlan
 
 from dlrm_hybrid.compat import sharding_env
@@ -36,7 +36,8 @@ def sharding_plan(model: DLRM, plan: Plan, local_world_size: int,
     per_table = {}
     for name in plan.tables:
         ranks = [s.rank for s in sorted(plan.shards_of(name), key=lambda s: s.col_offset)]
-        per_table[name] = (table_wise(rank=ranks[0]) if len(ranks) == 1
+        per_table[name] = (data_parallel() if name in plan.replicated
+                           else table_wise(rank=ranks[0]) if len(ranks) == 1
                            else column_wise(ranks=ranks))
     module_plan = construct_module_sharding_plan(
         model.embedding_bags, per_table, local_size=local_world_size,
@@ -83,19 +84,27 @@ def comm_codecs(precision: str, device: torch.device) -> Optional[dict]:
 
 def init_tables(dmp: DistributedModelParallel, tables: List[Part], seed: int) -> None:
     """Fill each locally owned shard of each table with U(-b, b), b its `init_bound`:
-    1/sqrt(rows) for a full table, as the original DLRM (compositional.py)."""
+    1/sqrt(rows) for a full table, as the original DLRM (compositional.py). A replicated
+    (data_parallel) table is a plain tensor on every rank: the whole table, the same blocks."""
     state = dmp.state_dict()
     for index, table in enumerate(tables):
         weight = state[_state_key(state, table.table)]
-        for shard in weight.local_shards():
-            row0, col0 = shard.metadata.shard_offsets
-            rows, cols = shard.tensor.shape
+        for (row0, col0), tensor in local_pieces(weight):
+            rows, cols = tensor.shape
             with torch.no_grad():
                 for start in range(row0 - row0 % INIT_ROW_BLOCK, row0 + rows, INIT_ROW_BLOCK):
                     block = _table_block(seed, index, start, table)
                     lo, hi = max(start, row0), min(start + block.shape[0], row0 + rows)
-                    shard.tensor[lo - row0:hi - row0].copy_(
+                    tensor[lo - row0:hi - row0].copy_(
                         block[lo - start:hi - start, col0:col0 + cols])
+
+
+def local_pieces(weight: torch.Tensor) -> List[Tuple[Tuple[int, int], torch.Tensor]]:
+    """((first row, first column), tensor) of each piece of a table's state-dict entry this
+    rank holds: its local shards, or the whole table where it is replicated (a plain tensor)."""
+    if hasattr(weight, "local_shards"):
+        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in weight.local_shards()]
+    return [((0, 0), weight)]
 
 
 def _table_block(seed: int, table_index: int, start: int, table: Part) -> torch.Tensor:

@@ -3,7 +3,9 @@ state, and the step (which fixes the LR schedule and the data position: batches 
 of the step, and training draws no other random numbers).
 
 DCP stores shards with their global offsets, so a checkpoint written by N ranks loads on M
-ranks under another placement. A checkpoint is written to `.step_<n>.partial`, and published
+ranks under another placement, a table sharded there and replicated (data_parallel) here or the
+other way round: a replicated table's weight is a plain tensor every rank holds, and its
+optimizer state is written in the fused optimizer's layout (optim.checkpoint_state). A checkpoint is written to `.step_<n>.partial`, and published
 by renaming it to `step_<n>` once every rank has finished and `meta.json` is in it: a run killed
 while writing leaves the previous checkpoints as they were.
 
@@ -21,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, List, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -33,6 +36,7 @@ from dlrm_hybrid.train.checkpoint_digest import ALGORITHM, damaged_files, file_d
 from dlrm_hybrid.train.checkpoint_folder import CONFIG, META, checkpoint_config_path
 from dlrm_hybrid.train.checkpoint_reader import METADATA, checkpoint_reader
 from dlrm_hybrid.train.dataset_identity import dataset_identity
+from dlrm_hybrid.train.optim import checkpoint_state, from_checkpoint_state
 
 NAME = re.compile(r"step_(\d+)$")
 EARLIER_RUN = ""  # the run of a checkpoint written before runs were recorded
@@ -54,7 +58,7 @@ def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg, extra: dict
         partial.mkdir(parents=True)
     make_replicas_current(dmp, optimizer)
     dist.barrier()
-    written = dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()},
+    written = dcp.save({"model": dmp.state_dict(), "optim": checkpoint_state(optimizer)},
                        checkpoint_id=partial)
     digests = file_digests(partial, {METADATA, *(info.relative_path for info in
                                                  written.storage_data.values())})
@@ -203,24 +207,40 @@ def load_checkpoint(path: Path, dmp, optimizer=None) -> dict:
     checkpoint's `meta.json` (its step and extra state)."""
     meta = read_meta(path)
     reader = checkpoint_reader(path)  # a crafted file is refused here, before anything runs
+    state = {"model": dmp.state_dict()}
+    if optimizer is not None:
+        state["optim"] = checkpoint_state(optimizer)
+        _require_optimizer_state(path, state["optim"], reader)
     try:
-        state = {"model": dmp.state_dict()}
-        dcp.load(state, storage_reader=reader)
+        dcp.load({"model": state["model"]}, storage_reader=reader)
         if optimizer is not None:
             # Partial: fused SGD keeps empty state entries for column-wise shards that a
-            # table-wise table has not, so resharding meets keys the checkpoint never had.
-            state["optim"] = optimizer.state_dict()
+            # table-wise table has not, so resharding meets keys the checkpoint never had
+            # (a tensor it lacks was refused above, never left fresh).
             dcp.load({"optim": state["optim"]}, storage_reader=reader,
                      planner=DefaultLoadPlanner(allow_partial_load=True))
     except (OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
         raise _load_error(path, e) from None
     dmp.load_state_dict(state["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optim"])
+        optimizer.load_state_dict(from_checkpoint_state(optimizer, state["optim"],
+                                                        int(meta["step"])))
         # fbgemm's step counter (Adam's bias correction) is not in the optimizer state: it
         # counts training steps, so it is the checkpoint's step.
         optimizer.set_optimizer_step(int(meta["step"]))
     return meta
+
+
+def _require_optimizer_state(path: Path, optim_state: dict, reader) -> None:
+    """Every optimizer state tensor this run keeps is in the checkpoint, else a one-line error
+    naming the first missing one (a partial load would leave it fresh without a word)."""
+    stored = reader.read_metadata().state_dict_metadata
+    for param, entries in optim_state["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor) and f"optim.state.{param}.{name}" not in stored:
+                raise DataError(f"{path}: holds no optimizer state {name} for {param}; it was "
+                                f"trained with another optimizer or model: resume with the "
+                                f"config it was written with, or checkpoint.resume=none")
 
 
 def _load_error(path: Path, error: BaseException) -> DataError:

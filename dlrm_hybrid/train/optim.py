@@ -1,5 +1,18 @@
-"""Optimizers: fused in-backward for the embeddings (fbgemm via torchrec), torch.optim for the
-MLPs, one LR schedule (linear warmup, then polynomial decay) driving both."""
+"""Optimizers: fused in-backward for the sharded embeddings (fbgemm via torchrec), the same
+algorithm as a torch optimizer for the replicated ones, torch.optim for the MLPs, one LR schedule
+(linear warmup, then polynomial decay) driving all three.
+
+A replicated (torchrec `data_parallel`) table is a slice of a dense table batch that DDP wraps:
+torchrec gives it no fused optimizer, and its gradient, dense and averaged over ranks in the
+backward, is the global-batch mean a sharded table's owner sees. The torch optimizers below do
+what fbgemm's CPU/GPU kernels do to a row (`fbgemm_gpu/codegen/genscript/optimizers.py`):
+SGD w -= lr g; Adagrad m += g^2, w -= lr g / (sqrt(m) + eps); row-wise Adagrad m += mean(g^2)
+over the row, w -= lr g / (sqrt(m) + eps), and a row no sample touched (g = 0) keeps its value
+and state. Adam would decay every row's moments: tables.REPLICABLE_OPTIMIZERS leaves it out.
+
+Checkpoints hold a replicated table's optimizer state in fbgemm's layout (`checkpoint_state`),
+so that it loads into a run where the table is sharded, and back (`from_checkpoint_state`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +22,8 @@ from typing import Tuple
 import torch
 from torch.distributed.optim import _apply_optimizer_in_backward
 from torch.optim.lr_scheduler import LambdaLR
+from torchrec.distributed.composable.table_batched_embedding_slice import (
+    TableBatchedEmbeddingSlice)
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -43,16 +58,26 @@ def attach_embedding_optimizer(embedding_bags: torch.nn.Module, optim_cfg,
 
 
 def build_optimizer(dmp, optim_cfg) -> Tuple[CombinedOptimizer, LambdaLR]:
-    """After sharding: the dense optimizer plus the sharded model's fused one, and the schedule.
+    """After sharding: the sharded model's fused optimizer, the embedding optimizer of the
+    replicated tables, the dense optimizer, and the schedule (LambdaLR scales each param
+    group's own base LR: `optim.embedding_lr` for both embedding optimizers).
 
     The fused optimizer reads its LR from its param group in `zero_grad()`, so call
-    `zero_grad()` at the start of each step for the embeddings to follow the schedule.
+    `zero_grad()` at the start of each step for the embeddings to follow the schedule; the
+    other two read theirs in `step()`, after the backward of the same step.
     """
-    dense_cls = DENSE_OPTIMIZERS[optim_cfg.dense]
+    unfused = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    replicated = {k: p for k, p in unfused.items() if isinstance(p, TableBatchedEmbeddingSlice)}
+    dense = {k: p for k, p in unfused.items() if k not in replicated}
+    embedding_cls, dense_cls = EMBEDDING_OPTIMIZERS[optim_cfg.embedding], DENSE_OPTIMIZERS[optim_cfg.dense]
+    embedding_kwargs = _kwargs(optim_cfg.embedding, optim_cfg.embedding_lr, optim_cfg.eps)
     dense_kwargs = _kwargs(optim_cfg.dense, optim_cfg.dense_lr, optim_cfg.eps)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: dense_cls(params, **dense_kwargs))
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    optimizers = [dmp.fused_optimizer]
+    if replicated:
+        optimizers.append(KeyedOptimizerWrapper(
+            replicated, lambda params: embedding_cls(params, **embedding_kwargs)))
+    optimizers.append(KeyedOptimizerWrapper(dense, lambda params: dense_cls(params, **dense_kwargs)))
+    optimizer = CombinedOptimizer(optimizers)
     return optimizer, LambdaLR(optimizer, lambda step: lr_factor(step, optim_cfg))
 
 
@@ -67,10 +92,12 @@ def advance_schedule(schedule: LambdaLR, step: int) -> None:
 
 def current_lrs(optimizer: CombinedOptimizer, schedule: LambdaLR, optim_cfg) -> dict:
     """The LRs the next step trains with, for the run's record: the dense optimizer's, and the
-    fused embedding optimizer's param group's, which its `zero_grad()` hands to fbgemm. A rank
-    that holds no table has no fused param group: it reports the schedule's embedding LR."""
-    (_, fused), (_, dense) = optimizer.optimizers
-    embedding = (fused.param_groups[0]["lr"] if fused.param_groups else
+    embedding optimizers' (the fused one's param group, which its `zero_grad()` hands to fbgemm,
+    or the replicated tables' one). A rank that holds no table has no embedding param group:
+    it reports the schedule's embedding LR."""
+    *embedding_optimizers, (_, dense) = optimizer.optimizers
+    groups = [g for _, o in embedding_optimizers for g in o.param_groups]
+    embedding = (groups[0]["lr"] if groups else
                  optim_cfg.embedding_lr * lr_factor(schedule.last_epoch, optim_cfg))
     return {"lr_dense": dense.param_groups[0]["lr"], "lr_embedding": embedding}
 
@@ -84,3 +111,44 @@ def lr_factor(step: int, optim_cfg) -> float:
         return 1.0
     progress = min(1.0, (step - c.decay_start_step) / c.decay_steps)
     return c.decay_end_factor + (1.0 - c.decay_end_factor) * (1.0 - progress) ** c.decay_power
+
+
+def checkpoint_state(optimizer: CombinedOptimizer) -> dict:
+    """`optimizer.state_dict()` with each replicated table's state as the fused optimizer keeps
+    a sharded one's: `<table>.momentum1`, [rows] for row-wise Adagrad (one sum per row),
+    [rows, dim] for Adagrad; none for SGD. Views of the live state: DCP loads into them in
+    place. The torch optimizer's step counter is left out (it is the checkpoint's step)."""
+    state = optimizer.state_dict()
+    for key, torch_optimizer in _replicated(optimizer).items():
+        held = state["state"].get(key, {})
+        state["state"][key] = ({f"{_table_of(key)}.momentum1": _fused_layout(
+            held["sum"], torch_optimizer)} if "sum" in held else {})
+    return state
+
+
+def from_checkpoint_state(optimizer: CombinedOptimizer, state: dict, step: int) -> dict:
+    """`checkpoint_state`'s layout back into what `optimizer.load_state_dict` takes."""
+    live = optimizer.state_dict()["state"]
+    for key in _replicated(optimizer):
+        if "sum" in live.get(key, {}):
+            momentum = state["state"][key][f"{_table_of(key)}.momentum1"]
+            state["state"][key] = {"sum": momentum.view_as(live[key]["sum"]),
+                                   "step": torch.tensor(float(step))}
+        else:  # SGD keeps no state
+            state["state"].pop(key, None)
+    return state
+
+
+def _replicated(optimizer: CombinedOptimizer) -> dict:
+    """{param key: torch optimizer} of the replicated tables (build_optimizer)."""
+    return {key: wrapper._optimizer for _, wrapper in optimizer.optimizers
+            if isinstance(wrapper, KeyedOptimizerWrapper)
+            for key, p in wrapper.params.items() if isinstance(p, TableBatchedEmbeddingSlice)}
+
+
+def _table_of(param_key: str) -> str:
+    return param_key.split(".")[-2]  # ...embedding_bags.<table>.weight
+
+
+def _fused_layout(state_sum: torch.Tensor, torch_optimizer) -> torch.Tensor:
+    return state_sum.view(-1) if isinstance(torch_optimizer, RowWiseAdagrad) else state_sum
