@@ -4,7 +4,7 @@ fbgemm_gpu's CPU library is built without OpenMP (its .so files link no OpenMP r
 `at::parallel_for` inside its kernels runs on one thread; and its fused SGD backward sorts the
 ids, then reads and writes each row without prefetching, waiting on memory for every one.
 
-So every CPU table batch goes onto huge pages (host_memory.py), and one trained with SGD checks
+So every sharded CPU table batch goes onto huge pages (host_memory.py), and one trained with SGD checks
 its ids against their tables and updates its rows with the small C library built with this
 package (csrc/cpu_lookup.c: no sort, prefetching, on torch's OpenMP threads), and looks its rows
 up with torch's `embedding_bag` (fbgemm's kernel inside torch, built with OpenMP). Where that
@@ -18,6 +18,10 @@ library was not built (an install without a C compiler), fbgemm does it all.
     | fbgemm, huge pages               |    7.0 |       15.6 |
     | csrc/cpu_lookup.c                |    6.9 |        4.6 |
     | csrc/cpu_lookup.c, huge pages    |    6.3 |        4.1 |
+
+Replicated (data_parallel) tables are torchrec's dense table batches, trained by a torch
+optimizer after DDP's all-reduce (train/optim.py): none of this applies to them, and
+`speed_up_cpu_tables` leaves them as they are.
 
 Tried and left out: a C lookup (7.2 ms against `embedding_bag`'s 6.5 ms); and fbgemm's backward
 split by tables over Python threads (row-wise Adagrad has no C update): each thread starts its

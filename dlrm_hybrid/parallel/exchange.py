@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.dist_data import PooledEmbeddingsReduceScatter
 from torchrec.distributed.fbgemm_qcomm_codec import CommOp
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, LazyAwaitable
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
@@ -97,8 +98,12 @@ def install_exchange(dmp, path: str, world_size: int, comm_precision: str,
 
 
 def _count_pooled(ebc, counter: ExchangeCounter) -> None:
-    """Hooks on torchrec's output all-to-alls: each gets the owner's [P * B, cols] vectors."""
-    for output_dist in ebc._output_dists:
+    """Hooks on torchrec's output all-to-alls: each gets the owner's [P * B, cols] vectors.
+    Replicated (data_parallel) tables send nothing: their output "dist" hands each rank its
+    own samples' vectors (their gradients are all-reduced by DDP, not exchanged)."""
+    for sharding, output_dist in zip(ebc._embedding_shardings, ebc._output_dists):
+        if isinstance(sharding, DpPooledEmbeddingSharding):
+            continue
         own = {"cols": 0}
 
         def before(module, args, own=own):

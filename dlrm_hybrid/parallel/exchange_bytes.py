@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.parallel.placement import Plan, format_bytes
 
 
@@ -69,6 +70,9 @@ def exchange_bytes(plan: Plan, cfg) -> Dict[str, ExchangeBytes]:
 def choose_exchange(cfg, plan: Plan) -> Tuple[str, str]:
     """The exchange a job uses and why."""
     asked = cfg.parallel.exchange
+    if asked == "des" and plan.replicated:
+        raise ConfigError(f"parallel.exchange: des needs every table sharded, the plan replicates "
+                          f"{', '.join(sorted(plan.replicated))}; use parallel.exchange=pooled or auto")
     if asked != "auto":
         return asked, f"parallel.exchange={asked}"
     m = cfg.model
@@ -78,6 +82,9 @@ def choose_exchange(cfg, plan: Plan) -> Tuple[str, str]:
         return "pooled", "qr mult and add features need their parts' pooled vectors"
     if cfg.train.cuda_graphs or cfg.train.precision == "fp16":
         return "pooled", "des runs neither under CUDA graphs nor with fp16"
+    if plan.replicated:
+        return "pooled", ("des does not run with replicated tables (each rank looks them "
+                          "up for its own samples: no owner sends their partial sums)")
     both = exchange_bytes(plan, cfg)
     pooled, des = both["pooled"].total, both["des"].total
     if des < pooled:

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from dlrm_hybrid.config import Config
+from dlrm_hybrid.config import Config, ConfigError
 from dlrm_hybrid.data.day23 import require_reference_rule
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
@@ -70,6 +70,10 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
     train_step = TrainStep(dmp, optimizer, schedule, cfg.train, env.device)
+    if plan.replicated and train_step.precision.scaler is not None:
+        # The loss scaler would unscale their gradient twice: the tables' backward gets it unscaled.
+        raise ConfigError(f"train.precision: fp16 does not train replicated tables (the plan "
+                          f"replicates {', '.join(sorted(plan.replicated))}); use bf16 or fp32")
     first, run_id = resume(cfg, train_step, log)
     B, steps = cfg.data.global_batch_size, run.steps
     if first >= steps:

@@ -48,7 +48,8 @@ class MetricsLog:
             self._rank_file = open(self.run_dir / f"rank_{self.rank}.jsonl", mode)
             shards = [f"{s.table}[{s.col_offset}:{s.col_offset + s.cols}]"
                       for s in plan.shards_on(self.rank)]
-            self.record_rank({"rank": self.rank, "shards": shards})
+            self.record_rank({"rank": self.rank, "shards": shards,
+                              "replicated": sorted(plan.replicated)})
 
     def record(self, event: dict) -> dict:
         """An event of the whole job (rank 0 writes it), stamped with the time (unix seconds)

@@ -1,0 +1,188 @@
+"""Replicated (data_parallel) tables: a plan that replicates some tables trains the model one
+rank trains, its checkpoints reshard to and from sharded tables, and they evaluate and export;
+and the demo's losses do not depend on the number of ranks."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import (assert_eval_and_export_reproduce, exported_val_scores, failure,
+                      read_metrics, run_cli)
+
+RUN = ["train.max_steps=40", "train.log_every=1", "train.eval_every=0", "data.val_samples=4096",
+       "train.progress_bar=false", "checkpoint.every=20"]
+# Dense SGD with SGD tables: Adagrad's first dense steps move each weight by +-lr whatever its
+# gradient's size (shared_runs.EQUIVALENCE). SGD tables are the ones that see the gradient's
+# scale: both Adagrads divide it out, so only SGD tells the global mean from the sum.
+OPTIMIZERS = {"rowwise_adagrad": [], "sgd": ["optim.embedding=sgd", "optim.dense=sgd",
+                                             "optim.dense_lr=0.5"]}
+REPLICATED = ("t_cat_0", "t_cat_3", "t_cat_7")  # the largest, a middle and the smallest table
+TABLE_WISE = {"t_cat_1": 1, "t_cat_2": 0, "t_cat_4": 1, "t_cat_5": 0, "t_cat_6": 1}
+
+
+def sets(*overrides):
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def write_plan(path: Path, world: int, replicated=(), ranks=None) -> Path:
+    """`plan --out` for `world` ranks with every table's placement replaced: `replicated`
+    data_parallel, the others table-wise on `ranks[table]` (rank 0 if not named)."""
+    made = run_cli(["plan", "--config", "configs/demo.yaml", "--world-size", str(world),
+                    "--out", str(path)])
+    assert made.returncode == 0, failure(made)
+    plan = json.loads(path.read_text())
+    for name, table in plan["tables"].items():
+        if name in replicated:
+            table.update(sharding="data_parallel", ranks=[], columns=[])
+        else:
+            table.update(sharding="table_wise", ranks=[(ranks or {}).get(name, 0)],
+                         columns=[table["dim"]])
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def losses_of(run_dir: Path) -> dict:
+    """{step: loss}, the last record of each step winning (a resumed run appends)."""
+    return {e["step"]: e["loss"] for e in read_metrics(run_dir) if "loss" in e}
+
+
+def assert_same_losses(got: dict, want: dict, steps) -> None:
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert abs(got[step] - want[step]) < 1e-5, f"step {step}: {got[step]} vs {want[step]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Training runs of this file, each made once when a test first asks for it:
+    runs(optimizer, nproc, *overrides) -> (run directory, the CLI's result). One rank trains
+    every table table-wise; two ranks replicate REPLICATED and keep TABLE_WISE table-wise."""
+    root = tmp_path_factory.mktemp("replicated")
+    plans = {1: write_plan(root / "one.json", 1),
+             2: write_plan(root / "two.json", 2, REPLICATED, TABLE_WISE)}
+    made = {}
+
+    def run(optimizer: str, nproc: int, *overrides: str):
+        key = (optimizer, nproc, overrides)
+        if key not in made:
+            run_dir = root / f"run{len(made)}"
+            result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+                *RUN, *OPTIMIZERS[optimizer], f"parallel.plan={plans[nproc]}",
+                f"train.run_dir={run_dir}", *overrides)], nproc=nproc if nproc > 1 else 0)
+            assert result.returncode == 0, failure(result)
+            made[key] = run_dir, result
+        return made[key]
+
+    run.plans = plans
+    return run
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "sgd"])
+def test_replicated_tables_on_two_ranks_train_as_one_rank(runs, optimizer):
+    """Replicated tables take the DDP-averaged gradient (the global batch's mean, as a sharded
+    table's owner sees it) and the embedding optimizer's update, LR and schedule: 40 steps of
+    losses and embedding LRs are one rank's. They exchange nothing: rank 0 sends the bytes
+    of its own table-wise tables alone."""
+    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.parallel.exchange_bytes import exchange_bytes
+    from dlrm_hybrid.parallel.plan_file import load_plan
+
+    one, _ = runs(optimizer, 1)
+    two, _ = runs(optimizer, 2, "train.rank_logs=true")
+    assert_same_losses(losses_of(two), losses_of(one), range(1, 41))
+    lrs = [[e["lr_embedding"] for e in read_metrics(run) if "loss" in e] for run in (one, two)]
+    assert lrs[0] == lrs[1] and lrs[0][0] < lrs[0][-1]  # the warmup, applied to both kinds
+
+    applied = json.loads((two / "sharding.json").read_text())
+    assert {n for n, a in applied.items() if a["sharding"] == "data_parallel"} == set(REPLICATED)
+    for rank in (0, 1):
+        first = json.loads((two / f"rank_{rank}.jsonl").read_text().splitlines()[0])
+        assert first["replicated"] == list(REPLICATED)
+        assert {s.split("[")[0] for s in first["shards"]} == {
+            n for n, r in TABLE_WISE.items() if r == rank}
+    planned = exchange_bytes(load_plan(str(runs.plans[2])),
+                             load_config("configs/demo.yaml", [], 2))["pooled"]
+    record = next(e for e in read_metrics(two) if "loss" in e)
+    assert (record["exchange_fwd_bytes"], record["exchange_bwd_bytes"]) == (
+        planned.forward[0], planned.backward[0])
+
+
+def test_checkpoints_reshard_between_table_wise_and_replicated(runs, tmp_path):
+    """Weights and row-wise Adagrad's per-row sums move between a table-wise table on one rank
+    and a replicated one on two, both ways: the resumed run's losses go on as the
+    uninterrupted run's."""
+    one, _ = runs("rowwise_adagrad", 1)
+    two, _ = runs("rowwise_adagrad", 2)
+    want = losses_of(one)
+    into_two, _ = runs("rowwise_adagrad", 2, f"checkpoint.resume={one / 'checkpoints/step_20'}")
+    assert_same_losses(losses_of(into_two), want, range(21, 41))
+    into_one = tmp_path / "into_one"
+    result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+        *RUN, f"parallel.plan={runs.plans[1]}", f"train.run_dir={into_one}",
+        f"checkpoint.resume={two / 'checkpoints/step_20'}")])
+    assert result.returncode == 0, failure(result)
+    assert_same_losses(losses_of(into_one), want, range(21, 41))
+
+
+def test_a_replicated_checkpoint_evaluates_and_exports(runs, tmp_path):
+    """`eval` of a checkpoint with replicated tables scores the run's final AUC, and `export`
+    writes one unsharded model whose predictions are the one-rank model's."""
+    import torch
+
+    one, _ = runs("rowwise_adagrad", 1)
+    two, _ = runs("rowwise_adagrad", 2)
+    checkpoint = two / "checkpoints/step_40"
+    assert_eval_and_export_reproduce(checkpoint, read_metrics(two)[-1]["val_auc"],
+                                     tmp_path / "two.pt")
+    result = run_cli(["export", "--checkpoint", str(one / "checkpoints/step_40"), "--out",
+                      str(tmp_path / "one.pt"), "--state-dict"])
+    assert result.returncode == 0, failure(result)
+    torch.testing.assert_close(exported_val_scores(checkpoint, tmp_path / "two.pt")[0],
+                               exported_val_scores(one / "checkpoints/step_40",
+                                                   tmp_path / "one.pt")[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_without_the_optimizer_state_is_refused(runs, tmp_path):
+    """An SGD checkpoint (no optimizer state) passed off as row-wise Adagrad's: the missing
+    per-row sums are a one-line error, not a fresh state."""
+    import shutil
+
+    sgd, _ = runs("sgd", 2)
+    checkpoint = shutil.copytree(sgd / "checkpoints/step_20", tmp_path / "step_20")
+    config = (checkpoint / "config.yaml").read_text()
+    for line in ("embedding: sgd", "dense: sgd"):
+        assert line in config
+    config = config.replace("embedding: sgd", "embedding: rowwise_adagrad").replace(
+        "dense: sgd", "dense: adagrad").replace("dense_lr: 0.5", "dense_lr: 0.05")
+    (checkpoint / "config.yaml").write_text(config)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["sha256"]["config.yaml"] = hashlib.sha256(config.encode()).hexdigest()
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+        *RUN, f"parallel.plan={runs.plans[1]}", f"train.run_dir={tmp_path / 'run'}",
+        f"checkpoint.resume={checkpoint}")])
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {checkpoint}: holds no optimizer state t_cat_0.momentum1 for "
+        f"embedding_bags.embedding_bags.t_cat_0.weight; it was trained with another optimizer "
+        f"or model: resume with the config it was written with, or checkpoint.resume=none")
+
+
+@pytest.mark.parametrize("setting, error", [
+    ("parallel.exchange=des", "error: parallel.exchange: des needs every table sharded, the plan "
+     "replicates t_cat_0, t_cat_3, t_cat_7; use parallel.exchange=pooled or auto"),
+    ("train.precision=fp16", "error: train.precision: fp16 does not train replicated tables "
+     "(the plan replicates t_cat_0, t_cat_3, t_cat_7); use bf16 or fp32")])
+def test_what_replicated_tables_do_not_run_with_is_refused(tmp_path, setting, error):
+    """des sums owners' partial results (a replicated table has no owner); fp16's loss scaler
+    would unscale a replicated table's gradient twice."""
+    plan = write_plan(tmp_path / "plan.json", 1, REPLICATED)
+    result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+        *RUN, "model.interaction=cat", "train.precision_fallback=false", setting,
+        f"parallel.plan={plan}", f"train.run_dir={tmp_path / 'run'}")])
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines()[-1] == error
+    assert not (tmp_path / "run").exists()
