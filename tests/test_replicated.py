@@ -15,9 +15,10 @@ RUN = ["train.max_steps=40", "train.log_every=1", "train.eval_every=0", "data.va
        "train.progress_bar=false", "checkpoint.every=20"]
 # Dense SGD with SGD tables: Adagrad's first dense steps move each weight by +-lr whatever its
 # gradient's size (shared_runs.EQUIVALENCE). SGD tables are the ones that see the gradient's
-# scale: both Adagrads divide it out, so only SGD tells the global mean from the sum.
-OPTIMIZERS = {"rowwise_adagrad": [], "sgd": ["optim.embedding=sgd", "optim.dense=sgd",
-                                             "optim.dense_lr=0.5"]}
+# scale (both Adagrads divide it out), at an LR large enough for it to show in the loss: half
+# of it moves the 40 steps' losses by 5e-4.
+OPTIMIZERS = {"rowwise_adagrad": [], "sgd": ["optim.embedding=sgd", "optim.embedding_lr=20",
+                                             "optim.dense=sgd", "optim.dense_lr=0.5"]}
 REPLICATED = ("t_cat_0", "t_cat_3", "t_cat_7")  # the largest, a middle and the smallest table
 TABLE_WISE = {"t_cat_1": 1, "t_cat_2": 0, "t_cat_4": 1, "t_cat_5": 0, "t_cat_6": 1}
 
@@ -153,10 +154,11 @@ def test_a_checkpoint_without_the_optimizer_state_is_refused(runs, tmp_path):
     sgd, _ = runs("sgd", 2)
     checkpoint = shutil.copytree(sgd / "checkpoints/step_20", tmp_path / "step_20")
     config = (checkpoint / "config.yaml").read_text()
-    for line in ("embedding: sgd", "dense: sgd"):
-        assert line in config
-    config = config.replace("embedding: sgd", "embedding: rowwise_adagrad").replace(
-        "dense: sgd", "dense: adagrad").replace("dense_lr: 0.5", "dense_lr: 0.05")
+    demo = {"embedding: sgd": "embedding: rowwise_adagrad", "embedding_lr: 20.0":
+            "embedding_lr: 0.1", "dense: sgd": "dense: adagrad", "dense_lr: 0.5": "dense_lr: 0.05"}
+    for sgd_line, demo_line in demo.items():
+        assert sgd_line in config
+        config = config.replace(sgd_line, demo_line)
     (checkpoint / "config.yaml").write_text(config)
     meta = json.loads((checkpoint / "meta.json").read_text())
     meta["sha256"]["config.yaml"] = hashlib.sha256(config.encode()).hexdigest()
