@@ -104,6 +104,9 @@ def plan_file_run(tmp_path_factory):
     made = run_cli(["plan", "--config", "configs/demo.yaml", "--world-size", "2",
                     "--gpu-memory", "8GiB", "--out", str(plan_path), *args])
     assert made.returncode == 0, made.stderr
+    plan = json.loads(plan_path.read_text())  # one table replicated (data_parallel) by hand
+    plan["tables"]["t_cat_2"].update(sharding="data_parallel", ranks=[], columns=[])
+    plan_path.write_text(json.dumps(plan))
     result = run_cli(["train", "--config", "configs/demo.yaml", *args, "--set",
                       f"parallel.plan={plan_path}", "--set", f"train.run_dir={run_dir}",
                       "--set", "train.rank_logs=true"], nproc=2)
@@ -115,22 +118,29 @@ def test_two_rank_training_uses_a_plan_file_exactly(plan_file_run, tmp_path):
     """`plan --out` then `train --set parallel.plan=...`: torchrec applies that very placement."""
     plan_path, run_dir, result = plan_file_run
     args = [arg for s in PLAN_RUN for arg in ("--set", s)]
-    planned = {name: (t["sharding"], t["ranks"])
+    planned = {name: (t["sharding"], t["ranks"] or [0, 1])  # a replicated one: on every rank
                for name, t in json.loads(plan_path.read_text())["tables"].items()}
+    assert planned["t_cat_2"] == ("data_parallel", [0, 1])
     assert planned["t_cat_0"][0] == "column_wise"  # the dominant table is split to balance
     applied = json.loads((run_dir / "sharding.json").read_text())
     assert {name: (a["sharding"], a["ranks"]) for name, a in applied.items()} == planned
     done_fields(result.stdout)
     # the shards torchrec built, as each rank wrote its local shards into the final checkpoint
+    # (a replicated table once, whole, by whichever rank DCP picks)
     plan_tables = json.loads(plan_path.read_text())["tables"]
-    assert checkpointed_shards(run_dir / "checkpoints/step_5") == {
+    shards = checkpointed_shards(run_dir / "checkpoints/step_5")
+    assert shards == {
         name: [(rank, sum(t["columns"][:k]), cols, t["rows"])
                for k, (rank, cols) in enumerate(zip(t["ranks"], t["columns"]))]
+        or [(shards[name][0][0], 0, t["dim"], t["rows"])]
         for name, t in plan_tables.items()}
     for rank in (0, 1):  # each rank's own log names the shards the plan gave it
         first, *steps = [json.loads(line) for line in (run_dir / f"rank_{rank}.jsonl").open()]
         owned = {s.split("[")[0] for s in first["shards"]}
-        assert owned == {name for name, (_, ranks) in planned.items() if rank in ranks}
+        assert owned == {name for name, (how, ranks) in planned.items()
+                         if rank in ranks and how != "data_parallel"}
+        assert first["replicated"] == sorted(
+            name for name, (how, _) in planned.items() if how == "data_parallel")
         assert [e["step"] for e in steps] == [2, 4, 5]
         assert all(0 < e["local_loss"] < 2 and e["train_seconds"] > 0 for e in steps)
 
