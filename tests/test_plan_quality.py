@@ -2,32 +2,40 @@
 side-by-side table rests on. torchrec's plan must become our Plan table for table, column for
 column, or the cost model scores some other plan; the quick run shows all three planners."""
 
+import importlib.util
 import re
 import sys
 
 import pytest
 
 from conftest import ROOT, failure, run_cli
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from dlrm_hybrid.parallel.placement import Plan, Shard
+from dlrm_hybrid.parallel.tables import TableSpec
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchrec", reason="the adapter needs torchrec")
-
-from dlrm_hybrid.parallel.placement import Shard  # noqa: E402
-from dlrm_hybrid.parallel.tables import TableSpec  # noqa: E402
 
 TABLES = [TableSpec("big", 4_000_000, 128, "fp32", "sgd", 2.0),
           TableSpec("mid", 100_000, 64, "fp32", "rowwise_adagrad", 4.0),
           TableSpec("tiny", 10, 16, "fp32", "sgd", 1.0)]
 
 
-def test_each_torchrec_sharding_type_becomes_our_shards_or_replicated():
+@pytest.fixture(scope="module")
+def adapter():
+    """benchmarks/torchrec_planner.py, loaded from its file (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("torchrec_planner",
+                                                  ROOT / "benchmarks" / "torchrec_planner.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_torchrec_sharding_type_becomes_our_shards_or_replicated(adapter):
     from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
                                                     data_parallel, table_wise)
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec_planner import to_plan
 
     bags = EmbeddingBagCollection(device=torch.device("meta"), tables=[
         EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows,
@@ -35,7 +43,7 @@ def test_each_torchrec_sharding_type_becomes_our_shards_or_replicated():
     module_plan = construct_module_sharding_plan(
         bags, {"big": column_wise(ranks=[5, 2, 7, 1]), "mid": table_wise(rank=3),
                "tiny": data_parallel()}, local_size=4, world_size=8, device_type="cpu")
-    plan = to_plan(module_plan, TABLES, 8, 2**30, 8192, 4)
+    plan = adapter.to_plan(module_plan, TABLES, 8, 2**30, 8192, 4)
     assert plan.shards_of("big") == [Shard("big", 5, 0, 32), Shard("big", 2, 32, 32),
                                      Shard("big", 7, 64, 32), Shard("big", 1, 96, 32)]
     assert plan.shards_of("mid") == [Shard("mid", 3, 0, 64)]
@@ -43,16 +51,12 @@ def test_each_torchrec_sharding_type_becomes_our_shards_or_replicated():
     assert plan.strategy == "torchrec" and plan.gpus_per_node == 4
 
 
-def test_a_plan_that_loses_columns_is_refused():
-    from torchrec_planner import _check_covered
-
-    from dlrm_hybrid.parallel.placement import Plan
-
+def test_a_plan_that_loses_columns_is_refused(adapter):
     plan = Plan(8, "torchrec", 2**30, 8192, {t.name: t for t in TABLES},
                 [Shard("big", 0, 0, 32), Shard("big", 1, 64, 64), Shard("mid", 3, 0, 64)], 4,
                 frozenset({"tiny"}))
     with pytest.raises(ValueError, match=r"table big: .*\[\(0, 32\), \(64, 64\)\] of its 128"):
-        _check_covered(plan)
+        adapter._check_covered(plan)
 
 
 def test_the_quick_run_compares_all_three_planners():
