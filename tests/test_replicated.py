@@ -12,7 +12,7 @@ from conftest import (assert_eval_and_export_reproduce, exported_val_scores, fai
                       read_metrics, run_cli)
 
 RUN = ["train.max_steps=40", "train.log_every=1", "train.eval_every=0", "data.val_samples=4096",
-       "train.progress_bar=false", "checkpoint.every=20"]
+       "train.progress_bar=false", "checkpoint.every=20", "train.rank_logs=true"]
 # Dense SGD with SGD tables: Adagrad's first dense steps move each weight by +-lr whatever its
 # gradient's size (shared_runs.EQUIVALENCE). SGD tables are the ones that see the gradient's
 # scale (both Adagrads divide it out), at an LR large enough for it to show in the loss: half
@@ -91,7 +91,7 @@ def test_replicated_tables_on_two_ranks_train_as_one_rank(runs, optimizer):
     from dlrm_hybrid.parallel.plan_file import load_plan
 
     one, _ = runs(optimizer, 1)
-    two, _ = runs(optimizer, 2, "train.rank_logs=true")
+    two, _ = runs(optimizer, 2)
     assert_same_losses(losses_of(two), losses_of(one), range(1, 41))
     lrs = [[e["lr_embedding"] for e in read_metrics(run) if "loss" in e] for run in (one, two)]
     assert lrs[0] == lrs[1] and lrs[0][0] < lrs[0][-1]  # the warmup, applied to both kinds
