@@ -11,7 +11,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -82,6 +82,12 @@ class ParallelConfig:
     # pooled: owners send each sample's pooled vectors | des: owners send their partial sums of
     # the first operation on them (cat, fm only) | auto: the one that sends fewer bytes
     exchange: str = "auto"
+    # what the greedy placer models (parallel/cost_model.py): h100 | h200 | a100 | cpu_gloo |
+    # auto (a job: its GPU's kind, cpu_gloo on CPU; `plan`: h100 unless --device)
+    device: str = "auto"
+    cost_model: Dict[str, float] = field(default_factory=dict)  # overrides of the device's constants
+    # true: split row-wise Adagrad tables for speed too (their updates then differ from unsplit ones)
+    split_rowwise: bool = False
 
 
 @dataclass
@@ -243,6 +249,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _check_type(key: str, hint: Any, value: Any) -> Any:
+    if typing.get_origin(hint) in (dict, Dict):
+        _, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {k: _check_type(f"{key}.{k}", item, v) for k, v in value.items()}
     if typing.get_origin(hint) in (list, List):
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
@@ -304,6 +315,10 @@ def validate(cfg: Config, world_size: int) -> None:
                               f"first-order weight per id, which qr parts do not give; use hash")
     _validate_exchange(cfg)
     _validate_schedule(cfg)
+    from dlrm_hybrid.parallel.cost_model import device_constants  # numpy: not before it is needed
+
+    device_constants("h100" if cfg.parallel.device == "auto" else cfg.parallel.device,
+                     cfg.parallel.cost_model)
     for key in ("train.eval_every", "checkpoint.every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dlrm_hybrid.parallel.placement import (STRATEGIES, PlacementError, column_split_counts,
                                             plan_tables)
-from dlrm_hybrid.parallel.tables import TableSpec
+from dlrm_hybrid.parallel.tables import REPLICABLE_OPTIMIZERS, TableSpec
 
 BATCH = 4096
 
@@ -82,13 +82,24 @@ def test_tables_that_fit_nowhere_name_table_bytes_free_memory_and_ranks_needed()
     assert "4 ranks of 4.0GiB would hold them" in message and "\n" not in message
 
 
-def test_greedy_splits_a_dominant_table_to_balance_memory():
-    tables = [TableSpec("big", 40_000, 64)] + [TableSpec(f"s{i}", 100, 64) for i in range(7)]
-    nvidia = plan_tables(tables, 4, 2**30, BATCH, "nvidia")
-    greedy = plan_tables(tables, 4, 2**30, BATCH, "greedy")
-    assert nvidia.imbalance()["memory"] > 3
-    assert greedy.sharding_type("big") == "column_wise"
-    assert greedy.imbalance()["memory"] <= 1.10 and greedy.imbalance()["a2a"] <= 1.10
+def hot_and_small(optimizer):
+    """A table whose lookups (100 ids per sample) dominate, and 7 small ones."""
+    return [TableSpec("hot", 4_000_000, 64, optimizer=optimizer, hotness=100.0)] + \
+        [TableSpec(f"s{i}", 100, 64, optimizer=optimizer) for i in range(7)]
+
+
+def test_greedy_splits_a_lookup_bound_table_for_speed_unless_its_optimizer_keeps_row_state():
+    """Memory is no goal (it is a limit): greedy splits the table whose lookups make its rank
+    the slowest, which lowers the modeled step, but not a row-wise Adagrad one (its split would
+    change the updates) unless parallel.split_rowwise allows it."""
+    exact = plan_tables(hot_and_small("adagrad"), 4, 8 * 2**30, 65536)
+    whole = plan_tables(hot_and_small("adagrad"), 4, 8 * 2**30, 65536, "nvidia")
+    assert exact.sharding_type("hot") == "column_wise"
+    assert exact.step_time().max_s < whole.step_time().max_s
+    rowwise = plan_tables(hot_and_small("rowwise_adagrad"), 4, 8 * 2**30, 65536)
+    assert rowwise.sharding_type("hot") == "table_wise"
+    allowed = plan_tables(hot_and_small("rowwise_adagrad"), 4, 8 * 2**30, 65536, split_rowwise=True)
+    assert allowed.sharding_type("hot") == "column_wise"
 
 
 def test_memory_model_counts_optimizer_state_per_shard():
@@ -127,7 +138,7 @@ def test_column_split_counts_are_the_splits_torchrec_builds():
 def test_a_table_whose_dim_torchrec_cannot_split_is_never_split():
     """6 columns in 2 would be 3+3, but torchrec builds one shard of 6 (fbgemm needs widths
     divisible by 4): the table does not fit rather than getting a plan torchrec ignores."""
-    table = TableSpec("t", rows=1000, dim=6)
+    table = TableSpec("t", rows=1000, dim=6, optimizer="adam")  # adam: never replicated
     with pytest.raises(PlacementError, match="even split column-wise as far as it goes"):
         plan_tables([table], 2, table.bytes // 2 + 100, BATCH)
     assert plan_tables([table], 2, table.bytes, BATCH).sharding_type("t") == "table_wise"
@@ -256,6 +267,9 @@ def test_placed_once_or_split_to_cover_the_dim_within_budget_deterministically(
         return
     for t in tables:
         shards = sorted(plan.shards_of(t.name), key=lambda s: s.col_offset)
+        if t.name in plan.replicated:  # every rank holds it whole: no shards
+            assert not shards and world > 1 and t.optimizer in REPLICABLE_OPTIMIZERS
+            continue
         assert [s.col_offset for s in shards] == [sum(x.cols for x in shards[:k])
                                                  for k in range(len(shards))]
         assert sum(s.cols for s in shards) == t.dim
@@ -352,8 +366,12 @@ PINNED = [  # sha256 of each case's shard list (or error message) as the placer 
 
 
 def test_plans_are_the_ones_pinned_before_the_speedup():
+    """nvidia's cases only: greedy now minimises the modeled step time, so its plans changed on
+    purpose; nvidia's rule did not."""
     changed = []
     for seed, pinned in enumerate(PINNED):
+        if pinned_case(seed)[4] != "nvidia":
+            continue
         try:
             plan = plan_tables(*pinned_case(seed))
             text = repr([(s.table, s.rank, s.col_offset, s.cols) for s in plan.shards])
@@ -368,7 +386,7 @@ def test_shards_of_and_on_a_rank_are_listed_in_plan_order():
     """They are looked up in an index (a scan per call took 11 s for a 10,000-table plan file);
     the index follows `shards` when the list is replaced."""
     tables = [TableSpec(f"t{i}", 200 * (i % 7 + 1), 16) for i in range(30)]
-    plan = plan_tables(tables + [TableSpec("t30", 20_000, 16)], 6, 2**30, BATCH)
+    plan = plan_tables(tables + [TableSpec("t30", 20_000, 16)], 6, 700_000, BATCH)  # t30 splits
     assert plan.sharding_type("t30") == "column_wise"
     for name in plan.tables:
         assert plan.shards_of(name) == [s for s in plan.shards if s.table == name]

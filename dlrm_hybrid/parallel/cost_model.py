@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -152,34 +152,46 @@ class Layout:
 
 def rank_times(s: RankSums, layout: Layout, device: DeviceConstants) -> StepTime:
     """The cost model's formulas (module docstring) over `s`."""
+    parts = _parts(s, layout, device)
+    shape = np.broadcast_shapes(*(np.shape(p) for p in parts))
+    return StepTime(*(np.broadcast_to(np.asarray(p, dtype=float), shape).copy() for p in parts))
+
+
+def rank_totals(s: RankSums, layout: Layout, device: DeviceConstants) -> np.ndarray:
+    """`rank_times(...).total_s`, without keeping the parts (the placer scores with it)."""
+    lookup, intra, inter, fixed, allreduce = _parts(s, layout, device)
+    return lookup + intra + inter + fixed + allreduce
+
+
+def _parts(s: RankSums, layout: Layout, device: DeviceConstants) -> Tuple[Values, ...]:
     world, g = layout.world, layout.per_host
     send_intra, recv_intra, send_inter, recv_inter = _link_bytes(s, layout)
     owns = np.asarray(s.shards) > 0
     messages = owns * (world - 1) + 2 * (s.owners - owns)
-    lookup = (s.lookup + layout.replicated_lookup) / device.memory_bandwidth
-    fixed = device.shard_fixed_s * (s.shards + layout.replicated_count) + \
-        device.message_fixed_s * messages
     allreduce = 0.0
     if world > 1 and layout.replicated_gradient:
         link = device.inter_host_bandwidth if world > g else device.intra_host_bandwidth
         allreduce = 2 * (world - 1) / world * layout.replicated_gradient / link
-    shape = np.shape(lookup)
-    return StepTime(np.broadcast_to(lookup, shape).astype(float),
-                    np.broadcast_to(np.maximum(send_intra, recv_intra), shape)
-                    / device.intra_host_bandwidth,
-                    np.broadcast_to(np.maximum(send_inter, recv_inter), shape)
-                    / device.inter_host_bandwidth,
-                    np.broadcast_to(fixed, shape).astype(float),
-                    np.full(shape, allreduce))
+    return ((s.lookup + layout.replicated_lookup) / device.memory_bandwidth,
+            np.maximum(send_intra, recv_intra) / device.intra_host_bandwidth,
+            np.maximum(send_inter, recv_inter) / device.inter_host_bandwidth,
+            device.shard_fixed_s * (s.shards + layout.replicated_count)
+            + device.message_fixed_s * messages,
+            allreduce)
 
 
 def layout_of(plan: "Plan") -> Layout:
-    per_host = plan.gpus_per_node or plan.world_size
-    local = plan.batch_size / plan.world_size
-    rep = [plan.tables[n] for n in sorted(plan.replicated)]
-    return Layout(plan.world_size, per_host, local,
-                  sum(t.shard_lookup_bytes(t.dim, local) + replicated_update_bytes(t) for t in rep),
-                  len(rep), float(sum(t.rows * t.dim * 4 for t in rep)))
+    return make_layout(plan.world_size, plan.gpus_per_node, plan.batch_size,
+                       [plan.tables[name] for name in sorted(plan.replicated)])
+
+
+def make_layout(world: int, per_host: Optional[int], batch: int, replicated: Sequence) -> Layout:
+    """`replicated`: the TableSpecs every rank holds whole."""
+    local = batch / world
+    return Layout(world, per_host or world, local,
+                  sum(t.shard_lookup_bytes(t.dim, local) + replicated_update_bytes(t)
+                      for t in replicated),
+                  len(replicated), float(sum(t.rows * t.dim * 4 for t in replicated)))
 
 
 def replicated_update_bytes(table) -> float:

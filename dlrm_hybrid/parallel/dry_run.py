@@ -11,11 +11,13 @@ from typing import Callable, List, Optional
 from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
+from dlrm_hybrid.parallel.cost_model import DEVICES, device_constants
 from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.model.compositional import lookups_of
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
-from dlrm_hybrid.parallel.plan_report import compare, describe, describe_lookups, plot, plot_format
+from dlrm_hybrid.parallel.plan_report import (compare, describe, describe_lookups, explain_table,
+                                              plot, plot_format)
 from dlrm_hybrid.parallel.tables import table_specs
 
 DEFAULT_GPU_MEMORY = "80GiB"
@@ -36,6 +38,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compare", action="store_true", help="print every strategy side by side")
     parser.add_argument("--out", help="write the plan as JSON (train with --set parallel.plan=FILE)")
     parser.add_argument("--plot", help="write a bar chart of per-rank memory and all-to-all (PNG)")
+    parser.add_argument("--device", choices=sorted(DEVICES), default=None,
+                        help="what the cost model assumes (default: parallel.device; h100 where "
+                             "that is auto)")
+    parser.add_argument("--explain", metavar="TABLE",
+                        help="print each way to shard TABLE with its modeled step time")
 
 
 def run(args) -> None:
@@ -58,9 +65,19 @@ def run(args) -> None:
                           f"parallel.reserve_per_rank ({cfg.parallel.reserve_per_rank})")
     spec = data_spec(cfg.data)
     specs = table_specs(cfg, spec)
+    if args.explain and args.explain not in {t.name for t in specs}:
+        raise ConfigError(f"--explain: no table {args.explain}; the plan printout (without "
+                          f"--explain) lists the names")
+    setting = cfg.parallel.device
+    device = device_constants(args.device or ("h100" if setting == "auto" else setting),
+                              cfg.parallel.cost_model)
     strategies = STRATEGIES if args.compare else (args.strategy or cfg.parallel.strategy,)
     plans = [plan_tables(specs, args.world_size, budget, cfg.data.global_batch_size, s,
-                         args.gpus_per_node) for s in strategies]
+                         args.gpus_per_node, device, cfg.parallel.split_rowwise)
+             for s in strategies]
+    if args.explain:
+        print(explain_table(plans[0], args.explain, cfg.parallel.split_rowwise))
+        return
     for plan in plans:
         print(describe(plan) + "\n")
     print(describe_exchange(plans[0], cfg) + "\n")

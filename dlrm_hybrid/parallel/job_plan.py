@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_hybrid.config import parse_bytes
+from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants, device_constants, device_kind
 from dlrm_hybrid.parallel.placement import Plan, plan_tables
 from dlrm_hybrid.parallel.plan_file import check_plan, load_plan
 from dlrm_hybrid.parallel.process_group import DistEnv
@@ -25,7 +26,19 @@ def job_plan(cfg, specs: List[TableSpec], env: DistEnv) -> Plan:
         return plan
     hosts = env.local_world_size if env.world_size > env.local_world_size else None
     return plan_tables(specs, env.world_size, memory_budget(cfg, env),
-                       cfg.data.global_batch_size, cfg.parallel.strategy, hosts)
+                       cfg.data.global_batch_size, cfg.parallel.strategy, hosts,
+                       job_device(cfg, env), cfg.parallel.split_rowwise)
+
+
+def job_device(cfg, env: DistEnv) -> DeviceConstants:
+    """The constants the job's plan models: `parallel.device`, or the GPU's kind (cpu_gloo on
+    CPU); the first in DEVICES' order of any rank's, so that every rank makes the same plan."""
+    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
+    kinds = list(DEVICES)
+    mine = torch.tensor([kinds.index(device_kind(cfg.parallel.device, name))],
+                        dtype=torch.int64, device=env.device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    return device_constants(kinds[int(mine.item())], cfg.parallel.cost_model)
 
 
 def memory_budget(cfg, env: DistEnv) -> int:

@@ -1,13 +1,18 @@
-"""Which rank owns which embedding table, or which columns of it.
+"""Which rank owns which embedding table, or which columns of it, and which tables every rank
+holds whole (replicated, torchrec `data_parallel`).
 
-Two strategies over the same cost model (`tables.py`):
+Two strategies, memory (`tables.py`) a hard limit for both:
 
 - `nvidia`: NVIDIA DLRM's heuristic as its README states it, made memory-aware: largest table
   first, each to the rank with the most free memory, at most ceil(T/G) per rank.
-- `greedy` (default): largest first, each shard to the rank where it raises the higher of its
-  normalised memory and all-to-all load (per rank, and per host) the least, within budget;
-  lookup load breaks ties. Tables that are large against a rank's mean load are split column-wise (torchrec
-  `column_wise`), finer and finer until memory and all-to-all are balanced within 10%.
+- `greedy` (default): minimises the slowest rank's modeled step time (`cost_model.py`).
+  Small tables whose all-to-all costs more than updating them whole on every rank are
+  replicated; then largest shard first, each to the rank whose modeled time it raises least
+  (LPT); then moves off the slowest rank, and trials on its tables (one more column split,
+  replicating, or no longer replicating one) kept where they lower the modeled max and the
+  total all-to-all bytes stay within those of the memory-forced splits (nvidia's).
+  A table whose optimizer keeps state per row of each shard (`PER_SHARD_ROW_STATE`) is split
+  only where memory forces it, unless `split_rowwise`: a split changes its updates.
 
 Both split a table larger than one rank's budget column-wise over as many ranks as it needs.
 Everything is deterministic: ties go to the lower rank, equal tables by name.
@@ -17,18 +22,22 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from dlrm_hybrid.errors import UserError
-
-from dlrm_hybrid.parallel.tables import TableSpec
+from dlrm_hybrid.parallel.cost_model import (DEVICES, DeviceConstants, RankSums, StepTime,
+                                             make_layout, rank_times, rank_totals,
+                                             replicated_update_bytes,
+                                             step_time)
+from dlrm_hybrid.parallel.tables import PER_SHARD_ROW_STATE, REPLICABLE_OPTIMIZERS, TableSpec
 
 STRATEGIES = ("greedy", "nvidia")
-BALANCED = 1.08  # greedy refines until memory and all-to-all max/mean are within this (10% promised)
-MAX_REFINEMENTS = 16  # greedy's rounds of splitting the largest tables on overloaded ranks
+MAX_PACKINGS = 16  # greedy's tries to pack, each splitting the largest table further
+MAX_TRIALS = 32  # greedy's trials of another sharding for a table on the slowest rank
+POLISH_MOVES = 64  # moves off the slowest rank after the first assignment (8 after a trial)
 
 
 class PlacementError(UserError):
@@ -55,6 +64,7 @@ class Plan:
     # Tables every rank holds whole (torchrec `data_parallel`): no shards, no all-to-all; their
     # gradients are all-reduced instead.
     replicated: FrozenSet[str] = frozenset()
+    device: DeviceConstants = DEVICES["h100"]  # what `step_time` models
     loads: np.ndarray = field(init=False, repr=False)  # [3, world]: memory, a2a, lookup bytes
     _index: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
@@ -97,6 +107,9 @@ class Plan:
     def host_of(self, rank: int) -> int:
         return rank // self.gpus_per_node if self.gpus_per_node else 0
 
+    def step_time(self) -> StepTime:
+        return step_time(self, self.device)
+
     def imbalance(self) -> Dict[str, float]:
         """max/mean over ranks of memory, all-to-all and lookup load (1.0 is perfect)."""
         names = ("memory", "a2a", "lookup")
@@ -105,31 +118,35 @@ class Plan:
 
 def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
                 batch_size: int, strategy: str = "greedy",
-                gpus_per_node: Optional[int] = None) -> Plan:
+                gpus_per_node: Optional[int] = None, device: Optional[DeviceConstants] = None,
+                split_rowwise: bool = False) -> Plan:
     """Place every table (or its column shards) on ranks; PlacementError if they cannot fit,
-    saying how many ranks of this budget would hold them.
+    saying how many ranks of this budget would hold them. `device` (default h100) is what the
+    greedy search models; `split_rowwise` lets it split row-wise Adagrad tables for speed.
 
     An error is certain where a table's narrowest shard (torchrec's column split over at most
     `world_size` ranks) exceeds the budget or the tables' bytes exceed all ranks' budgets. Packing
     is NP-hard: `nvidia` fails wherever its rule does; `greedy` (falling back to memory alone)
     may miss a packing that exists only where the tables need over 3/4 of all ranks' memory
     (random cases it missed needed 80-99%; tests/test_placement.py checks this contract)."""
+    search = _Search(tables, world_size, budget_bytes, batch_size, strategy, gpus_per_node,
+                     device or DEVICES["h100"], split_rowwise)
     try:
-        return _plan(tables, world_size, budget_bytes, batch_size, strategy, gpus_per_node)
+        return search.plan()
     except PlacementError as e:
         narrowest = max(t.shard_bytes(min(_column_widths(t.dim, t.dim))) for t in tables)
         if narrowest > budget_bytes:
             raise PlacementError(f"{e}; even split column-wise as far as it goes, a shard needs "
                                  f"{format_bytes(narrowest)}: raise parallel.memory_per_rank") from None
-        world = _ranks_needed(tables, world_size, budget_bytes, batch_size, strategy)
+        world = _ranks_needed(search)
         raise PlacementError(f"{e}; {world} ranks of {format_bytes(budget_bytes)} would hold them "
                              f"(or raise parallel.memory_per_rank)") from None
 
 
-def _ranks_needed(tables, failed_at: int, budget: int, batch: int, strategy: str) -> int:
+def _ranks_needed(search: "_Search") -> int:
     """The fewest ranks (found by doubling, then bisection) on which the tables fit."""
-    fits = lambda world: _fits(tables, world, budget, batch, strategy)  # noqa: E731
-    low = max(failed_at, math.ceil(sum(t.bytes for t in tables) / budget) - 1)  # does not fit
+    fits = lambda world: replace(search, world=world, per_host=None).fits()  # noqa: E731
+    low = max(search.world, math.ceil(sum(t.bytes for t in search.ordered) / search.budget) - 1)
     high = low + 1
     while not fits(high):
         low, high = high, high * 2
@@ -139,48 +156,179 @@ def _ranks_needed(tables, failed_at: int, budget: int, batch: int, strategy: str
     return high
 
 
-def _fits(tables, world, budget, batch, strategy) -> bool:
-    try:
-        _plan(tables, world, budget, batch, strategy, None, refine=False)
-        return True
-    except PlacementError:
+@dataclass
+class _Search:
+    """One placement problem; `plan()` solves it with its strategy."""
+    tables: Sequence[TableSpec]
+    world: int
+    budget: int
+    batch: int
+    strategy: str
+    per_host: Optional[int]
+    device: DeviceConstants
+    split_rowwise: bool
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; use one of "
+                             f"{', '.join(STRATEGIES)}")
+        self.ordered = sorted(self.tables, key=lambda t: (-t.bytes, t.name))
+        self.by_name = {t.name: t for t in self.tables}
+
+    def make(self, shards: List[Shard], replicated: FrozenSet[str] = frozenset()) -> Plan:
+        return Plan(self.world, self.strategy, self.budget, self.batch,
+                    self.by_name, shards, self.per_host, replicated,
+                    self.device)
+
+    def plan(self) -> Plan:
+        counts = {t.name: _shards_to_fit(t, self.budget) for t in self.ordered}
+        made: Dict[str, Tuple[int, List[_Piece]]] = {}  # kept from try to try
+        if self.strategy == "nvidia":
+            return self.make(_place_nvidia(_split(self.ordered, counts, self.world, made),
+                                           self.world, self.budget))
+        replicated = self.worth_replicating(counts)
+        baseline = self.a2a_total(counts)  # memory-forced splits, nothing replicated: nvidia's
+        state, error, tried = None, None, []
+        for _ in range(MAX_PACKINGS):
+            sharded = [t for t in self.ordered if t.name not in replicated]
+            pieces = _split(sharded, counts, self.world, made)
+            try:
+                state = _State(self, replicated).assign(pieces)
+                break
+            except PlacementError as e:
+                error, state = error or e, None
+                tried.append(pieces)
+                if replicated:  # their memory on every rank first
+                    replicated = frozenset()
+                elif not _split_largest(self.ordered, counts, self.world):
+                    break
+        if state is None:
+            return self.make(_place_by_memory(tried, self.world, self.budget, error))
+        state.polish(POLISH_MOVES)
+        return self.improve(state, counts, max(baseline, state.a2a_total)).plan()
+
+    def fits(self) -> bool:
+        """Do the tables fit? By memory alone, largest first (as greedy falls back to), after
+        the same splits; for nvidia by its capped rule."""
+        counts = {t.name: _shards_to_fit(t, self.budget) for t in self.ordered}
+        for _ in range(MAX_PACKINGS):
+            pieces = _split(self.ordered, counts, self.world, {})
+            try:
+                _place_nvidia(pieces, self.world, self.budget, capped=self.strategy == "nvidia")
+                return True
+            except PlacementError:
+                if self.strategy == "nvidia" or not _split_largest(self.ordered, counts,
+                                                                   self.world):
+                    return False
         return False
 
+    def a2a_total(self, counts: Dict[str, int]) -> float:
+        """All ranks' all-to-all bytes per step for these split counts, nothing replicated."""
+        shard = lambda t: len(_column_widths(t.dim, counts[t.name], self.world))  # noqa: E731
+        return sum(_a2a_sent(t, self.batch, self.world, shard(t) * t.id_bytes
+                             + 2 * t.pooled_bytes(t.dim))
+                   for t in self.ordered)
 
-def _plan(tables: Sequence[TableSpec], world_size: int, budget_bytes: int, batch_size: int,
-          strategy: str, gpus_per_node: Optional[int], refine: bool = True) -> Plan:
-    """The plan of `strategy`; with `refine` False, greedy's first plan that fits (all that
-    `_fits` asks: later rounds only balance it better)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
-    ordered = sorted(tables, key=lambda t: (-t.bytes, t.name))
-    counts = {t.name: _shards_to_fit(t, budget_bytes) for t in ordered}
-    make = lambda shards: Plan(world_size, strategy, budget_bytes, batch_size,  # noqa: E731
-                               {t.name: t for t in tables}, shards, gpus_per_node)
-    pieces_of: Dict[str, Tuple[int, List[_Piece]]] = {}  # kept from round to round
-    if strategy == "nvidia":
-        pieces = _split(ordered, counts, world_size, pieces_of)
-        return make(_place_nvidia(pieces, world_size, budget_bytes))
-    best, error, tried = None, None, []
-    for _ in range(MAX_REFINEMENTS):
-        pieces = _split(ordered, counts, world_size, pieces_of)
-        try:
-            plan = make(_place_min_max(pieces, world_size, budget_bytes, batch_size, gpus_per_node))
-        except PlacementError as e:
-            error = error or e
-            tried.append(pieces)
-            if best is not None or not _split_largest(ordered, counts, world_size):
-                break
-            continue  # a tighter packing may need smaller shards
-        if not refine:
-            return plan
-        if best is None or _worst(plan) < _worst(best):
-            best = plan
-        if _worst(plan) <= BALANCED or not _split_overloaded(plan, counts):
-            break
-    if best is None:
-        return make(_place_by_memory(tried, world_size, budget_bytes, error))
-    return best
+    def can_replicate(self, t: TableSpec) -> bool:
+        return self.world > 1 and t.optimizer in REPLICABLE_OPTIMIZERS and t.bytes <= self.budget
+
+    def can_split(self, t: TableSpec, count: int) -> bool:
+        """May `t` be split into more than `count` shards for speed alone?"""
+        return (self.split_rowwise or t.optimizer not in PER_SHARD_ROW_STATE) and \
+            len(_column_widths(t.dim, count + 1, self.world)) > count
+
+    def worth_replicating(self, counts: Dict[str, int]) -> FrozenSet[str]:
+        """Tables (whole ones, smallest first, while their copies take under a quarter of the
+        memory the shards leave free) whose update on every rank costs less time per rank than
+        their share of the all-to-all, lookups and shard costs if sharded."""
+        d, world = self.device, self.world
+        if world == 1:
+            return frozenset()
+        g = self.per_host or world
+        per_byte = ((g - 1) / d.intra_host_bandwidth + (world - g) / d.inter_host_bandwidth) / \
+            (world - 1)
+        link = d.inter_host_bandwidth if world > g else d.intra_host_bandwidth
+        room = (self.budget - sum(t.bytes for t in self.ordered) / world) / 4
+        chosen, used = [], 0
+        for t in sorted(self.ordered, key=lambda t: (t.bytes, t.name)):
+            if counts[t.name] > 1 or not self.can_replicate(t) or used + t.bytes > room:
+                continue
+            sent = _a2a_sent(t, self.batch, world, t.id_bytes + 2 * t.pooled_bytes(t.dim))
+            sharded = (t.shard_lookup_bytes(t.dim, self.batch) / d.memory_bandwidth
+                       + d.shard_fixed_s + sent * per_byte) / world
+            whole = (replicated_update_bytes(t) / d.memory_bandwidth + d.shard_fixed_s
+                     + 2 * (world - 1) / world * t.rows * t.dim * 4 / link
+                     + t.shard_lookup_bytes(t.dim, self.batch / world) / d.memory_bandwidth)
+            if whole < sharded:
+                chosen.append(t.name)
+                used += t.bytes
+        return frozenset(chosen)
+
+    def improve(self, state: "_State", counts: Dict[str, int], most_a2a: float) -> "_State":
+        """Trials on the slowest rank's tables, each kept if it lowers the modeled max within
+        `most_a2a` total all-to-all bytes; until none does or MAX_TRIALS are spent."""
+        best = state.step().max_s
+        trials = 0
+        while trials < MAX_TRIALS:
+            for table, count in state.changes(counts):
+                trials += 1
+                trial = state.copy()
+                if trial.apply(table, count) and trial.a2a_total <= most_a2a * (1 + 1e-9):
+                    trial.polish(8)
+                    if trial.step().max_s < best * (1 - 1e-9):
+                        state, best = trial, trial.step().max_s
+                        break
+                if trials >= MAX_TRIALS:
+                    return state
+            else:
+                return state
+        return state
+
+
+@dataclass
+class Option:
+    """One way to shard a table, and the plan's modeled step time were it sharded so."""
+    sharding: str  # table_wise, column_wise xK, data_parallel
+    time: Optional[StepTime]  # None: it does not fit
+    ranks: str
+    chosen: bool
+    note: str = ""  # why the search would not take it
+
+
+def explain(plan: Plan, name: str, split_rowwise: bool = False) -> List[Option]:
+    """Every sharding of table `name` (each column split torchrec builds on these ranks, and
+    replication), placed by the greedy rule into the rest of `plan`, which stays as it is."""
+    search = _Search(list(plan.tables.values()), plan.world_size, plan.budget_bytes,
+                     plan.batch_size, "greedy", plan.gpus_per_node, plan.device, split_rowwise)
+    state = _State.of(plan, search)
+    t = plan.tables[name]
+    fewest = _shards_to_fit(t, plan.budget_bytes)
+    current = None if name in plan.replicated else len(plan.shards_of(name))
+    options = []
+    for count in [c for c in column_split_counts(t.dim) if c <= plan.world_size] + [None]:
+        if count is None and plan.world_size == 1:
+            continue
+        trial = state.copy()
+        fits = trial.apply(t, count)
+        label = "data_parallel" if count is None else \
+            "table_wise" if count == 1 else f"column_wise x{count}"
+        note = "does not fit" if not fits else ""
+        if count is None and t.optimizer not in REPLICABLE_OPTIMIZERS:
+            note = f"{t.optimizer}'s update of a replicated table is not the sharded one's"
+        elif count is not None and count > max(fewest, 1) and not search.can_split(t, count - 1) \
+                and fits:
+            note = (f"{t.optimizer} keeps state per row of each shard: the split changes its "
+                    f"updates (parallel.split_rowwise)")
+        ranks = "all" if count is None else ",".join(str(r) for r in trial.holders.get(name, []))
+        options.append(Option(label, trial.step() if fits else None, ranks, count == current,
+                              note))
+    return options
+
+
+def _a2a_sent(t: TableSpec, batch: int, world: int, per_sample: float) -> float:
+    """Bytes all ranks send for a table whose shards take `per_sample` bytes per sample in and
+    out: all but each owner's own 1/P of the batch."""
+    return batch * (world - 1) / world * per_sample
 
 
 def _place_by_memory(tried: List[List[_Piece]], world: int, budget: int,
@@ -195,10 +343,6 @@ def _place_by_memory(tried: List[List[_Piece]], world: int, budget: int,
     raise error
 
 
-def _worst(plan: Plan) -> float:
-    i = plan.imbalance()
-    return max(i["memory"], i["a2a"])
-
 
 def _split_largest(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int) -> bool:
     """Cut the table with the largest shards into more of them. False when none can be."""
@@ -211,27 +355,190 @@ def _split_largest(ordered: Sequence[TableSpec], counts: Dict[str, int], world: 
     return True
 
 
-def _split_overloaded(plan: Plan, counts: Dict[str, int]) -> bool:
-    """On each rank over the balance target in the worse of memory and all-to-all, cut its
-    largest still-divisible table into more column shards. False when none can be."""
-    i = plan.imbalance()
-    row = 0 if i["memory"] >= i["a2a"] else 1
-    overloaded = set(np.flatnonzero(plan.loads[row] > BALANCED * plan.loads[row].mean()).tolist())
-    by_rank: Dict[int, List[Shard]] = {}
-    for s in plan.shards:
-        if s.rank in overloaded:
-            by_rank.setdefault(s.rank, []).append(s)
-    grown = False
-    for rank in sorted(by_rank):
-        cost = lambda s: _shard_cost(plan.tables[s.table], s.cols, plan.batch_size)[row]  # noqa: E731
-        for s in sorted(by_rank[rank], key=lambda s: (-cost(s), s.table)):
-            t = plan.tables[s.table]
-            more = len(_column_widths(t.dim, counts[t.name] + 1, plan.world_size))
-            if more > counts[t.name]:
-                counts[t.name] = more
-                grown = True
-                break
-    return grown
+
+
+class _State:
+    """A greedy plan being built: where each piece is, which tables are replicated, and the
+    per-rank sums the cost model needs (`cost_model.RankSums`, hosts broadcast to their ranks),
+    kept as pieces come and go so that one numpy expression scores every rank for a piece."""
+
+    def __init__(self, search: _Search, replicated: FrozenSet[str]) -> None:
+        self.search, self.world, self.batch = search, search.world, search.batch
+        self.per_host = search.per_host or search.world
+        self.sums = np.zeros((6, self.world))  # pooled, ids, lookup, shards, host pooled, host ids
+        self.memory = np.zeros(self.world)
+        self.total_pooled = self.total_ids = self.owners = self.a2a_total = 0.0
+        self.rank_of: Dict[_Piece, int] = {}
+        self.on: List[List[_Piece]] = [[] for _ in range(self.world)]
+        self.holders: Dict[str, List[int]] = {}
+        self.replicated: FrozenSet[str] = frozenset()
+        self.set_replicated(replicated)
+
+    def copy(self) -> "_State":
+        other = object.__new__(_State)
+        other.__dict__.update(self.__dict__)
+        other.sums, other.memory = self.sums.copy(), self.memory.copy()
+        other.rank_of = dict(self.rank_of)
+        other.on = [list(pieces) for pieces in self.on]
+        other.holders = {name: list(ranks) for name, ranks in self.holders.items()}
+        return other
+
+    def set_replicated(self, names: FrozenSet[str]) -> None:
+        tables = self.search.by_name
+        self.memory += sum(tables[n].bytes for n in names) - \
+            sum(tables[n].bytes for n in self.replicated)
+        self.replicated = frozenset(names)
+        self.layout = make_layout(self.world, self.per_host, self.batch,
+                                  [tables[n] for n in sorted(names)])
+
+    def rank_sums(self, extra: Optional[Tuple[float, float, float]] = None) -> RankSums:
+        """The current sums, or every rank's were it to take a piece of `extra` terms."""
+        pooled, ids, lookup, shards, host_pooled, host_ids = self.sums
+        if extra is None:
+            return RankSums(pooled, ids, lookup, shards, host_pooled, host_ids,
+                            self.total_pooled, self.total_ids, self.owners)
+        dp, di, dl = extra
+        return RankSums(pooled + dp, ids + di, lookup + dl, shards + 1, host_pooled + dp,
+                        host_ids + di, self.total_pooled + dp, self.total_ids + di,
+                        self.owners + (shards == 0))
+
+    def step(self) -> StepTime:
+        return rank_times(self.rank_sums(), self.layout, self.search.device)
+
+    def totals_if_added(self, piece: _Piece) -> np.ndarray:
+        """Each rank's modeled time were `piece` put there; inf where it may not go."""
+        totals = rank_totals(self.rank_sums(_terms(piece, self.batch)), self.layout,
+                             self.search.device)
+        totals[self.memory + piece.table.shard_bytes(piece.cols) > self.search.budget] = np.inf
+        totals[self.holders.get(piece.table.name, [])] = np.inf
+        return totals
+
+    def add(self, piece: _Piece, rank: int, sign: int = 1) -> None:
+        dp, di, dl = _terms(piece, self.batch)
+        first = rank - rank % self.per_host
+        self.sums[:4, rank] += (sign * dp, sign * di, sign * dl, sign)
+        self.sums[4, first:first + self.per_host] += sign * dp
+        self.sums[5, first:first + self.per_host] += sign * di
+        self.total_pooled += sign * dp
+        self.total_ids += sign * di
+        self.memory[rank] += sign * piece.table.shard_bytes(piece.cols)
+        self.a2a_total += sign * _a2a_sent(piece.table, self.batch, self.world, di + 2 * dp)
+        if sign > 0:
+            self.owners += self.sums[3, rank] == 1
+            self.rank_of[piece] = rank
+            self.on[rank].append(piece)
+            self.holders.setdefault(piece.table.name, []).append(rank)
+        else:
+            self.owners -= self.sums[3, rank] == 0
+            del self.rank_of[piece]
+            self.on[rank].remove(piece)
+            self.holders[piece.table.name].remove(rank)
+
+    def assign(self, pieces: Sequence[_Piece]) -> "_State":
+        """Largest modeled cost first, each piece to the rank whose time it raises least."""
+        for piece in sorted(pieces, key=lambda p: (-self.weight(p), -p.table.bytes, p.table.name,
+                                                   p.col_offset)):
+            totals = self.totals_if_added(piece)
+            rank = int(np.argmin(totals))
+            if totals[rank] == np.inf:
+                raise _no_room(piece, self.memory, self.search.budget, pieces)
+            self.add(piece, rank)
+        return self
+
+    def polish(self, moves: int) -> None:
+        """Move pieces off the slowest rank while that lowers the modeled max (local search
+        after the greedy pass)."""
+        for _ in range(moves):
+            totals = self.step().total_s
+            slow = int(np.argmax(totals))
+            best = (totals[slow] * (1 - 1e-9), None, None)
+            for piece in list(self.on[slow]):
+                self.add(piece, slow, -1)
+                after = self.totals_if_added(piece)
+                after[slow] = np.inf
+                rank = int(np.argmin(after))
+                rest = self.step().total_s
+                rest[rank] = after[rank]
+                if rest.max() < best[0]:
+                    best = (rest.max(), piece, rank)
+                self.add(piece, slow)
+            _, piece, rank = best
+            if piece is None:
+                return
+            self.add(piece, slow, -1)
+            self.add(piece, rank)
+            if self.step().max_s >= totals[slow]:  # the others' share of it outweighed the gain
+                self.add(piece, rank, -1)
+                self.add(piece, slow)
+                return
+
+    def weight(self, piece: _Piece) -> float:
+        """A piece's modeled time on its owner alone: lookups and all-to-all across hosts."""
+        d, t = self.search.device, piece.table
+        return (t.shard_lookup_bytes(piece.cols, self.batch) / d.memory_bandwidth
+                + t.shard_a2a_bytes(piece.cols, self.batch) / d.inter_host_bandwidth)
+
+    def changes(self, counts: Dict[str, int]) -> Iterator[Tuple[TableSpec, Optional[int]]]:
+        """Other shardings worth a trial (None: replicated): for the slowest rank's tables,
+        costliest first, replicating it or one more column split; sharding a replicated table
+        again, in its fewest shards (`counts`); replicating the smallest sharded tables."""
+        slow = int(np.argmax(self.step().total_s))
+        seen = set()
+        for piece in sorted(self.on[slow], key=lambda p: (-self.weight(p), p.table.name)):
+            t = piece.table
+            if t.name in seen:
+                continue
+            seen.add(t.name)
+            if counts[t.name] == 1 and self.search.can_replicate(t):
+                yield t, None
+            shards = len(self.holders[t.name])
+            if self.search.can_split(t, shards):
+                yield t, len(_column_widths(t.dim, shards + 1, self.world))
+        for name in sorted(self.replicated, key=lambda n: (-self.search.by_name[n].bytes, n)):
+            yield self.search.by_name[name], counts[name]
+        smallest = [t for t in reversed(self.search.ordered) if t.name not in self.replicated
+                    and counts[t.name] == 1 and self.search.can_replicate(t)]
+        for t in smallest[:4]:  # an owner fewer spares every rank its messages
+            yield t, None
+
+    def apply(self, table: TableSpec, count: Optional[int]) -> bool:
+        """Re-place `table` in `count` column shards, or replicated (None); False where it
+        does not fit."""
+        for rank in list(self.holders.get(table.name, [])):
+            for piece in [p for p in self.on[rank] if p.table.name == table.name]:
+                self.add(piece, rank, -1)
+        self.holders.pop(table.name, None)
+        if count is None:
+            self.set_replicated(self.replicated | {table.name})
+            return bool(self.memory.max() <= self.search.budget)
+        self.set_replicated(self.replicated - {table.name})
+        widths = _column_widths(table.dim, count, self.world)
+        try:
+            self.assign([_Piece(table, i * widths[0], w, len(widths)) for i, w in enumerate(widths)])
+        except PlacementError:
+            return False
+        return True
+
+    @classmethod
+    def of(cls, plan: Plan, search: _Search) -> "_State":
+        state = cls(search, plan.replicated)
+        for name in plan.tables:
+            shards = plan.shards_of(name)
+            for s in shards:
+                state.add(_Piece(plan.tables[name], s.col_offset, s.cols, len(shards)), s.rank)
+        return state
+
+    def plan(self) -> Plan:
+        order = {t.name: i for i, t in enumerate(self.search.ordered)}
+        pieces = sorted(self.rank_of, key=lambda p: (order[p.table.name], p.col_offset))
+        return self.search.make([Shard(p.table.name, self.rank_of[p], p.col_offset, p.cols)
+                                 for p in pieces], self.replicated)
+
+
+def _terms(piece: _Piece, batch: int) -> Tuple[float, float, float]:
+    """A piece's pooled and id bytes per sample and its lookup bytes per step."""
+    t = piece.table
+    return t.pooled_bytes(piece.cols), t.id_bytes, t.shard_lookup_bytes(piece.cols, batch)
 
 
 # --- splitting ------------------------------------------------------------------------------
@@ -285,7 +592,7 @@ def _column_widths(dim: int, count: int, max_count: int = 1 << 30) -> Tuple[int,
     return (dim // chosen,) * chosen
 
 
-# --- assignment -----------------------------------------------------------------------------
+# --- loads and the nvidia rule ---------------------------------------------------------------
 
 def _shard_cost(table: TableSpec, cols: int, batch: int) -> Tuple[float, float, float]:
     return (float(table.shard_bytes(cols)), float(table.shard_a2a_bytes(cols, batch)),
@@ -307,117 +614,6 @@ def _rank_loads(tables: Dict[str, TableSpec], shards: Sequence[Shard], world: in
         for row, cost in zip(loads, each.T):
             np.add.at(row, ranks, cost)
     return loads
-
-
-def _place_min_max(pieces: List[_Piece], world: int, budget: int, batch: int,
-                   gpus_per_node: Optional[int]) -> List[Shard]:
-    costs = np.array([_shard_cost(p.table, p.cols, batch) for p in pieces],
-                     dtype=np.float64).reshape(-1, 3)  # [P, 3]
-    target = np.maximum(costs.sum(axis=0) / world, 1e-12)  # mean load per rank
-    loads = _Loads(costs / target, world, gpus_per_node, budget / target[0])
-    order = sorted(range(len(pieces)), key=lambda i: (-max(loads.share[i][:2]),
-                                                      pieces[i].table.name, pieces[i].col_offset))
-    holders: Dict[str, List[int]] = {}
-    rank_of = np.full(len(pieces), -1)
-    for i in order:
-        taken = holders.setdefault(pieces[i].table.name, [])
-        rank = loads.best_rank(i, taken)
-        if rank is None:
-            raise _no_room(pieces[i], loads.load[0] * target[0], budget, pieces)
-        loads.add(i, rank)
-        rank_of[i] = rank
-        taken.append(rank)
-    _polish(pieces, rank_of, loads, holders)
-    return [Shard(p.table.name, int(r), p.col_offset, p.cols) for p, r in zip(pieces, rank_of)]
-
-
-class _Loads:
-    """Per-rank (and per-host) loads, each normalised by its mean: 1.0 is a fair share."""
-
-    def __init__(self, shares: np.ndarray, world: int, gpus_per_node: Optional[int],
-                 budget: float) -> None:
-        self.share = shares.tolist()  # [P][3] each piece's memory, all-to-all, lookup share
-        self.load = np.zeros((3, world))
-        self.budget = budget  # normalised memory budget
-        self.per_host = gpus_per_node
-        self.host_load = np.zeros((3, -(-world // gpus_per_node))) if gpus_per_node else None
-        # Each rank's memory and all-to-all, then its host's, and each piece's shares of them:
-        # one numpy addition makes the four sums a score takes (scoring is most of planning).
-        self.sums_of = np.zeros((4 if gpus_per_node else 2, world))
-        self.added = shares[:, [0, 1, 0, 1][:len(self.sums_of)], None]  # [P, 2 or 4, 1]
-        self.max_memory = 0.0  # no rank's is higher
-
-    def score_if_added(self, i: int) -> Tuple[np.ndarray, np.ndarray]:
-        """For every rank: the higher of memory and all-to-all (rank, and its host) were piece i
-        added there (inf where it would not fit), and those sums."""
-        sums = self.sums_of + self.added[i]
-        score = np.maximum(sums[0], sums[1])
-        if self.per_host:
-            hosts = np.maximum(sums[2], sums[3])
-            hosts /= float(self.per_host)
-            np.maximum(score, hosts, out=score)
-        if self.max_memory + self.share[i][0] > self.budget:  # else it fits on every rank
-            score[sums[0] > self.budget] = np.inf
-        return score, sums
-
-    def best_rank(self, i: int, taken: List[int]) -> Optional[int]:
-        """The rank, not one of `taken`, with the lowest score for piece i (within 1e-12); of
-        tied ones, the lowest memory + all-to-all + lookup, then the lower rank. None: no room."""
-        score, sums = self.score_if_added(i)
-        if taken:
-            score[taken] = np.inf
-        low = np.minimum.reduce(score)
-        if low == np.inf:
-            return None
-        best = (score <= low * (1 + 1e-12)).nonzero()[0]
-        if len(best) == 1:
-            return int(best[0])
-        tiebreak = sums[0, best] + sums[1, best] + self.load[2, best] + self.share[i][2]
-        return int(best[np.argmin(tiebreak)])
-
-    def add(self, i: int, rank: int, sign: float = 1.0) -> None:
-        for row, share in enumerate(self.share[i]):
-            self.load[row, rank] += sign * share
-            if self.per_host:
-                self.host_load[row, rank // self.per_host] += sign * share
-        self.sums_of[:2, rank] = self.load[:2, rank]
-        if self.per_host:
-            first = rank - rank % self.per_host
-            self.sums_of[2:, first:first + self.per_host] = \
-                self.host_load[:2, rank // self.per_host, None]
-        self.max_memory = max(self.max_memory, float(self.load[0, rank]))
-
-    def worst(self) -> float:
-        worst = self.load[:2].max()
-        if self.per_host:
-            worst = max(worst, self.host_load[:2].max() / self.per_host)
-        return float(worst)
-
-
-def _polish(pieces: List[_Piece], rank_of: np.ndarray, loads: _Loads,
-            holders: Dict[str, List[int]]) -> None:
-    """Move pieces off the most loaded rank while that lowers the worst load (local search
-    after the greedy pass; it fixes the last few percent LPT leaves)."""
-    for _ in range(4 * len(pieces)):
-        worst = loads.worst()
-        busiest = int(np.argmax(loads.load[:2].max(axis=0)))
-        best_gain, best_move = 1e-9, None
-        for i in np.flatnonzero(rank_of == busiest):
-            loads.add(i, busiest, -1.0)
-            score, _ = loads.score_if_added(i)
-            score[holders[pieces[i].table.name]] = np.inf
-            after = max(float(score.min()), loads.worst())
-            loads.add(i, busiest)
-            if worst - after > best_gain:
-                best_gain, best_move = worst - after, (i, int(np.argmin(score)))
-        if best_move is None:
-            return
-        i, rank = best_move
-        loads.add(i, rank_of[i], -1.0)
-        loads.add(i, rank)
-        holders[pieces[i].table.name].remove(rank_of[i])
-        holders[pieces[i].table.name].append(rank)
-        rank_of[i] = rank
 
 
 def _place_nvidia(pieces: List[_Piece], world: int, budget: int,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Dict, List
 
 from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants
 from dlrm_hybrid.parallel.placement import Plan, Shard, column_split_counts
 from dlrm_hybrid.parallel.tables import TableSpec
 
@@ -21,13 +23,17 @@ def plan_to_dict(plan: Plan) -> dict:
             "dim": spec.dim, "precision": spec.precision, "optimizer": spec.optimizer,
             "hotness": spec.hotness, "bags": spec.bags,
         }
+    modeled = plan.step_time()
     ranks = [{"rank": r, "host": plan.host_of(r), "tables": plan.tables_on(r),
               "bytes": int(plan.loads[0, r]), "a2a_bytes": int(plan.loads[1, r]),
-              "lookup_bytes": int(plan.loads[2, r])} for r in range(plan.world_size)]
+              "lookup_bytes": int(plan.loads[2, r]),
+              "step_s": {part: float(getattr(modeled, part)[r]) for part in modeled.PARTS}}
+             for r in range(plan.world_size)]
     return {"world_size": plan.world_size, "gpus_per_node": plan.gpus_per_node,
             "strategy": plan.strategy, "budget_bytes": plan.budget_bytes,
             "batch_size": plan.batch_size, "tables": tables, "ranks": ranks,
-            "imbalance": plan.imbalance()}
+            "imbalance": plan.imbalance(), "modeled_max_step_s": modeled.max_s,
+            "device": dataclasses.asdict(plan.device)}
 
 
 def save_plan(plan: Plan, path: Path) -> None:
@@ -53,8 +59,9 @@ def load_plan(path: str) -> Plan:
                 offset += cols
         replicated = frozenset(name for name, t in raw["tables"].items()
                                if t["sharding"] == "data_parallel")
+        device = DeviceConstants(**raw["device"]) if "device" in raw else DEVICES["h100"]
         return Plan(raw["world_size"], raw["strategy"], raw["budget_bytes"], raw["batch_size"],
-                    tables, shards, raw.get("gpus_per_node"), replicated)
+                    tables, shards, raw.get("gpus_per_node"), replicated, device)
     except OSError as e:
         raise ConfigError(f"parallel.plan: cannot read {path} ({e.strerror})")
     except (ValueError, KeyError, TypeError, IndexError) as e:

@@ -10,37 +10,93 @@ from typing import List, Union
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.model.compositional import FeatureLookup
 from dlrm_hybrid.model.compositional import describe as describe_lookup
-from dlrm_hybrid.parallel.placement import Plan, format_bytes
-from dlrm_hybrid.parallel.tables import BYTES_PER_WEIGHT, TableSpec
+from dlrm_hybrid.parallel.cost_model import StepTime, a2a_bytes
+from dlrm_hybrid.parallel.placement import Plan, explain, format_bytes
+from dlrm_hybrid.parallel.tables import BYTES_PER_WEIGHT, PER_SHARD_ROW_STATE, TableSpec
 
 
 def describe(plan: Plan) -> str:
+    """Per rank: shards, memory, all-to-all bytes sent and the modeled step time in its parts;
+    per host totals; replicated tables once; imbalances, the modeled max and the constants;
+    a warning where a table's split changes its updates."""
     hosts = f", {plan.world_size // plan.gpus_per_node} hosts x {plan.gpus_per_node}" \
         if plan.gpus_per_node else ""
+    modeled = plan.step_time()
+    sent = sum(a2a_bytes(plan))
+    replicated = [plan.tables[n] for n in sorted(plan.replicated)]
     lines = [f"plan ({plan.strategy}): {len(plan.tables)} tables, {len(plan.shards)} shards on "
              f"{plan.world_size} ranks{hosts}; budget {format_bytes(plan.budget_bytes)} per rank; "
-             f"traffic per step at global batch {plan.batch_size:,}",
+             f"traffic per step at global batch {plan.batch_size:,}; modeled ms per step (all-to-all "
+             f"intra and inter host)",
              f"{'host':>4} {'rank':>5} {'shards':>6} {'rows':>13} {'weights':>10} {'optimizer':>10} "
-             f"{'total':>10} {'budget':>7} {'a2a/step':>10} {'lookup/step':>11}  tables"]
+             f"{'total':>10} {'budget':>7} {'a2a sent':>10} {'step':>7} {'lookup':>7} "
+             f"{'intra':>7} {'inter':>7} {'fixed':>7} {'allred':>7}  tables"]
+    rep_rows = sum(t.rows for t in replicated)
+    rep_weights = sum(t.rows * t.dim * BYTES_PER_WEIGHT[t.precision] for t in replicated)
     for rank in range(plan.world_size):
         shards = plan.shards_on(rank)
         specs = [plan.tables[s.table] for s in shards]
-        rows = sum(t.rows for t in specs)
-        weights = sum(t.rows * s.cols * BYTES_PER_WEIGHT[t.precision] for t, s in zip(specs, shards))
-        total, a2a, lookup = plan.loads[:, rank]
+        rows = sum(t.rows for t in specs) + rep_rows
+        weights = rep_weights + sum(t.rows * s.cols * BYTES_PER_WEIGHT[t.precision]
+                                    for t, s in zip(specs, shards))
+        total = plan.loads[0, rank]
         names = ", ".join(s.table if s.cols == plan.tables[s.table].dim
                           else f"{s.table}[{s.col_offset}:{s.col_offset + s.cols}]" for s in shards)
+        times = " ".join(f"{1e3 * getattr(modeled, part)[rank]:>7.3f}" for part in modeled.PARTS)
         lines.append(f"{plan.host_of(rank):>4} {rank:>5} {len(shards):>6} {rows:>13,} "
                      f"{format_bytes(weights):>10} {format_bytes(total - weights):>10} "
                      f"{format_bytes(total):>10} {100 * total / plan.budget_bytes:>6.1f}% "
-                     f"{format_bytes(a2a):>10} {format_bytes(lookup):>11}  {names}")
+                     f"{format_bytes(sent[rank]):>10} {1e3 * modeled.total_s[rank]:>7.3f} "
+                     f"{times}  {names}")
         if plan.gpus_per_node and (rank + 1) % plan.gpus_per_node == 0:
             host = slice(rank + 1 - plan.gpus_per_node, rank + 1)
-            memory, a2a, lookup = plan.loads[:, host].sum(axis=1)
             lines.append(f"{plan.host_of(rank):>4} {'all':>5} {'':>6} {'':>13} {'':>10} {'':>10} "
-                         f"{format_bytes(memory):>10} {'':>7} {format_bytes(a2a):>10} "
-                         f"{format_bytes(lookup):>11}  (host total)")
+                         f"{format_bytes(plan.loads[0, host].sum()):>10} {'':>7} "
+                         f"{format_bytes(sent[host].sum()):>10}  (host total)")
+    if replicated:
+        lines.append(f"replicated on every rank (data_parallel, in each rank's figures): "
+                     f"{', '.join(t.name for t in replicated)}")
     lines.append(_imbalance_line(plan))
+    lines.append(_modeled_line(plan, modeled, float(sent.sum())))
+    split = [n for n in sorted(plan.tables) if plan.sharding_type(n) == "column_wise"
+             and plan.tables[n].optimizer in PER_SHARD_ROW_STATE]
+    if split:
+        lines.append(f"warning: {', '.join(split)} split column-wise keep {plan.tables[split[0]].optimizer} "
+                     f"state per row of each shard, so their updates differ from an unsplit "
+                     f"run's; to avoid it give ranks more memory (parallel.memory_per_rank), use "
+                     f"sgd or adagrad, or shrink them (model.compositional: qr or hash)")
+    return "\n".join(lines)
+
+
+def _modeled_line(plan: Plan, modeled: StepTime, sent: float) -> str:
+    d, slow = plan.device, int(modeled.total_s.argmax())
+    return (f"modeled step {plan.strategy}: max {1e3 * modeled.max_s:.3f} ms (rank {slow}), mean "
+            f"{1e3 * modeled.total_s.mean():.3f} ms, embeddings only; all-to-all "
+            f"{sent / 2**20:.1f} MiB sent in all; {d.name}: memory "
+            f"{d.memory_bandwidth / 1e12:g} TB/s, in host {d.intra_host_bandwidth / 1e9:g} GB/s, "
+            f"across hosts {d.inter_host_bandwidth / 1e9:g} GB/s, {1e6 * d.shard_fixed_s:g} us "
+            f"per shard, {1e6 * d.message_fixed_s:g} us per message ({d.source})")
+
+
+def explain_table(plan: Plan, name: str, split_rowwise: bool) -> str:
+    """Each way to shard `name` with the modeled step time of the plan were it sharded so."""
+    t = plan.tables[name]
+    lines = [f"{name}: {t.rows:,} rows x {t.dim}, {t.optimizer}, {t.hotness:g} ids per sample, "
+             f"{format_bytes(t.bytes)}; the rest of the plan as it is, modeled ms per step at "
+             f"the slowest rank ({plan.device.name}):",
+             f"  {'sharding':<16} {'step':>8} {'lookup':>7} {'intra':>7} {'inter':>7} "
+             f"{'fixed':>7} {'allred':>7}  ranks"]
+    for option in explain(plan, name, split_rowwise):
+        mark = "*" if option.chosen else " "
+        if option.time is None:
+            lines.append(f"{mark} {option.sharding:<16} {'-':>8}  {option.note}")
+            continue
+        slow = int(option.time.total_s.argmax())
+        parts = " ".join(f"{1e3 * getattr(option.time, p)[slow]:>7.3f}" for p in StepTime.PARTS)
+        note = f"  ({option.note})" if option.note else ""
+        lines.append(f"{mark} {option.sharding:<16} {1e3 * option.time.max_s:>8.3f} {parts}  "
+                     f"{option.ranks}{note}")
+    lines.append("* the plan's choice")
     return "\n".join(lines)
 
 
