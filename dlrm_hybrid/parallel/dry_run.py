@@ -12,7 +12,7 @@ from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
 from dlrm_hybrid.parallel.cost_model import DEVICES, device_constants
-from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables
+from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables, search_rules
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.model.compositional import lookups_of
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
@@ -73,10 +73,10 @@ def run(args) -> None:
                               cfg.parallel.cost_model)
     strategies = STRATEGIES if args.compare else (args.strategy or cfg.parallel.strategy,)
     plans = [plan_tables(specs, args.world_size, budget, cfg.data.global_batch_size, s,
-                         args.gpus_per_node, device, cfg.parallel.split_rowwise)
+                         args.gpus_per_node, device, **search_rules(cfg))
              for s in strategies]
     if args.explain:
-        print(explain_table(plans[0], args.explain, cfg.parallel.split_rowwise))
+        print(explain_table(plans[0], args.explain, **search_rules(cfg)))
         return
     for plan in plans:
         print(describe(plan) + "\n")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dlrm_hybrid.config import parse_bytes
 from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants, device_constants, device_kind
-from dlrm_hybrid.parallel.placement import Plan, plan_tables
+from dlrm_hybrid.parallel.placement import Plan, plan_tables, search_rules
 from dlrm_hybrid.parallel.plan_file import check_plan, load_plan
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.tables import TableSpec
@@ -27,7 +27,7 @@ def job_plan(cfg, specs: List[TableSpec], env: DistEnv) -> Plan:
     hosts = env.local_world_size if env.world_size > env.local_world_size else None
     return plan_tables(specs, env.world_size, memory_budget(cfg, env),
                        cfg.data.global_batch_size, cfg.parallel.strategy, hosts,
-                       job_device(cfg, env), cfg.parallel.split_rowwise)
+                       job_device(cfg, env), **search_rules(cfg))
 
 
 def job_device(cfg, env: DistEnv) -> DeviceConstants:

@@ -116,13 +116,25 @@ class Plan:
         return {n: _max_over_mean(row) for n, row in zip(names, self.loads)}
 
 
+NO_REPLICATION = "replicated tables need the pooled exchange and no fp16 loss scaler"
+
+
+def search_rules(cfg) -> Dict[str, bool]:
+    """The `plan_tables` rules a config sets: row-wise Adagrad splits for speed only on request;
+    no replicated table where the des exchange or fp16's loss scaler is asked for (neither
+    runs with one)."""
+    return {"split_rowwise": cfg.parallel.split_rowwise,
+            "replicate": cfg.parallel.exchange != "des" and cfg.train.precision != "fp16"}
+
+
 def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
                 batch_size: int, strategy: str = "greedy",
                 gpus_per_node: Optional[int] = None, device: Optional[DeviceConstants] = None,
-                split_rowwise: bool = False) -> Plan:
+                split_rowwise: bool = False, replicate: bool = True) -> Plan:
     """Place every table (or its column shards) on ranks; PlacementError if they cannot fit,
     saying how many ranks of this budget would hold them. `device` (default h100) is what the
-    greedy search models; `split_rowwise` lets it split row-wise Adagrad tables for speed.
+    greedy search models; `split_rowwise` lets it split row-wise Adagrad tables for speed;
+    `replicate` False keeps every table sharded.
 
     An error is certain where a table's narrowest shard (torchrec's column split over at most
     `world_size` ranks) exceeds the budget or the tables' bytes exceed all ranks' budgets. Packing
@@ -130,7 +142,7 @@ def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
     may miss a packing that exists only where the tables need over 3/4 of all ranks' memory
     (random cases it missed needed 80-99%; tests/test_placement.py checks this contract)."""
     search = _Search(tables, world_size, budget_bytes, batch_size, strategy, gpus_per_node,
-                     device or DEVICES["h100"], split_rowwise)
+                     device or DEVICES["h100"], split_rowwise, replicate)
     try:
         return search.plan()
     except PlacementError as e:
@@ -167,6 +179,7 @@ class _Search:
     per_host: Optional[int]
     device: DeviceConstants
     split_rowwise: bool
+    replicate: bool
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -230,7 +243,8 @@ class _Search:
                    for t in self.ordered)
 
     def can_replicate(self, t: TableSpec) -> bool:
-        return self.world > 1 and t.optimizer in REPLICABLE_OPTIMIZERS and t.bytes <= self.budget
+        return (self.replicate and self.world > 1 and t.optimizer in REPLICABLE_OPTIMIZERS
+                and t.bytes <= self.budget)
 
     def can_split(self, t: TableSpec, count: int) -> bool:
         """May `t` be split into more than `count` shards for speed alone?"""
@@ -295,11 +309,13 @@ class Option:
     note: str = ""  # why the search would not take it
 
 
-def explain(plan: Plan, name: str, split_rowwise: bool = False) -> List[Option]:
+def explain(plan: Plan, name: str, split_rowwise: bool = False,
+            replicate: bool = True) -> List[Option]:
     """Every sharding of table `name` (each column split torchrec builds on these ranks, and
     replication), placed by the greedy rule into the rest of `plan`, which stays as it is."""
     search = _Search(list(plan.tables.values()), plan.world_size, plan.budget_bytes,
-                     plan.batch_size, "greedy", plan.gpus_per_node, plan.device, split_rowwise)
+                     plan.batch_size, "greedy", plan.gpus_per_node, plan.device, split_rowwise,
+                     replicate)
     state = _State.of(plan, search)
     t = plan.tables[name]
     fewest = _shards_to_fit(t, plan.budget_bytes)
@@ -315,6 +331,8 @@ def explain(plan: Plan, name: str, split_rowwise: bool = False) -> List[Option]:
         note = "does not fit" if not fits else ""
         if count is None and t.optimizer not in REPLICABLE_OPTIMIZERS:
             note = f"{t.optimizer}'s update of a replicated table is not the sharded one's"
+        elif count is None and not replicate:
+            note = NO_REPLICATION
         elif count is not None and count > max(fewest, 1) and not search.can_split(t, count - 1) \
                 and fits:
             note = (f"{t.optimizer} keeps state per row of each shard: the split changes its "

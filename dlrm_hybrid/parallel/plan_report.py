@@ -78,7 +78,7 @@ def _modeled_line(plan: Plan, modeled: StepTime, sent: float) -> str:
             f"per shard, {1e6 * d.message_fixed_s:g} us per message ({d.source})")
 
 
-def explain_table(plan: Plan, name: str, split_rowwise: bool) -> str:
+def explain_table(plan: Plan, name: str, split_rowwise: bool, replicate: bool) -> str:
     """Each way to shard `name` with the modeled step time of the plan were it sharded so."""
     t = plan.tables[name]
     lines = [f"{name}: {t.rows:,} rows x {t.dim}, {t.optimizer}, {t.hotness:g} ids per sample, "
@@ -86,7 +86,7 @@ def explain_table(plan: Plan, name: str, split_rowwise: bool) -> str:
              f"the slowest rank ({plan.device.name}):",
              f"  {'sharding':<16} {'step':>8} {'lookup':>7} {'intra':>7} {'inter':>7} "
              f"{'fixed':>7} {'allred':>7}  ranks"]
-    for option in explain(plan, name, split_rowwise):
+    for option in explain(plan, name, split_rowwise, replicate):
         mark = "*" if option.chosen else " "
         if option.time is None:
             lines.append(f"{mark} {option.sharding:<16} {'-':>8}  {option.note}")
