@@ -88,6 +88,8 @@ class ParallelConfig:
     cost_model: Dict[str, float] = field(default_factory=dict)  # overrides of the device's constants
     # true: split row-wise Adagrad tables for speed too (their updates then differ from unsplit ones)
     split_rowwise: bool = False
+    # false: shard every table (the greedy placer replicates small ones where that is faster)
+    replicate: bool = True
 
 
 @dataclass

@@ -145,9 +145,12 @@ def plan_output(*sets: str, world: int = 8) -> str:
 
 
 def test_plan_prints_both_exchanges_and_auto_picks_the_smaller():
-    """MLPerf's shape with cat (T = 26, D = 128, H = 1024, 8 ranks): des sends H P / (T D) =
-    2.46x the bytes, so auto keeps pooled; 64 tables of 64 with H = 64: des wins."""
-    out = plan_output("model.interaction=cat")
+    """MLPerf's shape with cat (T = 26, D = 128, H = 1024, 8 ranks, every table sharded): des
+    sends H P / (T D) = 2.46x the bytes, so auto keeps pooled; 64 tables of 64 with H = 64: des
+    wins. A plan that replicates tables keeps pooled: des runs with sharded tables only."""
+    assert ("training uses pooled (des does not run with replicated tables"
+            in plan_output("model.interaction=cat"))
+    out = plan_output("model.interaction=cat", "parallel.replicate=false")
     assert "pooled 76.8MiB + 76.8MiB per rank" in out
     assert "des    189.0MiB + 189.0MiB per rank" in out
     assert "training uses pooled (auto: des would send 2.46x the bytes)" in out

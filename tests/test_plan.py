@@ -324,10 +324,11 @@ def test_a_plan_or_plot_that_cannot_take_its_place_leaves_no_partial_file(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan", "plot"]
 
 
-@pytest.mark.parametrize("setting", ["parallel.exchange=des", "train.precision=fp16"])
+@pytest.mark.parametrize("setting", ["parallel.exchange=des", "train.precision=fp16",
+                                     "parallel.replicate=false"])
 def test_a_config_that_cannot_train_replicated_tables_gets_none(setting):
     """The des exchange and fp16's loss scaler refuse replicated tables at start: the plan made
-    for such a job must shard every table, and --explain says why it did not replicate."""
+    for such a job must shard every table, as where the config says so; --explain says why."""
     args = ["plan", "--config", "configs/criteo_1tb_fl15.yaml", "--world-size", "64",
             "--gpus-per-node", "8", "--set", "model.interaction=cat", "--set", setting]
     result = run_cli(args)
@@ -335,4 +336,4 @@ def test_a_config_that_cannot_train_replicated_tables_gets_none(setting):
     assert "replicated on every rank" not in result.stdout
     explained = run_cli(args + ["--explain", "t_cat_5"])
     (line,) = [line for line in explained.stdout.splitlines() if "data_parallel" in line]
-    assert "replicated tables need the pooled exchange and no fp16 loss scaler" in line
+    assert "parallel.replicate is false, or the job asks for the des exchange or fp16" in line

@@ -116,15 +116,17 @@ class Plan:
         return {n: _max_over_mean(row) for n, row in zip(names, self.loads)}
 
 
-NO_REPLICATION = "replicated tables need the pooled exchange and no fp16 loss scaler"
+NO_REPLICATION = ("parallel.replicate is false, or the job asks for the des exchange or fp16, "
+                  "which replicated tables do not run with")
 
 
 def search_rules(cfg) -> Dict[str, bool]:
     """The `plan_tables` rules a config sets: row-wise Adagrad splits for speed only on request;
-    no replicated table where the des exchange or fp16's loss scaler is asked for (neither
-    runs with one)."""
+    no replicated table where the config says so or asks for the des exchange or fp16's loss
+    scaler (neither runs with one)."""
     return {"split_rowwise": cfg.parallel.split_rowwise,
-            "replicate": cfg.parallel.exchange != "des" and cfg.train.precision != "fp16"}
+            "replicate": (cfg.parallel.replicate and cfg.parallel.exchange != "des"
+                          and cfg.train.precision != "fp16")}
 
 
 def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
