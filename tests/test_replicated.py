@@ -192,7 +192,8 @@ def test_what_replicated_tables_do_not_run_with_is_refused(tmp_path, setting, er
 
 # The demo as shipped but for the dense optimizer: dense Adagrad's first steps move a weight by
 # +-lr whatever its gradient's size, so rounding of another reduction order in a near-zero
-# gradient decides them (1 vs 2 ranks, whole tables: 8e-3 apart by step 40; with dense SGD 6e-8).
+# gradient decides them (1 vs 2 ranks: 3e-4 apart at step 40, growing from step 31; dense SGD:
+# 6e-8).
 DEMO_40 = ["train.max_steps=40", "train.log_every=1", "train.eval_every=0",
            "data.val_samples=1024", "train.progress_bar=false", "optim.dense=sgd",
            "optim.dense_lr=0.5"]
