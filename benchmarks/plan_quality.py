@@ -79,7 +79,8 @@ def plan_cell(case: Case, planner: str, ranks: int, per_host: int, device: Devic
         return Cell(planner, result.plan, result.seconds, result.failure)
     start = time.perf_counter()
     try:
-        plan = plan_tables(case.tables, ranks, case.budget_bytes, case.batch_size, planner, per_host)
+        plan = plan_tables(case.tables, ranks, case.budget_bytes, case.batch_size, planner, per_host,
+                           device)
     except PlacementError as e:
         return Cell(planner, None, time.perf_counter() - start, f"failed: {str(e)[:80]}")
     return Cell(planner, plan, time.perf_counter() - start)

@@ -9,10 +9,10 @@ global batch 4,096), so that where the tables sit matters on 2 cores, and unifor
 bandwidth) assumes; with click-log skew (1.1) the hot rows stay in cache and lookups cost less
 than modeled. Its plans:
 
-- greedy: the placer's plan (`plan_tables`, the default strategy);
+- greedy: the placer's plan (`plan_tables`, the default strategy) for the cpu_gloo constants;
 - one rank: every table whole on rank 0 (it does all lookups and serves every all-to-all);
-- replicated: greedy's, with the tables of at most 50,000 rows held by every rank
-  (torchrec data_parallel) where training runs such plans.
+- replicated: greedy's, with every table of at most 50,000 rows held by every rank (torchrec
+  data_parallel).
 
 Each is written with `save_plan` and trained `--repeat` times (the plans in turn) with
 `python -m dlrm_hybrid.torchrun ... train --set parallel.plan=FILE`; the measured step time is
@@ -56,7 +56,8 @@ def plans(ranks: int) -> Dict[str, Plan]:
     cfg = load_config(str(ROOT / CONFIG), MODEL, world_size=ranks)
     tables = table_specs(cfg, data_spec(cfg.data))
     batch = cfg.data.global_batch_size
-    greedy = plan_tables(tables, ranks, BUDGET, batch, gpus_per_node=ranks)
+    greedy = plan_tables(tables, ranks, BUDGET, batch, gpus_per_node=ranks,
+                         device=DEVICES["cpu_gloo"])
     by_name = {t.name: t for t in tables}
     one_rank = Plan(ranks, "one rank", BUDGET, batch, by_name,
                     [Shard(t.name, 0, 0, t.dim) for t in tables], ranks)
