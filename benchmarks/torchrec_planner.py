@@ -162,6 +162,7 @@ def plan_in_subprocess(tables: Sequence[TableSpec], world_size: int, budget_byte
 
 def _plan_into(send, *args) -> None:
     """The child's side: its result, or its error in one line, through the pipe."""
+    logging.disable(logging.WARNING)  # its per-table notices on the root logger, in this child only
     try:
         result = torchrec_plan(*args)
     except Exception as e:  # any error of torchrec's is this cell's result, not the table's end
