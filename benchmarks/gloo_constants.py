@@ -17,7 +17,7 @@ each, as the CPU tests train):
   its forward + backward time, less the bytes' share.
 
 Prints each fit, the CPU, and the `DEVICES` entry to paste into dlrm_hybrid/parallel/cost_model.py.
-Takes ~1 minute on 2 cores.
+Takes ~20 s on 2 cores.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Each is written with `save_plan` and trained `--repeat` times (the plans in turn
 the fastest of metrics.jsonl's windows of 5 steps after each run's first (other processes on the
 machine only ever add time). The model leaves out the dense MLPs, alike in every plan, so the
 measured time is higher by about a constant: what must agree is the order of the plans and
-their differences. Takes ~25 s per run on 2 cores.
+their differences. Takes ~16 s per run on 2 cores (95 s for the default 6).
 """
 
 from __future__ import annotations
