@@ -245,3 +245,10 @@ def _quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    # Replicated (data_parallel) tables: torchrec warns once per table that they have no cache,
+    # and torch that fbgemm's dense lookup backpropagates through its fallback kernel (its
+    # gradients equal a sharded table's: tests/test_replicated.py).
+    logging.getLogger("torchrec.distributed.utils").addFilter(
+        lambda record: "caching params will be ignored" not in record.getMessage())
+    warnings.filterwarnings("ignore", message="fbgemm::dense_embedding_codegen_lookup_function: "
+                            "an autograd kernel was not registered", category=UserWarning)

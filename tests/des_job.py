@@ -20,15 +20,23 @@ from dlrm_hybrid.train.loop import train  # noqa: E402
 # gradient's size, so rounding of another summation order would decide near-zero ones.
 # A first top layer of 48: cat's des then sends P * 48 values per sample over the job, pooled
 # T * D = 128, so the counted bytes tell the paths apart on 2 ranks too (demo: 64, equal there).
+# Every table sharded in both paths (des runs with no replicated table): the same plan, and the
+# pooled bytes follow the formula over all T * D columns.
 COMMON = ["train.max_steps=6", "train.log_every=1", "train.eval_every=0",
           "train.progress_bar=false", "train.rank_logs=true", "data.train_samples=40000",
           "data.val_samples=4096", "optim.dense=sgd", "optim.dense_lr=0.5",
-          "model.top_mlp=[48,32,1]", "checkpoint.resume=none"]
+          "model.top_mlp=[48,32,1]", "checkpoint.resume=none", "parallel.replicate=false"]
+
+
+# On 4 ranks, 56 KiB for tables per rank: t_cat_0 (1000 x 16 fp32 = 62.5 KiB with or without
+# row-wise state) must be split column-wise, so des runs with a column shard.
+SPLIT_ON_4 = ["parallel.memory_per_rank=57344", "parallel.reserve_per_rank=0"]
 
 
 def run(out: Path, name: str, overrides, env) -> list:
+    split = SPLIT_ON_4 if env.world_size == 4 else []
     cfg = load_config(str(ROOT / "configs/demo.yaml"),
-                      COMMON + overrides + [f"train.run_dir={out / name}"])
+                      COMMON + split + overrides + [f"train.run_dir={out / name}"])
     return train(cfg, env).losses
 
 

@@ -197,8 +197,11 @@ def test_pipelined_steps_give_the_plain_losses_with_evaluation_between(tmp_path,
 def test_pipeline_and_fp16_all_to_all_on_two_ranks(tmp_path):
     """One plain 2-rank run as the reference for two others (launches are the slow part): the
     train pipeline gives exactly its losses, with evaluation in between; the fp16 all-to-all
-    rounds the payload, and training stays within 1% of it."""
-    common = ["train.max_steps=12", "train.log_every=1", "train.eval_every=6"]
+    rounds the payload, and training stays within 0.1% of it. Dense SGD: the demo's dense
+    Adagrad moves a weight by up to its LR whatever a near-zero gradient's size, which turns
+    the payload's rounding into 6% by step 12 where the demo's small tables are replicated."""
+    common = ["train.max_steps=12", "train.log_every=1", "train.eval_every=6", "optim.dense=sgd",
+              "optim.dense_lr=0.5"]
     plain = two_rank_losses(tmp_path / "plain", *common, "train.pipeline=disabled")
     pipelined = two_rank_losses(tmp_path / "pipelined", *common, "train.pipeline=enabled")
     fp16 = two_rank_losses(tmp_path / "fp16", *common, "train.pipeline=disabled",
@@ -208,7 +211,7 @@ def test_pipeline_and_fp16_all_to_all_on_two_ranks(tmp_path):
     assert step_drivers(tmp_path / "plain") == step_drivers(tmp_path / "fp16") == ["plain"]
     assert fp16 != plain  # the payload really is rounded
     for a, b in zip(plain, fp16):
-        assert abs(a - b) / a < 1e-2
+        assert abs(a - b) / a < 1e-3
 
 
 class _Model(torch.nn.Module):
