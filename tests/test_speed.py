@@ -199,9 +199,11 @@ def test_pipeline_and_fp16_all_to_all_on_two_ranks(tmp_path):
     train pipeline gives exactly its losses, with evaluation in between; the fp16 all-to-all
     rounds the payload, and training stays within 0.1% of it. Dense SGD: the demo's dense
     Adagrad moves a weight by up to its LR whatever a near-zero gradient's size, which turns
-    the payload's rounding into 6% by step 12 where the demo's small tables are replicated."""
+    the payload's rounding into 6% by step 12 where the demo's small tables are replicated.
+    Every table sharded: the placer replicates all of the demo's on 2 CPU ranks, leaving the
+    all-to-all nothing to carry."""
     common = ["train.max_steps=12", "train.log_every=1", "train.eval_every=6", "optim.dense=sgd",
-              "optim.dense_lr=0.5"]
+              "optim.dense_lr=0.5", "parallel.replicate=false"]
     plain = two_rank_losses(tmp_path / "plain", *common, "train.pipeline=disabled")
     pipelined = two_rank_losses(tmp_path / "pipelined", *common, "train.pipeline=enabled")
     fp16 = two_rank_losses(tmp_path / "fp16", *common, "train.pipeline=disabled",
