@@ -233,6 +233,32 @@ def test_a_plan_for_other_ranks_or_tables_is_refused(tmp_path):
         load_plan(str(tmp_path / "bad.json"))
 
 
+def test_a_hand_edited_plan_torchrec_would_not_build_as_written_is_refused(tmp_path):
+    """A sharding this trainer does not build, or a replicated table whose optimizer would
+    update it unlike a sharded one (Adam's moments decay on rows no sample touched)."""
+    tables = [TableSpec("a", 100, 16, optimizer="adam"), TableSpec("b", 10, 16)]
+    path = tmp_path / "p.json"
+    save_plan(plan_tables(tables, 2, 10**6, 512), path)
+    raw = json.loads(path.read_text())
+    raw["tables"]["a"].update(sharding="data_parallel", ranks=[], columns=[])
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as info:
+        check_plan(load_plan(str(path)), str(path), tables, 2)
+    assert str(info.value) == (
+        f"parallel.plan: table a is replicated (data_parallel) in {path}, but adam would update "
+        f"a replicated table unlike a sharded one; shard it, or train it with sgd, "
+        f"rowwise_adagrad, adagrad")
+    raw["tables"]["a"].update(sharding="row_wise", ranks=[0], columns=[16])
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"table a in .* has sharding 'row_wise'; this trainer "
+                                          r"builds table_wise, column_wise, data_parallel"):
+        load_plan(str(path))
+    raw["tables"]["b"].update(sharding="data_parallel", ranks=[], columns=[])
+    raw["tables"]["a"].update(sharding="table_wise", ranks=[0], columns=[16])
+    path.write_text(json.dumps(raw))  # sgd's replicated update is the sharded one's
+    check_plan(load_plan(str(path)), str(path), tables, 2)
+
+
 @pytest.mark.parametrize("dim, columns, accepted", [
     (16, [12, 4], False),  # uneven: torchrec would build 8 + 8
     (20, [10, 10], False),  # torchrec would build one shard of 20 on the first rank

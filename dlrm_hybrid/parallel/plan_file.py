@@ -10,7 +10,9 @@ from typing import Dict, List
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants
 from dlrm_hybrid.parallel.placement import Plan, Shard, column_split_counts
-from dlrm_hybrid.parallel.tables import TableSpec
+from dlrm_hybrid.parallel.tables import REPLICABLE_OPTIMIZERS, TableSpec
+
+SHARDINGS = ("table_wise", "column_wise", "data_parallel")  # what sharding.py hands torchrec
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -57,6 +59,10 @@ def load_plan(path: str) -> Plan:
             for rank, cols in zip(t["ranks"], t["columns"]):
                 shards.append(Shard(name, rank, offset, cols))
                 offset += cols
+        for name, t in raw["tables"].items():
+            if t["sharding"] not in SHARDINGS:
+                raise ConfigError(f"parallel.plan: table {name} in {path} has sharding "
+                                  f"{t['sharding']!r}; this trainer builds {', '.join(SHARDINGS)}")
         replicated = frozenset(name for name, t in raw["tables"].items()
                                if t["sharding"] == "data_parallel")
         device = DeviceConstants(**raw["device"]) if "device" in raw else DEVICES["h100"]
@@ -89,6 +95,11 @@ def check_plan(plan: Plan, path: str, model_tables: List[TableSpec], world_size:
     for name in plan.tables:
         if name not in plan.replicated:
             _check_shards(plan, name, path, world_size)
+        elif expected[name].optimizer not in REPLICABLE_OPTIMIZERS:
+            raise ConfigError(f"parallel.plan: table {name} is replicated (data_parallel) in "
+                              f"{path}, but {expected[name].optimizer} would update a replicated "
+                              f"table unlike a sharded one; shard it, or train it with "
+                              f"{', '.join(REPLICABLE_OPTIMIZERS)}")
 
 
 def _check_shards(plan: Plan, name: str, path: str, world_size: int) -> None:
