@@ -205,7 +205,7 @@ def rank_sums(plan: "Plan") -> RankSums:
     world = plan.world_size
     per_host = plan.gpus_per_node or world
     ranks = np.fromiter((s.rank for s in plan.shards), dtype=np.int64, count=len(plan.shards))
-    per_shard = np.array([_shard_terms(plan.tables[s.table], s.cols, plan.batch_size)
+    per_shard = np.array([shard_terms(plan.tables[s.table], s.cols, plan.batch_size)
                           for s in plan.shards], dtype=np.float64).reshape(-1, 3)
     pooled, ids, lookup = (np.bincount(ranks, weights=w, minlength=world) for w in per_shard.T)
     shards = np.bincount(ranks, minlength=world).astype(float)
@@ -214,7 +214,7 @@ def rank_sums(plan: "Plan") -> RankSums:
                     ids.sum(), float((shards > 0).sum()))
 
 
-def _shard_terms(table, cols: int, batch: int) -> Tuple[float, float, float]:
+def shard_terms(table, cols: int, batch: int) -> Tuple[float, float, float]:
     """A shard's pooled and id bytes per sample and lookup bytes per step."""
     return table.pooled_bytes(cols), table.id_bytes, table.shard_lookup_bytes(cols, batch)
 

@@ -29,9 +29,8 @@ import numpy as np
 
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.parallel.cost_model import (DEVICES, DeviceConstants, RankSums, StepTime,
-                                             make_layout, rank_times, rank_totals,
-                                             replicated_update_bytes,
-                                             step_time)
+                                             a2a_bytes, make_layout, rank_times, rank_totals,
+                                             replicated_update_bytes, shard_terms, step_time)
 from dlrm_hybrid.parallel.tables import PER_SHARD_ROW_STATE, REPLICABLE_OPTIMIZERS, TableSpec
 
 STRATEGIES = ("greedy", "nvidia")
@@ -66,7 +65,8 @@ class Plan:
     # gradients are all-reduced instead.
     replicated: FrozenSet[str] = frozenset()
     device: DeviceConstants = DEVICES["h100"]  # what `step_time` models
-    loads: np.ndarray = field(init=False, repr=False)  # [3, world]: memory, a2a, lookup bytes
+    # [3, world]: memory, all-to-all bytes sent (cost_model.a2a_bytes) and lookup bytes
+    loads: np.ndarray = field(init=False, repr=False)
     _index: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +76,7 @@ class Plan:
             t = self.tables[name]
             self.loads[0] += t.bytes
             self.loads[2] += t.shard_lookup_bytes(t.dim, self.batch_size) / self.world_size
+        self.loads[1] = sum(a2a_bytes(self))
 
     def shards_of(self, table: str) -> List[Shard]:
         """The column shards of a table; none for a replicated one."""
@@ -383,7 +384,6 @@ def _place_by_memory(tried: List[List[_Piece]], world: int, budget: int,
     raise error
 
 
-
 def _split_largest(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int) -> bool:
     """Cut the table with the largest shards into more of them. False when none can be."""
     splittable = [(t.bytes / counts[t.name], t.name, more) for t in ordered
@@ -393,8 +393,6 @@ def _split_largest(ordered: Sequence[TableSpec], counts: Dict[str, int], world: 
     _, name, more = max(splittable)
     counts[name] = more
     return True
-
-
 
 
 class _State:
@@ -447,14 +445,14 @@ class _State:
 
     def totals_if_added(self, piece: _Piece) -> np.ndarray:
         """Each rank's modeled time were `piece` put there; inf where it may not go."""
-        totals = rank_totals(self.rank_sums(_terms(piece, self.batch)), self.layout,
+        totals = rank_totals(self.rank_sums(shard_terms(piece.table, piece.cols, self.batch)), self.layout,
                              self.search.device)
         totals[self.memory + piece.table.shard_bytes(piece.cols) > self.search.budget] = np.inf
         totals[self.holders.get(piece.table.name, [])] = np.inf
         return totals
 
     def add(self, piece: _Piece, rank: int, sign: int = 1) -> None:
-        dp, di, dl = _terms(piece, self.batch)
+        dp, di, dl = shard_terms(piece.table, piece.cols, self.batch)
         first = rank - rank % self.per_host
         self.sums[:4, rank] += (sign * dp, sign * di, sign * dl, sign)
         self.sums[4, first:first + self.per_host] += sign * dp
@@ -575,12 +573,6 @@ class _State:
                                  for p in pieces], self.replicated)
 
 
-def _terms(piece: _Piece, batch: int) -> Tuple[float, float, float]:
-    """A piece's pooled and id bytes per sample and its lookup bytes per step."""
-    t = piece.table
-    return t.pooled_bytes(piece.cols), t.id_bytes, t.shard_lookup_bytes(piece.cols, batch)
-
-
 # --- splitting ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -635,13 +627,13 @@ def _column_widths(dim: int, count: int, max_count: int = 1 << 30) -> Tuple[int,
 # --- loads and the nvidia rule ---------------------------------------------------------------
 
 def _shard_cost(table: TableSpec, cols: int, batch: int) -> Tuple[float, float, float]:
-    return (float(table.shard_bytes(cols)), float(table.shard_a2a_bytes(cols, batch)),
-            float(table.shard_lookup_bytes(cols, batch)))
+    """Memory and lookup bytes (the all-to-all row is the cost model's, filled by `Plan`)."""
+    return float(table.shard_bytes(cols)), 0.0, float(table.shard_lookup_bytes(cols, batch))
 
 
 def _rank_loads(tables: Dict[str, TableSpec], shards: Sequence[Shard], world: int,
                 batch: int) -> np.ndarray:
-    """[3, world]: each rank's memory, all-to-all and lookup bytes, added up in shard order
+    """[3, world]: each rank's memory, (no) all-to-all and lookup bytes, added up in shard order
     (`np.add.at` adds in index order, one at a time)."""
     costs: Dict[Tuple[str, int], Tuple[float, float, float]] = {}
     for s in shards:

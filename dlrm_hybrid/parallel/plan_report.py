@@ -10,7 +10,7 @@ from typing import List, Union
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.model.compositional import FeatureLookup
 from dlrm_hybrid.model.compositional import describe as describe_lookup
-from dlrm_hybrid.parallel.cost_model import StepTime, a2a_bytes
+from dlrm_hybrid.parallel.cost_model import StepTime
 from dlrm_hybrid.parallel.placement import Plan, explain, format_bytes
 from dlrm_hybrid.parallel.tables import BYTES_PER_WEIGHT, PER_SHARD_ROW_STATE, TableSpec
 
@@ -22,7 +22,7 @@ def describe(plan: Plan) -> str:
     hosts = f", {plan.world_size // plan.gpus_per_node} hosts x {plan.gpus_per_node}" \
         if plan.gpus_per_node else ""
     modeled = plan.step_time()
-    sent = sum(a2a_bytes(plan))
+    sent = plan.loads[1]
     replicated = [plan.tables[n] for n in sorted(plan.replicated)]
     lines = [f"plan ({plan.strategy}): {len(plan.tables)} tables, {len(plan.shards)} shards on "
              f"{plan.world_size} ranks{hosts}; budget {format_bytes(plan.budget_bytes)} per rank; "
