@@ -5,9 +5,10 @@ of the step, and training draws no other random numbers).
 DCP stores shards with their global offsets, so a checkpoint written by N ranks loads on M
 ranks under another placement, a table sharded there and replicated (data_parallel) here or the
 other way round: a replicated table's weight is a plain tensor every rank holds, and its
-optimizer state is written in the fused optimizer's layout (optim.checkpoint_state). A checkpoint is written to `.step_<n>.partial`, and published
-by renaming it to `step_<n>` once every rank has finished and `meta.json` is in it: a run killed
-while writing leaves the previous checkpoints as they were.
+optimizer state is written in the fused optimizer's layout (optim.checkpoint_state). A
+checkpoint is written to `.step_<n>.partial`, and published by renaming it to `step_<n>` once
+every rank has finished and `meta.json` is in it: a run killed while writing leaves the previous
+checkpoints as they were.
 
 `meta.json` records the run that wrote the checkpoint (pruning removes only that run's
 checkpoints), the identity of its dataset (resume_rules.py) and the SHA-256 of every other file

@@ -69,7 +69,8 @@ def build_optimizer(dmp, optim_cfg) -> Tuple[CombinedOptimizer, LambdaLR]:
     unfused = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     replicated = {k: p for k, p in unfused.items() if isinstance(p, TableBatchedEmbeddingSlice)}
     dense = {k: p for k, p in unfused.items() if k not in replicated}
-    embedding_cls, dense_cls = EMBEDDING_OPTIMIZERS[optim_cfg.embedding], DENSE_OPTIMIZERS[optim_cfg.dense]
+    embedding_cls = EMBEDDING_OPTIMIZERS[optim_cfg.embedding]
+    dense_cls = DENSE_OPTIMIZERS[optim_cfg.dense]
     embedding_kwargs = _kwargs(optim_cfg.embedding, optim_cfg.embedding_lr, optim_cfg.eps)
     dense_kwargs = _kwargs(optim_cfg.dense, optim_cfg.dense_lr, optim_cfg.eps)
     optimizers = [dmp.fused_optimizer]
