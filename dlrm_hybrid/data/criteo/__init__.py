@@ -1,0 +1,1 @@
+"""Criteo TSV preprocessing: parse, count, number the values, write."""
