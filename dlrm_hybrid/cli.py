@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
         "predict", help="score a split-binary dataset or a CSV/TSV with an exported model")
     predict.add_argument("--model", required=True, help="a file `export` wrote")
     predict.add_argument("--data", required=True,
-                         help="a split-binary folder, or a .csv/.tsv file of preprocessed rows")
+                         help="a split-binary folder, or a .csv/.tsv file of preprocessed rows "
+                         "(or of raw Criteo rows: --raw-criteo)")
     predict.add_argument("--split", default="test", choices=("test", "val", "train"),
                          help="which split of a split-binary folder (default test)")
     predict.add_argument("--out", required=True, help="file to write, one probability per line")
@@ -81,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--header", default="auto", choices=("auto", "yes", "no"),
                          help="CSV/TSV: is the first line a header (auto: only when it is not "
                          "numbers); a header's names (label, num_<i>, cat_<i>) place the columns")
+    predict.add_argument("--raw-criteo", metavar="DATASET", default="",
+                         help="--data is raw Criteo TSV (label first or none; .gz ok): map its "
+                         "values to ids with the vocabulary of DATASET, the model's training data")
     bench = _config_arguments(commands.add_parser(
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
@@ -161,8 +165,10 @@ def run_predict(args) -> None:
     if args.batch_size < 1:
         raise UserError("predict: --batch-size must be at least 1")
     refuse_overwriting_inputs([("--out", args.out)],
-                              [("--model", args.model), ("--data", args.data)], "predict")
-    result = predict(args.model, args.data, args.out, args.split, args.batch_size, args.header)
+                              [("--model", args.model), ("--data", args.data),
+                               ("--raw-criteo", args.raw_criteo)], "predict")
+    result = predict(args.model, args.data, args.out, args.split, args.batch_size, args.header,
+                     args.raw_criteo)
     metrics = "".join(f" {k}={v:.5f}" for k, v in result.items() if k != "samples")
     print(f"predict: wrote {args.out} samples={result['samples']}{metrics}")
 

@@ -22,6 +22,7 @@ from dlrm_hybrid.data.text_rows import HEADERS, ScoringRows, text_row_chunks
 from dlrm_hybrid.errors import DataError, UserError
 from dlrm_hybrid.serve.export import (DESCRIPTION, FORMAT, FORMAT_FP32_CODED,
                                       require_folder_of)
+from dlrm_hybrid.serve.raw_rows import raw_criteo_chunks
 from dlrm_hybrid.train.checkpoint import META
 from dlrm_hybrid.train.evaluate import auc_or_nan
 
@@ -59,9 +60,10 @@ def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
 
 
 def predict(model_path: str, data: str, out: str, split: str = "test",
-            batch_size: int = 4096, header: str = "auto") -> dict:
+            batch_size: int = 4096, header: str = "auto", raw_criteo: str = "") -> dict:
     """Score every row of `data`; returns {"samples", and "auc", "logloss" when labelled}.
     `header` (CSV/TSV): whether the first line is a header, "yes", "no" or "auto".
+    `raw_criteo`: `data` is raw Criteo TSV, mapped to ids by this dataset's vocabulary.
     Ids are checked here as well as in the model: here the error can name the row."""
     target = Path(out)
     require_folder_of(target)
@@ -70,7 +72,7 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
     module, description = load_scoring_model(Path(model_path))
     cardinalities = [f["cardinality"] for f in description["features"]]
     names = [f["name"] for f in description["features"]]
-    chunks = _chunks(Path(data), split, description, batch_size, header)
+    chunks = _chunks(Path(data), split, description, batch_size, header, raw_criteo)
     partial = target.with_name(target.name + ".partial")
     probabilities, labels = [], []
     try:
@@ -92,11 +94,18 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
     return result
 
 
-def _chunks(path: Path, split: str, description: dict, batch_size: int, header: str
-            ) -> Iterator[ScoringRows]:
+def _chunks(path: Path, split: str, description: dict, batch_size: int, header: str,
+            raw_criteo: str = "") -> Iterator[ScoringRows]:
     num_dense, features = description["num_dense"], description["features"]
     if header not in HEADERS:
         raise UserError(f"--header: {header!r} is not one of {', '.join(HEADERS)}")
+    if raw_criteo:
+        if header != "auto":
+            raise UserError("--header: is for CSV/TSV files of ids; raw Criteo rows have none")
+        if not path.is_file():
+            raise UserError(f"--data: {path} {'is a folder' if path.is_dir() else 'does not exist'}"
+                            f"; with --raw-criteo give a raw Criteo TSV file (.gz ok)")
+        return raw_criteo_chunks(path, raw_criteo, num_dense, features, batch_size)
     if path.is_dir():
         if header != "auto":
             raise UserError(f"--header: is for CSV/TSV files; {path} is a split-binary folder")
