@@ -14,6 +14,9 @@ setup(
     # A plain C library loaded with ctypes (no Python API inside): the CPU embedding id check and
     # SGD update, see dlrm_hybrid/parallel/cpu_lookup.py. Without it those run in fbgemm.
     ext_modules=[Extension("dlrm_hybrid._cpu_lookup", ["dlrm_hybrid/csrc/cpu_lookup.c"],
-                           extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])],
+                           extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]),
+                 # The same: the Criteo preprocessing kernels, see dlrm_hybrid/data/criteo/native.py.
+                 Extension("dlrm_hybrid._criteo", ["dlrm_hybrid/csrc/criteo.c"],
+                           extra_compile_args=["-O3"])],
     entry_points={"console_scripts": ["dlrm-hybrid=dlrm_hybrid.cli:main"]},
 )
