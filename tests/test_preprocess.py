@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.data import criteo_tsv, npy_days
-from dlrm_hybrid.data.criteo_tsv import preprocess_criteo
+from dlrm_hybrid.data import npy_days
+from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess, splits, tasks
+from dlrm_hybrid.data.criteo.parse import NUM_FIELDS
+from dlrm_hybrid.data.criteo.preprocess import preprocess_criteo
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
@@ -23,8 +25,8 @@ PLANTED = {"wrong_field_count": 3, "bad_label": 4, "bad_numeric": 5, "bad_catego
 @pytest.fixture
 def small_tasks(monkeypatch):
     """Many tasks per file and several blocks per task, so workers and carries are exercised."""
-    monkeypatch.setattr(criteo_tsv, "TASK_BYTES", 40_000)
-    monkeypatch.setattr(criteo_tsv, "CHUNK_BYTES", 7_000)
+    monkeypatch.setattr(tasks, "TASK_BYTES", 40_000)
+    monkeypatch.setattr(tasks, "CHUNK_BYTES", 7_000)
 
 
 def make_rows(n, seed=0):
@@ -81,7 +83,7 @@ def read_split(out, split):
 
 def dataset_files(out):
     return {p.relative_to(out): p.read_bytes() for p in sorted(Path(out).rglob("*"))
-            if p.is_file() and p.name != criteo_tsv.REPORT}
+            if p.is_file() and p.name != criteo_preprocess.REPORT}
 
 
 def test_bad_rows_are_counted_by_kind_and_skipped(tmp_path, small_tasks):
@@ -92,7 +94,7 @@ def test_bad_rows_are_counted_by_kind_and_skipped(tmp_path, small_tasks):
     assert report["bad_rows"] == PLANTED
     assert report["first_problem"].startswith(f"{tmp_path / 'train.txt'}:{first_bad}: ")
     assert report["rows_written"]["total"] == len(rows) + PLANTED["crlf"]
-    saved = json.loads((tmp_path / "out" / criteo_tsv.REPORT).read_text())
+    saved = json.loads((tmp_path / "out" / criteo_preprocess.REPORT).read_text())
     assert saved["bad_rows"] == PLANTED and saved["peak_rss_bytes"] > 0
     assert set(saved) >= {"rows_written", "rows_per_s", "seconds", "cardinalities"}
 
@@ -170,7 +172,8 @@ def test_criteo_1tb_days_split_day_23_first_ceil_half_validation_as_mlperf(tmp_p
     # every value is seen once: ids follow the values, so they show which rows went where
     assert ids == {"train": list(range(1, 101)), "validation": list(range(101, 127)),
                    "test": list(range(127, 152))}
-    assert load_feature_spec(str(tmp_path / "out")).notes == {"day_23": "validation_first"}
+    assert load_feature_spec(str(tmp_path / "out")).notes == {"day_23": "validation_first",
+                                                              "vocabulary": "vocabulary"}
     assert report["day_23"] == "validation_first"
 
 
@@ -192,8 +195,8 @@ def test_output_is_identical_for_any_worker_count_and_task_size(tmp_path, monkey
         f.write("".join(plant(make_rows(1500, seed=2), 2)[0]))
     inputs = [tmp_path / "part_a.txt", tmp_path / "part_b.gz"]
     preprocess_criteo(inputs, tmp_path / "one", frequency_threshold=2, workers=1)
-    monkeypatch.setattr(criteo_tsv, "TASK_BYTES", 30_000)
-    monkeypatch.setattr(criteo_tsv, "CHUNK_BYTES", 5_000)
+    monkeypatch.setattr(tasks, "TASK_BYTES", 30_000)
+    monkeypatch.setattr(tasks, "CHUNK_BYTES", 5_000)
     preprocess_criteo(inputs, tmp_path / "two", frequency_threshold=2, workers=2)
     assert dataset_files(tmp_path / "one") == dataset_files(tmp_path / "two")
 
@@ -208,22 +211,29 @@ def test_unreadable_inputs_are_one_line_errors_naming_the_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day_1.gz"]
 
 
-@pytest.mark.parametrize("exception", [RuntimeError, KeyboardInterrupt])
-def test_a_failure_midway_leaves_no_output_and_no_temp_folder(tmp_path, small_tasks, monkeypatch,
-                                                              exception):
+@pytest.mark.parametrize("exception", [OSError, KeyboardInterrupt])
+def test_an_interrupted_run_leaves_no_output_and_the_same_command_finishes_it(
+        tmp_path, small_tasks, monkeypatch, exception):
+    """Ctrl-C or a full disk while writing: no dataset, the counted work kept; the same command
+    then redoes only what was not recorded and writes the bytes of a run never stopped."""
     (tmp_path / "train.txt").write_text("".join("\t".join(r) + "\n" for r in make_rows(2000)))
-    real_write, calls = SplitBinaryWriter.write, []
+    inputs = [tmp_path / "train.txt"]
+    clean = preprocess_criteo(inputs, tmp_path / "clean", workers=2)
 
-    def write_then_fail(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise exception("interrupted")
-        real_write(self, *args, **kwargs)
+    def interrupted(*args):
+        raise exception("interrupted")
 
-    monkeypatch.setattr(SplitBinaryWriter, "write", write_then_fail)
+    real_write = criteo_preprocess.Job.write
+    monkeypatch.setattr(criteo_preprocess.Job, "write", interrupted)
     with pytest.raises(exception):
-        preprocess_criteo([tmp_path / "train.txt"], tmp_path / "out", workers=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.txt"]
+        preprocess_criteo(inputs, tmp_path / "out", workers=2)
+    assert only_inputs_left(tmp_path, ["train.txt", "clean", ".out.preprocess"])
+    monkeypatch.setattr(criteo_preprocess.Job, "write", real_write)
+    again = preprocess_criteo(inputs, tmp_path / "out", workers=2)
+    assert again["resumed_steps"] == len(tasks.plan_tasks([str(p) for p in inputs], 40_000)) + 1
+    assert dataset_files(tmp_path / "out") == dataset_files(tmp_path / "clean")
+    assert again["rows_written"] == clean["rows_written"]
+    assert only_inputs_left(tmp_path, ["train.txt", "clean", "out"])
 
 
 def test_dataset_reads_back_with_the_written_counts_and_rows(tmp_path):
@@ -246,8 +256,8 @@ def test_dataset_reads_back_with_the_written_counts_and_rows(tmp_path):
 def test_command_line_runs_and_rejects_bad_arguments(tmp_path, capsys):
     path, day_23 = write_day(tmp_path / "day_0", range(50)), write_day_23(tmp_path)
     parser = argparse.ArgumentParser()
-    criteo_tsv.add_arguments(parser)
-    criteo_tsv.run(parser.parse_args(["--input", str(path), str(day_23), "--output",
+    criteo_preprocess.add_arguments(parser)
+    criteo_preprocess.run(parser.parse_args(["--input", str(path), str(day_23), "--output",
                                       str(tmp_path / "out"), "--workers", "2",
                                       "--frequency-threshold", "1"]))
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -256,7 +266,7 @@ def test_command_line_runs_and_rejects_bad_arguments(tmp_path, capsys):
                        (["--max-table-size", "0"], "--max-table-size"), ([], "--output")):
         args = parser.parse_args(["--input", str(path), "--output", str(tmp_path / "out"), *flags])
         with pytest.raises(ConfigError, match=f"^{key}"):
-            criteo_tsv.run(args)
+            criteo_preprocess.run(args)
 
 
 def write_npy_day(folder, day, n, rng, flat_labels):
@@ -308,7 +318,7 @@ def test_npy_days_command_writes_nonfinite_dense_as_zero(tmp_path, capsys):
     npy_days.run(parser.parse_args(["--input", str(tmp_path), "--output", str(tmp_path / "out")]))
     assert "warning: 1 dense values" in capsys.readouterr().out
     assert read_split(tmp_path / "out", "train")[1][3, 1] == 0
-    assert json.loads((tmp_path / "out" / criteo_tsv.REPORT).read_text())["nonfinite_dense"] == 1
+    assert json.loads((tmp_path / "out" / criteo_preprocess.REPORT).read_text())["nonfinite_dense"] == 1
 
 
 # ---- every split must get rows: training evaluates on validation, eval on test -------------
@@ -321,7 +331,7 @@ def test_day_files_without_day_23_are_refused_before_reading(tmp_path, monkeypat
     """They once gave empty validation and test splits, and training crashed at its first
     evaluation."""
     days = [write_day(tmp_path / "day_0.gz", range(40)), write_day(tmp_path / "day_1.gz", range(9))]
-    monkeypatch.setattr(criteo_tsv, "_count_pass", None)  # nothing may be read
+    monkeypatch.setattr(criteo_preprocess, "read_lines", None)  # nothing may be read
     with pytest.raises(ConfigError, match=r"^--input: no day_23 among days 0,1, .*add "
                                           r"day_23\.gz or use --split hash") as error:
         preprocess_criteo(days, tmp_path / "out", workers=1)
@@ -376,7 +386,7 @@ def test_npy_days_without_day_23_are_refused_and_hash_split_on_request(tmp_path)
     report = npy_days.convert_npy_days(tmp_path / "npy", tmp_path / "out", split="hash",
                                        split_seed=3)
     assert report["rows_written"]["total"] == 400 and min(report["rows_written"].values()) > 0
-    codes = criteo_tsv.split_codes(criteo_tsv.SplitRule("hash", 3), np.arange(400))
+    codes = splits.split_codes(splits.SplitRule("hash", 3), np.arange(400))
     assert [report["rows_written"][s] for s in ("train", "validation", "test")] == \
         np.bincount(codes, minlength=3).tolist()  # global row numbers across days
 
@@ -442,10 +452,13 @@ def test_a_killed_writers_partial_folder_is_removed_by_the_next_run(tmp_path):
                  f".other.partial-{host}-{child.pid}"]  # another output's
     for name in survivors:
         (tmp_path / name).mkdir()
-    inputs = [write_day(tmp_path / "day_0", range(20)), write_day_23(tmp_path)]
-    preprocess_criteo(inputs, tmp_path / "out", workers=1)
+    (tmp_path / "npy").mkdir()
+    rng = np.random.default_rng(0)
+    for day, n in ((0, 20), (23, 10)):
+        write_npy_day(tmp_path / "npy", day, n, rng, flat_labels=True)
+    npy_days.convert_npy_days(tmp_path / "npy", tmp_path / "out")
     assert not killed.exists() and (tmp_path / "out" / "feature_spec.yaml").exists()
-    assert only_inputs_left(tmp_path, ["day_0", "day_23", "out", *survivors])
+    assert only_inputs_left(tmp_path, ["npy", "out", *survivors])
 
 
 # ---- the commands as a user runs them, with their defaults -----------------------------------
@@ -464,7 +477,7 @@ def test_criteo_command_reports_rows_stripped_of_trailing_empty_fields_and_pads_
     lines[11] = "\t".join(rows[11][:20] + ["abc"]) + "\n"  # cut inside a field: not padded
     trimmed = [line.rstrip() + "\n" for line in lines]
     short = [len(line.split("\t")) for i, line in enumerate(trimmed) if i != 11 and
-             len(line.split("\t")) < criteo_tsv.NUM_FIELDS]
+             len(line.split("\t")) < NUM_FIELDS]
     assert 400 < len(short) < 600 and min(short) <= 37 and max(short) == 39
     for folder, text in (("untrimmed", lines), ("trimmed", trimmed)):
         (tmp_path / folder).mkdir()
@@ -479,7 +492,7 @@ def test_criteo_command_reports_rows_stripped_of_trailing_empty_fields_and_pads_
             f"tool strips trailing whitespace (the tabs of empty last fields); --pad-short-rows "
             f"reads the missing fields as empty and keeps these rows")
     assert note in result.stdout.splitlines()
-    report = json.loads((tmp_path / "default" / criteo_tsv.REPORT).read_text())
+    report = json.loads((tmp_path / "default" / criteo_preprocess.REPORT).read_text())
     assert report["short_rows"] == {"rows": len(short), "min_fields": min(short),
                                     "max_fields": 39, "padded": False, "note": note}
     assert report["rows_written"]["total"] == 1000 - 2 - len(short)

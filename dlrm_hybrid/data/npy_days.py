@@ -31,13 +31,15 @@ import numpy as np
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
-from dlrm_hybrid.data.criteo_tsv import (NUM_CATEGORICAL, NUM_NUMERICAL, REPORT, SPLIT_MODES,
-                                         Progress, SplitRule, add_split_arguments, check_days,
-                                         check_new_output, check_splits_filled, day_rule,
-                                         one_hot_columns, speed_report, split_codes, summary_line)
+from dlrm_hybrid.data.criteo.budget import own_peak_rss
+from dlrm_hybrid.data.criteo.parse import NUM_CATEGORICAL, NUM_NUMERICAL
+from dlrm_hybrid.data.criteo.preprocess import summary_line
+from dlrm_hybrid.data.criteo.progress import Progress
+from dlrm_hybrid.data.criteo.splits import (SPLIT_MODES, SplitRule, add_split_arguments,
+                                           check_days, check_splits_filled, day_rule, split_codes)
 from dlrm_hybrid.data.feature_spec import SPLITS
 from dlrm_hybrid.data.spec import DataSpec
-from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
+from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter, check_new_output
 from dlrm_hybrid.errors import DataError
 
 DAY_FILE = re.compile(r"day_(\d+)_(dense|sparse|labels)\.npy")
@@ -136,7 +138,7 @@ def _write_day(writer: SplitBinaryWriter, day: Day, rule: SplitRule, row0: int, 
         codes = split_codes(rule, np.arange(row0 + lo, row0 + hi))
         for code, split in enumerate(SPLITS):
             keep = codes == code
-            writer.write(split, labels[keep], dense[keep], one_hot_columns(sparse[keep]))
+            writer.write(split, labels[keep], dense[keep], [sparse[keep][:, i:i + 1] for i in range(sparse.shape[1])])
         progress.add(hi - lo)
     return nonfinite
 
@@ -192,3 +194,10 @@ def run(args) -> None:
               f"were written as 0 (raw counts need --dense-transform log)")
     print(f"wrote {args.output} (report: {REPORT})")
     print(summary_line(report))
+
+
+def speed_report(start: float, counts: dict) -> dict:
+    """Rows written (total and per split), seconds since `start`, rows/s and peak memory."""
+    seconds, total = time.perf_counter() - start, sum(counts.values())
+    return {"rows_written": {"total": total, **counts}, "seconds": round(seconds, 3),
+            "rows_per_s": round(total / max(seconds, 1e-9), 1), "peak_rss_bytes": own_peak_rss()}
