@@ -13,7 +13,8 @@ from typing import List, Optional
 
 from dlrm_hybrid import curves, rank_failure
 from dlrm_hybrid.config import load_config, world_size_from_env
-from dlrm_hybrid.data import criteo_tsv, day23, multi_hot, npy_days
+from dlrm_hybrid.data import day23, multi_hot, npy_days
+from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
@@ -93,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
         "plot", help="draw runs' loss and AUC against steps and time (from metrics.jsonl)"))
     formats = commands.add_parser("preprocess", help="raw click logs -> split-binary dataset"
                                   ).add_subparsers(dest="format", required=True)
-    criteo_tsv.add_arguments(formats.add_parser("criteo", help="Criteo TSV (Kaggle or 1TB, .gz ok)"))
+    criteo_preprocess.add_arguments(formats.add_parser(
+        "criteo", help="Criteo TSV (Kaggle or 1TB, .gz ok)"))
     npy_days.add_arguments(formats.add_parser("npy", help="torchrec/MLPerf day_N_*.npy files"))
     multi_hot.add_arguments(formats.add_parser(
         "multihot", help="MLPerf DLRM-DCNv2's multi-hot variant of a one-hot split-binary dataset"))
@@ -186,7 +188,7 @@ def run_preprocess(args) -> None:
         inputs = args.input if isinstance(args.input, list) else [args.input]
         refuse_overwriting_inputs([("--output", args.output)], [("--input", p) for p in inputs],
                                   f"preprocess {args.format}")
-    {"criteo": criteo_tsv, "npy": npy_days, "multihot": multi_hot,
+    {"criteo": criteo_preprocess, "npy": npy_days, "multihot": multi_hot,
      "day23": day23}[args.format].run(args)
 
 
