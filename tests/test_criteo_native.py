@@ -59,7 +59,7 @@ def assert_same_chunk(data: bytes, pad_short: bool) -> None:
 
 
 @needs_library
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(0, 30), st.booleans())
 def test_parse_lines_equals_numpy_on_malformed_text(seed, lines, pad_short):
     data = criteo_text(seed, lines)

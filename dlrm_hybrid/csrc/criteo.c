@@ -183,7 +183,8 @@ enum { MAP_BLOCK = 16 }; /* rows whose slots are prefetched before any is read *
 
 /* out[r, f] = the id of cats[r, f] in feature f's table (slots + offset[f], 2^bits[f] slots), 0
  * for -1 and values not there. The home slots of MAP_BLOCK rows are prefetched first: most
- * lookups in the large tables miss the cache, and waiting on each in turn took 2x longer. */
+ * lookups in the large tables miss the cache (tables of Criteo 1TB's size, 607 MiB: 396 ns a
+ * row, 464 without the prefetch, on a loaded AMD EPYC core). */
 void id_map(const uint64_t *slots, const int64_t *offset, const int32_t *bits,
             const int64_t *cats, int64_t n, uint32_t *out) {
   uint64_t at[MAP_BLOCK * NUM_CATEGORICAL];
@@ -252,8 +253,9 @@ int64_t count_keys(uint64_t *slots, int64_t n_slots, int64_t size, int64_t capac
 enum { RADIX_BITS = 11, RADIX = 1 << RADIX_BITS };
 
 /* Move the table's keys and counts out (in key order) and empty it. LSD radix sort of the
- * (key, count) pairs, 11 bits a pass, passes only over the bits some key has: measured in
- * benchmarks/preprocess_stages.py against numpy's argsort + take. */
+ * (key, count) pairs, 11 bits a pass, passes only over the bits some key has: 2.1M keys in
+ * 0.12 s where numpy's argsort + take of the pairs took 0.40 s (benchmarks/preprocess_stages.py;
+ * np.sort of the keys alone cannot carry the counts). */
 void drain_keys(uint64_t *slots, int64_t n_slots, uint64_t *keys, uint64_t *counts,
                 uint64_t *spare_keys, uint64_t *spare_counts) {
   int64_t n = 0;
