@@ -120,6 +120,8 @@ def _parse_hex(buf: np.ndarray, s: np.ndarray, e: np.ndarray) -> Tuple[np.ndarra
     digits. Each field's 8 bytes are read as one uint64 and decoded with bit arithmetic (SWAR):
     several times faster than a numpy pass per digit."""
     length = e - s
+    if len(buf) < HEX_DIGITS:  # a text shorter than one value: room for the 8-byte reads
+        buf = np.r_[buf, np.zeros(HEX_DIGITS, np.uint8)]
     every_byte = np.ndarray((max(len(buf) - 7, 0),), "<u8", buf, strides=(1,))
     words = every_byte[np.minimum(s, len(buf) - 8)]  # first character in the lowest byte
     chars = words.view(np.uint8)
