@@ -181,6 +181,17 @@ def test_a_dataset_without_a_matching_vocabulary_is_refused_in_one_line(criteo_m
         assert not (tmp_path / "p.txt").exists()
 
 
+def test_rows_are_located_by_their_line_across_blank_lines_and_chunks(criteo_model, tmp_path):
+    rows = [line.split("\t", 1)[1] for line in criteo_model["rows"].splitlines()]  # no label
+    data = tmp_path / "rows.tsv"
+    data.write_text("\n\n" + "\n".join(rows[:3]) + "\n\n" + "\n".join(rows[3:9]))  # no final \n
+    features = [{"name": f"cat_{i}", "cardinality": c}
+                for i, c in enumerate(Vocabulary.load(str(criteo_model["dataset"])).cardinalities)]
+    chunks = list(raw_criteo_chunks(data, str(criteo_model["dataset"]), 13, features, 4))
+    assert [[chunk.locate(i) for i in range(len(chunk.dense))] for chunk in chunks] == [
+        [f"{data}:{line}" for line in lines] for lines in ([3, 4], [5, 7, 8], [9, 10, 11, 12])]
+
+
 def test_raw_rows_need_a_criteo_shaped_model():
     features = [{"name": f"cat_{i}", "cardinality": 10} for i in range(8)]
     with pytest.raises(DataError, match=r"^--raw-criteo: the model takes 13 dense values and 8 "
