@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT, failure, run_cli
 from dlrm_hybrid.config import load_config
-from dlrm_hybrid.data.criteo.vocabulary import KEY, Vocabulary, add_vocabulary
+from dlrm_hybrid.data.criteo.vocabulary import DTYPE, FOLDER, KEY, Vocabulary
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
@@ -76,8 +76,6 @@ def criteo_model(tmp_path_factory, process_group):
                       "--workers", "1"])
     assert result.returncode == 0, failure(result)
     expected = criteo_vocabulary([root / "day_0", root / "day_23"], THRESHOLD)
-    if KEY not in load_feature_spec(str(dataset)).notes:  # a pipeline that drops its dictionaries
-        add_vocabulary(str(dataset), expected)
     assert [v.tolist() for v in Vocabulary.load(str(dataset)).values] == \
         [v.tolist() for v in expected]
     cfg = load_config(str(ROOT / "configs/demo.yaml"), [
@@ -203,6 +201,17 @@ def spoil(row: str, field: int, value: str) -> str:
     fields = row.split("\t")
     fields[field] = value
     return "\t".join(fields)
+
+
+def add_vocabulary(dataset: str, values: Sequence[np.ndarray]) -> Vocabulary:
+    """Give an existing dataset the vocabulary `values` (per feature, kept values in id order)
+    and name it in its feature_spec.yaml."""
+    vocabulary = Vocabulary([np.asarray(v).astype(DTYPE) for v in values])
+    vocabulary.save(dataset)
+    fspec = load_feature_spec(dataset)
+    fspec.notes[KEY] = FOLDER
+    fspec.save()
+    return vocabulary
 
 
 def write_dataset(path: Path, cardinalities: Sequence[int],

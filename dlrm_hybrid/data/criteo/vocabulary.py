@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -104,14 +104,3 @@ def _read_values(path: Path, cardinality: int) -> np.ndarray:
                         f"no value); the vocabulary does not belong to this dataset: preprocess "
                         f"the raw Criteo files again")
     return np.fromfile(path, DTYPE)
-
-
-def add_vocabulary(dataset: str, values: Sequence[np.ndarray]) -> Vocabulary:
-    """Give an existing dataset the vocabulary `values` (per feature, kept values in id order)
-    and name it in its feature_spec.yaml: for tests, and datasets whose ids are known."""
-    vocabulary = Vocabulary([np.asarray(v).astype(DTYPE) for v in values])
-    vocabulary.save(dataset)
-    fspec = load_feature_spec(dataset)
-    fspec.notes[KEY] = FOLDER
-    fspec.save()
-    return vocabulary
