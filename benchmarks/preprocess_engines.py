@@ -20,7 +20,8 @@ Each engine runs in a fresh subprocess (its own threads and peak RSS); the paren
 RSS of the child's process tree every 20 ms (and the size of its spill folder; ours: the spill its
 report gives) beside the child's own getrusage figure. Per column the number of distinct values
 and the total of the counts must equal ours exactly (and the integer sums the peers'); a mismatch
-is printed loudly and makes the script exit 1.
+is printed loudly and makes the script exit 1. Every engine reads the input from the page cache
+(preprocess_scale.py drops it before each run).
 
 pyarrow, polars and duckdb are not requirements of the project: install them into the venv for
 this benchmark only (the first line above); the script names a missing one and exits.
@@ -158,7 +159,9 @@ COUNTERS = {"pyarrow": count_pyarrow, "polars": count_polars, "duckdb": count_du
 
 
 def child_main(engine: str, paths: List[str], threads: int, tmpdir: str, memory_limit: str) -> None:
-    """In the subprocess: count, then print one JSON line (result, seconds, getrusage peak)."""
+    """In the subprocess: count, then print one JSON line (result, seconds, getrusage peak).
+    The engine's module is imported before the clock starts."""
+    importlib.import_module(engine if engine in PEERS else "dlrm_hybrid.data.criteo.preprocess")
     start = time.perf_counter()
     if engine == "ours":
         result = count_ours(paths, threads)

@@ -27,7 +27,8 @@ workers: its one-line error printed). The process tree's RSS is sampled from /pr
 the tool reports. The two datasets (`--workers` each) are compared file by file, byte for byte,
 except preprocess_report.json (timings); the 1-worker dataset too. Also: the disk's sequential
 read speed of the inputs (16 MiB reads after fsync + POSIX_FADV_DONTNEED) and the peer engines'
-counting pass on the same files (preprocess_engines.py). Then an extrapolation to Criteo 1TB,
+counting pass on the same files (preprocess_engines.py; DuckDB's memory_limit doubled from 256MB
+while it runs out of memory). Then an extrapolation to Criteo 1TB,
 the arithmetic printed, and last:
 `preprocess_scale: rows=N distinct=N limit_mib=N peak_rss_mib=N spill_mib=N identical=yes|no rows_per_s=N inmemory_rows_per_s=N`
 (peak_rss_mib: the limited run's, the larger of the tool's figure and the sampled one).
@@ -65,6 +66,7 @@ TAIL_DRAWS = 1.5  # expected draws per tail value: 78% of them are seen, none ne
 TAIL_KEY = 1 << 31  # tail keys: TAIL_KEY + day << 26 + index; head keys: rank
 BLOCK_ROWS = 200_000
 READ_BYTES = 16 << 20
+DUCKDB_LIMITS = ("256MB", "512MB", "1GB", "2GB", "4GB")
 REPORT = "preprocess_report.json"
 
 
@@ -295,11 +297,14 @@ def main() -> None:
         ours = run_engine("ours", paths, args.workers, tmp_name)
         results = [ours]
         for engine in [] if args.no_peers else PEERS:
-            drop_cache(paths)
-            try:
-                results.append(run_engine(engine, paths, args.workers, tmp_name))
-            except RuntimeError as e:  # DuckDB may run out of its memory limit
-                print(e)
+            for duckdb_limit in DUCKDB_LIMITS:  # doubled while DuckDB runs out of memory
+                drop_cache(paths)
+                try:
+                    results.append(run_engine(engine, paths, args.workers, tmp_name,
+                                              duckdb_limit))
+                    break
+                except RuntimeError as e:
+                    print(f"{e} (DuckDB memory_limit {duckdb_limit})", flush=True)
     compare(results)
     print(f"\ncounting pass only, the same {len(paths)} files, {args.workers} threads each:")
     print_table(results)
