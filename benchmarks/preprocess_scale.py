@@ -23,8 +23,8 @@ page cache with fsync + POSIX_FADV_DONTNEED before each, so reads come from the 
 (the tool's default limit, half the memory available, far above this data's needs) with
 `--workers` and with 1 worker, then with `--memory-limit` = the in-memory run's peak RSS /
 `--limit-fraction` (divided by 1.25 while the tool refuses the limit as too small for its
-workers: its one-line error printed). The process tree's RSS is sampled from /proc every 20 ms beside the peak
-the tool reports. The two datasets (`--workers` each) are compared file by file, byte for byte,
+workers: its one-line error printed). The process tree's RSS is sampled from /proc every 20 ms
+beside the peak the tool reports. The two datasets (`--workers` each) are compared file by file, byte for byte,
 except preprocess_report.json (timings); the 1-worker dataset too. Also: the disk's sequential
 read speed of the inputs (16 MiB reads after fsync + POSIX_FADV_DONTNEED) and the peer engines'
 counting pass on the same files (preprocess_engines.py; DuckDB's memory_limit doubled from 256MB
@@ -212,15 +212,22 @@ def pass_rates(report: dict) -> dict:
     return passes or {"both passes": rows / report["seconds"]}
 
 
-def extrapolate(one: dict, many: dict, workers: int, disk: float) -> None:
+def extrapolate(one: dict, many: dict, workers: int, disk: float, distinct: int) -> None:
     """Criteo 1TB's time on this host and on a 16-core one, from the rows/s per worker per pass
-    (the 1- and `workers`-worker runs) and the disk (each pass reads the whole input)."""
+    (the 1- and `workers`-worker runs) and the disk (each pass reads the whole input), plus the
+    rest of the run (numbering, start) grown with the distinct pairs, on no more cores."""
     print(f"\nCriteo 1TB ({ROWS_1TB:.3g} rows, {BYTES_1TB / 1e12:.1f} TB), each pass bounded "
           f"by its CPU rate and by reading {BYTES_1TB / 1e12:.1f} TB at {disk / 1e6:,.0f} MB/s "
           f"= {BYTES_1TB / disk:,.0f} s:")
     rates_one, rates_many = pass_rates(one), pass_rates(many)
+    passes = sum(p["seconds"] for p in many.get("passes", {}).values() if isinstance(p, dict))
+    rest = max(0.0, many["seconds"] - passes) * RAW.sum() / distinct if passes else 0.0
+    if passes:
+        print(f"  the rest (numbering, start; an upper bound, start-up does not grow): "
+              f"({many['seconds']:.1f} - {passes:.1f}) s x {RAW.sum():,} / {distinct:,} pairs "
+              f"= {rest:,.0f} s")
     for cores in sorted({workers, 16}):
-        total = 0.0
+        total = rest
         for name, r1 in rates_one.items():
             rn = rates_many.get(name, r1 * workers)
             efficiency = min(1.0, rn / (workers * r1))  # kept where the 1-worker run was slower
@@ -321,7 +328,7 @@ def main() -> None:
           f"{per_pair * RAW.sum() / 2**30:,.0f} GiB if the in-memory path grew linearly; the "
           f"limited run's spill / scale = {limited.get('spill_bytes', 0) / args.scale / 1e9:,.0f}"
           f" GB of disk at full size")
-    extrapolate(one, memory, args.workers, disk)
+    extrapolate(one, memory, args.workers, disk, distinct)
     print(f"preprocess_scale: rows={limited['rows_written']['total']} distinct={distinct} "
           f"limit_mib={limit_mib} peak_rss_mib={rss / 2**20:.0f} "
           f"spill_mib={limited.get('spill_bytes', 0) / 2**20:.0f} "
