@@ -25,9 +25,9 @@ page cache with fsync + POSIX_FADV_DONTNEED before each, so reads come from the 
 `--limit-fraction` (divided by 1.25 while the tool refuses the limit as too small for its
 workers: its one-line error printed). The process tree's RSS is sampled from /proc every 20 ms
 beside the peak the tool reports. The two datasets (`--workers` each) are compared file by file,
-byte for byte, except preprocess_report.json (timings); the 1-worker dataset too. Also: the disk's sequential
-read speed of the inputs (16 MiB reads after fsync + POSIX_FADV_DONTNEED) and the peer engines'
-counting pass on the same files (preprocess_engines.py; DuckDB's memory_limit doubled from 256MB
+byte for byte, except preprocess_report.json (timings); the 1-worker dataset too. Also: the
+disk's sequential read speed of the inputs (16 MiB reads after fsync + POSIX_FADV_DONTNEED) and
+the peer engines' counting pass on the same files (preprocess_engines.py; DuckDB's memory_limit doubled from 256MB
 while it runs out of memory). Then an extrapolation to Criteo 1TB,
 the arithmetic printed, and last:
 `preprocess_scale: rows=N distinct=N limit_mib=N peak_rss_mib=N spill_mib=N identical=yes|no rows_per_s=N inmemory_rows_per_s=N`
