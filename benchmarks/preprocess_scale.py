@@ -27,9 +27,9 @@ workers: its one-line error printed). The process tree's RSS is sampled from /pr
 beside the peak the tool reports. The two datasets (`--workers` each) are compared file by file,
 byte for byte, except preprocess_report.json (timings); the 1-worker dataset too. Also: the
 disk's sequential read speed of the inputs (16 MiB reads after fsync + POSIX_FADV_DONTNEED) and
-the peer engines' counting pass on the same files (preprocess_engines.py; DuckDB's memory_limit doubled from 256MB
-while it runs out of memory). Then an extrapolation to Criteo 1TB,
-the arithmetic printed, and last:
+the peer engines' counting pass on the same files (preprocess_engines.py; DuckDB's memory_limit
+doubled from 256MB while it runs out of memory). Then an extrapolation to Criteo 1TB, the
+arithmetic printed, and last:
 `preprocess_scale: rows=N distinct=N limit_mib=N peak_rss_mib=N spill_mib=N identical=yes|no rows_per_s=N inmemory_rows_per_s=N`
 (peak_rss_mib: the limited run's, the larger of the tool's figure and the sampled one).
 """
