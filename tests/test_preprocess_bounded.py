@@ -19,6 +19,7 @@ from dlrm_hybrid.data.criteo.preprocess import preprocess_criteo
 from dlrm_hybrid.data.criteo.splits import SplitRule, split_codes
 from dlrm_hybrid.data.criteo.vocabulary import Vocabulary
 from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,3 +210,16 @@ def test_vocabulary_maps_new_files_with_the_datasets_ids(logs, in_memory, tmp_pa
             got = np.fromfile(fspec.splits[split].categorical[f], fspec.categorical_dtypes[f])
             np.testing.assert_array_equal(got, expected[codes == s, f])
     assert (expected == 0).any() and (expected > 0).any()
+
+
+def test_memory_limits_are_read_as_sizes_and_one_too_small_is_a_one_line_error(logs, tmp_path):
+    assert [budget.parse_size(t) for t in ("512M", "1.5GiB", "8 GB", "4096")] == \
+        [512 * 2**20, 3 * 2**29, 8 * 2**30, 4096]
+    with pytest.raises(ConfigError, match=r"^--memory-limit: 'lots' is not a size; write e\.g\."):
+        budget.parse_size("lots")
+    with pytest.raises(ConfigError, match=r"^--memory-limit: 20 MiB is below the [\d,]+ MiB that "
+                                          r"2 workers need at least .*; raise it or use fewer "
+                                          r"--workers$"):
+        preprocess_criteo([logs / "day_23"], tmp_path / "out", workers=2, split="hash",
+                          memory_limit=20 * 2**20)
+    assert not list(tmp_path.iterdir())

@@ -43,7 +43,7 @@ def parse_size(text: str) -> int:
 
 def available_memory() -> int:
     """Memory this process may still use: MemAvailable, or less under a cgroup (container) limit."""
-    available = _meminfo("MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = _kib_field("/proc/meminfo", "MemAvailable") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
@@ -57,16 +57,6 @@ def available_memory() -> int:
     return available
 
 
-def _meminfo(key: str) -> Optional[int]:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def own_peak_rss() -> int:
     """This process's peak RSS in bytes: VmHWM, the high-water mark of this program's own memory
     (ru_maxrss would start at the RSS of the parent that forked it, e.g. a large Python)."""
@@ -78,8 +68,13 @@ def own_rss() -> int:
 
 
 def _status(key: str) -> Optional[int]:
+    return _kib_field("/proc/self/status", key)
+
+
+def _kib_field(path: str, key: str) -> Optional[int]:
+    """`key:  N kB` of a /proc file, in bytes; None where there is no such file or line."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
