@@ -28,6 +28,7 @@ KEY_SPACE = 1 << (32 + FEATURE_BITS)
 FEATURE_MASK = (1 << FEATURE_BITS) - 1
 GRID_CELLS = 1 << 12  # key ranges measured at once when planning the aggregation's ranges
 MAX_RUN_COUNT = np.iinfo(np.uint32).max  # counts are stored as uint32: drain before more rows
+RUN_ENTRY_BYTES = 12  # a uint64 key and a uint32 count
 
 
 def keys_of(cats: np.ndarray) -> np.ndarray:
@@ -101,10 +102,6 @@ class Run:
     """A sorted run of (key, count) on disk."""
     stem: str  # path without the .keys/.counts suffix
     entries: int
-
-    @property
-    def bytes(self) -> int:
-        return 12 * self.entries
 
 
 def write_run(stem: Path, keys: np.ndarray, counts: np.ndarray) -> Run:

@@ -16,6 +16,7 @@ stopped. Splits: splits.py.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import multiprocessing
@@ -35,12 +36,11 @@ from dlrm_hybrid.data.criteo import budget, counts, numbering, tasks as task_pla
 from dlrm_hybrid.data.criteo.parse import (KINDS, NUM_CATEGORICAL, NUM_FIELDS, NUM_NUMERICAL,
                                           REASONS, WRONG_FIELD_COUNT, parse_fast)
 from dlrm_hybrid.data.criteo.progress import JobProgress
-from dlrm_hybrid.data.criteo.splits import (SPLIT_MODES, add_split_arguments, check_days,
-                                           check_splits_filled, day_number, resolve_split,
-                                           split_counts, split_jobs)
+from dlrm_hybrid.data.criteo.splits import (add_split_arguments, check_days, check_splits_filled,
+                                           day_number, resolve_split, split_counts, split_jobs)
 from dlrm_hybrid.data.criteo.tasks import Task, read_lines
 from dlrm_hybrid.data.criteo.vocabulary import FOLDER, KEY, Vocabulary, file_name
-from dlrm_hybrid.data.criteo.work import WorkFolder, identity, work_folder_of, write_json
+from dlrm_hybrid.data.criteo.work import WorkFolder, identity, write_json
 from dlrm_hybrid.data.criteo.write import WriteJob, size_files, split_files, write_task
 from dlrm_hybrid.data.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
 from dlrm_hybrid.data.feature_spec import SPLITS, FeatureSpec
@@ -108,16 +108,14 @@ def count_task(job: CountJob) -> dict:
 
 
 def number_all(runs: List[counts.Run], threshold: int, max_rows: Optional[int],
-               vocabulary: str) -> dict:
+               dataset: str) -> dict:
     """Every count in one range, in memory: sum the runs, number each feature, write the
-    vocabulary."""
+    vocabulary into the dataset."""
     keys, total = counts.read_range(runs, 0, counts.KEY_SPACE)
-    ordered = numbering.number_in_memory(keys, total, threshold, max_rows)
-    for f, values in enumerate(ordered):
-        values.astype("<u4").tofile(Path(vocabulary) / file_name(f))
-    kept = [int(((counts.feature_of(keys) == f) & (total >= max(threshold, 1))).sum())
-            for f in range(NUM_CATEGORICAL)]
-    return {"distinct": len(keys), "kept": kept, **_worker_memory()}
+    vocabulary = Vocabulary(numbering.number_in_memory(keys, total, threshold, max_rows))
+    vocabulary.save(dataset)
+    return {"distinct": len(keys), "cardinalities": vocabulary.cardinalities,
+            **_worker_memory()}
 
 
 def aggregate_range(runs: List[counts.Run], lo: int, hi: int, threshold: int, out: str) -> dict:
@@ -204,8 +202,9 @@ class Job:
         each as it ends (after `done(index, record, fresh)`, which may add to the record)."""
         todo = []
         for i, (name, fn, args) in enumerate(steps):
-            if self._recorded(name):
-                done(i, self.work.record(name), False)
+            record = self._valid_record(name)
+            if record is not None:
+                done(i, record, False)
                 self.reused += 1
             else:
                 todo.append((i, (name, fn, args)))
@@ -226,15 +225,19 @@ class Job:
                     done(i, record, True)
                     self.work.commit(name, record)
 
-    def _recorded(self, name: str) -> bool:
+    def _valid_record(self, name: str) -> Optional[dict]:
+        """An earlier run's record of step `name`, if it still holds: a task counted from its
+        file as it is now, with its runs complete; a later step made from these very counts."""
         record = self.work.record(name)
         if record is None:
-            return False
+            return None
         if name.startswith("count."):
             i = int(name.split(".")[1])
-            return record.get("file") == self.file_state(self.tasks[i].path) and all(
+            valid = record.get("file") == self.file_state(self.tasks[i].path) and all(
                 counts.run_complete(counts.Run(stem, n)) for stem, n in record["runs"])
-        return record.get("counted") == self.counted_digest
+        else:
+            valid = record.get("counted") == self.counted_digest
+        return record if valid else None
 
     def peak_rss(self) -> int:
         """Upper bound of the tree's peak: the parent's, and the phase whose workers' peaks sum
@@ -284,10 +287,10 @@ class Job:
         if entries <= self.plan.range_entries:
             result = {}
             self.run_steps("number", 1, [("number.all", number_all,
-                                          (runs, threshold, max_rows, str(vocabulary)))],
+                                          (runs, threshold, max_rows, str(self.work.dataset)))],
                            lambda i, r, fresh: result.update(r))
-            kept, figures = result["kept"], {"partitions": 1, "distinct_values": result["distinct"]}
-            return numbering.cardinalities(kept, max_rows), figures
+            return result["cardinalities"], {"partitions": 1,
+                                             "distinct_values": result["distinct"]}
         ranges = self._ranges(runs)
         stems = [str(self.work.path("ranges", f"r{k}")) for k in range(len(ranges))]
         results: list = [None] * len(ranges)
@@ -316,7 +319,7 @@ class Job:
         if record and record.get("counted") == self.counted_digest and \
                 record["range_entries"] <= self.plan.range_entries:
             return [tuple(r) for r in record["ranges"]]
-        for prefix in ("aggregate.", "number.", "write."):
+        for prefix in ("aggregate.", "number."):  # written rows stand: the ids do not change
             self.work.forget(prefix)
         ranges = counts.plan_ranges(runs, self.plan.range_entries)
         self.work.commit("ranges", {"counted": self.counted_digest, "ranges": ranges,
@@ -407,7 +410,7 @@ def _run(job: Job, split: str, start: float) -> dict:
         print(f"continuing the partial work in {job.work.root}", flush=True)
     sample = sample_input(job.tasks[0])
     _check_disk(job, sample)
-    progress = JobProgress(["count", "write"], job.input_bytes, [0, 0])
+    progress = JobProgress(["count", "write"], job.input_bytes)
     records = job.count(progress, sample)
     job.passes["count"] = progress.end()
     survey = _survey(job, records)
@@ -481,14 +484,12 @@ def _check_disk(job: Job, sample: Sample) -> None:
     from the sample (less what the work folder already holds)."""
     text_bytes = job.input_bytes * sample.expansion
     keys = 0 if job.options.vocabulary else sample.keys_per_byte * text_bytes
-    need = 2 * counts.Run(".", int(keys)).bytes \
-        + text_bytes * sample.rows_per_byte * MAX_OUTPUT_ROW_BYTES
+    need = 2 * counts.RUN_ENTRY_BYTES * keys + text_bytes * sample.rows_per_byte * MAX_OUTPUT_ROW_BYTES
     held = sum(job.work.bytes_on_disk(f) for f in ("runs", "ranges", "dataset"))
     budget.check_free_disk(job.work.root, int(need) - held, "the spilled counts and the dataset")
 
 
 def _compressed_bytes_read(path: str, text_bytes: int) -> int:
-    import gzip
     with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw) as f:
         f.read(text_bytes)
         return raw.tell()

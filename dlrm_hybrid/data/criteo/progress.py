@@ -32,9 +32,9 @@ class JobProgress:
     rows/s and MB/s of the current pass, and an ETA for the job from the bytes left in all
     passes. On a terminal one line is rewritten; in a log a line every PROGRESS_SECONDS."""
 
-    def __init__(self, passes: Sequence[str], total_bytes: int, done_bytes: Sequence[int]) -> None:
+    def __init__(self, passes: Sequence[str], total_bytes: int) -> None:
         self.passes, self.total = list(passes), max(total_bytes, 1)
-        self.done_bytes = list(done_bytes)  # per pass, including work a resumed run found done
+        self.done_bytes = [0] * len(self.passes)  # per pass, with work earlier runs did
         self.tty = sys.stdout.isatty()
         self.start = self.last = time.perf_counter()
         self.pass_index, self.rows, self.bytes = 0, 0, 0

@@ -25,10 +25,6 @@ from dlrm_hybrid.errors import DataError
 FOLDERS = ("done", "runs", "ranges", "dataset")
 
 
-def work_folder_of(output: Path) -> Path:
-    return output.parent / f".{output.name}.preprocess"
-
-
 def identity(inputs, options: dict) -> dict:
     """What a run's output depends on: the inputs as they are now, and the options."""
     files = []
@@ -44,7 +40,7 @@ def identity(inputs, options: dict) -> dict:
 
 class WorkFolder:
     def __init__(self, output: Path, job: dict, restart: bool) -> None:
-        self.root = work_folder_of(output)
+        self.root = output.parent / f".{output.name}.preprocess"
         self.output = output
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = open(self.root / "lock", "a")

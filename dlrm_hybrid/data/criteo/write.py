@@ -101,8 +101,9 @@ def write_task(job: WriteJob) -> List[int]:
                 if not n or at[s] + n > job.first_rows[s] + job.rows[s]:
                     at[s] += n
                     continue
+                kept_ids = ids[keep]  # one selection, then a column per feature
                 columns = [chunk.labels[keep], chunk.dense[keep],
-                           *(ids[keep, f] for f in range(NUM_CATEGORICAL))]
+                           *(kept_ids[:, f] for f in range(NUM_CATEGORICAL))]
                 for fd, column, dtype, row_bytes in zip(fds[s], columns, split.dtypes,
                                                         split.row_bytes):
                     data_bytes = np.ascontiguousarray(column.astype(dtype)).tobytes()
