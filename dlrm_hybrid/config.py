@@ -37,15 +37,41 @@ class CompositionalRule:
 
 
 @dataclass
+class DcnConfig:
+    """`dcn` (model/interactions.py): DCN-v2's cross layers x_{l+1} = x_0 * (W_l x_l + b_l) + x_l
+    over x_0 = [dense, sparse_1..F] flattened, W_l of rank `rank`."""
+
+    layers: int = 3
+    rank: int = 512
+    # stacked: the cross network, then the top MLP on its output | parallel: the cross network
+    # and the top MLP's hidden layers both on x_0, concatenated into its last layer
+    structure: str = "stacked"
+    experts: int = 1  # > 1: a gated mixture of this many low-rank experts per layer
+
+
+@dataclass
+class DhenConfig:
+    """`dhen` (model/dhen.py): layers of several interaction modules over the list [B, l, d] of
+    the bottom-MLP output and the F pooled embeddings, ensembled, with a skip and a norm."""
+
+    layers: int = 2
+    modules: List[str] = field(default_factory=lambda: ["dot", "self_attention"])
+    ensemble: str = "concat"  # concat (then a projection along the list) | sum
+    width: int = 0  # l': the list length each layer returns; 0: its input's, F + 1
+    heads: int = 2  # self_attention's heads; model.embedding_dim must be divisible by it
+    activation_checkpointing: bool = False  # recompute each layer in the backward: less memory
+
+
+@dataclass
 class ModelConfig:
     embedding_dim: int = 16
     embedding_precision: str = "fp32"  # fp32 | fp16
     bottom_mlp: List[int] = field(default_factory=lambda: [64, 16])
     top_mlp: List[int] = field(default_factory=lambda: [64, 32, 1])
-    interaction: str = "dot"  # dot | cat | dcn | fm (factorization machine, docs/des.md)
+    interaction: str = "dot"  # dot | cat | dcn | fm (factorization machine, docs/des.md) | dhen
     self_interaction: bool = False  # dot: also include each vector's dot with itself
-    dcn_layers: int = 3
-    dcn_low_rank: int = 512
+    dcn: DcnConfig = field(default_factory=DcnConfig)
+    dhen: DhenConfig = field(default_factory=DhenConfig)
     compositional: List[CompositionalRule] = field(default_factory=list)  # hashing trick, QR
 
 
@@ -90,6 +116,11 @@ class ParallelConfig:
     split_rowwise: bool = False
     # false: shard every table (the greedy placer replicates small ones where that is faster)
     replicate: bool = True
+    # The dense modules (bottom MLP, interaction, top MLP): ddp (replicated, gradients
+    # all-reduced) | fsdp (parameters, gradients and optimizer state sharded over all ranks) |
+    # hsdp (sharded within groups of hsdp_shard_size ranks, replicated across them)
+    dense: str = "ddp"
+    hsdp_shard_size: int = 0  # 0: the ranks of one host
 
 
 @dataclass
@@ -166,7 +197,10 @@ class Config:
 
 CHOICES = {
     "model.embedding_precision": ("fp32", "fp16"),
-    "model.interaction": ("dot", "cat", "dcn", "fm"),
+    "model.interaction": ("dot", "cat", "dcn", "fm", "dhen"),
+    "model.dcn.structure": ("stacked", "parallel"),
+    "model.dhen.ensemble": ("concat", "sum"),
+    "parallel.dense": ("ddp", "fsdp", "hsdp"),
     "data.loader": ("torch", "dali"),
     "data.hotness_distribution": ("fixed", "uniform"),
     "data.id_order": ("frequency", "scattered"),
@@ -184,7 +218,10 @@ CHOICES = {
 TECHNIQUES = ("full", "hash", "qr")
 QR_OPERATIONS = ("mult", "add", "concat")
 POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.num_dense", "data.train_samples", "data.val_samples",
-            "model.embedding_dim", "data.teacher_dim", "train.log_every", "train.stop_grace_s")
+            "model.embedding_dim", "data.teacher_dim", "train.log_every", "train.stop_grace_s",
+            "model.dcn.layers", "model.dcn.rank", "model.dcn.experts", "model.dhen.layers",
+            "model.dhen.heads")
+LEGACY_KEYS = {"dcn_layers": "layers", "dcn_low_rank": "rank"}  # model.<old> -> model.dcn.<new>
 
 
 def world_size_from_env() -> int:
@@ -215,6 +252,7 @@ def load_config(path: Optional[str], overrides: List[str] = (), world_size: int 
             raise ConfigError(f"--set {key}: {text!r} is not a valid YAML value "
                               f"({str(e).splitlines()[0]}); quote it or fix its brackets")
         _assign(raw, key.strip(), value)
+    _move_legacy_keys(raw)
     cfg = _build(Config, raw, "")
     validate(cfg, world_size)
     return cfg
@@ -228,6 +266,23 @@ def _assign(tree: dict, dotted: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: '{name}' is not a section")
     node[leaf] = value
+
+
+def _move_legacy_keys(raw: dict) -> None:
+    """Configs (and checkpoints) written before `model.dcn` existed name its keys
+    model.dcn_layers and model.dcn_low_rank: read them as model.dcn.layers and .rank."""
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return
+    for old, new in LEGACY_KEYS.items():
+        if old in model:
+            dcn = model.setdefault("dcn", {})
+            if not isinstance(dcn, dict):
+                return  # _build names the bad section
+            if new in dcn and dcn[new] != model[old]:
+                raise ConfigError(f"model.{old}: {model[old]!r} contradicts model.dcn.{new} "
+                                  f"({dcn[new]!r}); give only model.dcn.{new}")
+            dcn[new] = model.pop(old)
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -301,7 +356,7 @@ def validate(cfg: Config, world_size: int) -> None:
         near = " or ".join(str(d) for d in (down, down + 4) if d)
         raise ConfigError(f"model.embedding_dim: {m.embedding_dim} is not a multiple of 4, which "
                           f"fbgemm's embedding tables need (CPU and GPU); use {near}")
-    if m.interaction in ("dot", "dcn") and m.bottom_mlp[-1] != m.embedding_dim:
+    if m.interaction in ("dot", "dcn", "dhen") and m.bottom_mlp[-1] != m.embedding_dim:
         raise ConfigError(
             f"model.embedding_dim: {m.embedding_dim} must equal the bottom MLP output "
             f"(model.bottom_mlp[-1] = {m.bottom_mlp[-1]}) for interaction '{m.interaction}'")
@@ -399,8 +454,10 @@ def _validate_rule(rule: CompositionalRule, key: str, dim: int) -> None:
 
 
 def _get(cfg: Config, dotted: str) -> Any:
-    section, name = dotted.split(".")
-    return getattr(getattr(cfg, section), name)
+    node = cfg
+    for name in dotted.split("."):
+        node = getattr(node, name)
+    return node
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -28,7 +28,7 @@ RULESET = "6.0.0"  # the newest training ruleset with dlrm_dcnv2 (6.1.0 has dlrm
 # Adagrad with MLPerf's settings (no warmup, no decay), 20 evaluations per epoch of 400 steps.
 MLPERF_SMALL = [
     "model.embedding_dim=16", "model.bottom_mlp=[32, 16]", "model.top_mlp=[64, 32, 1]",
-    "model.interaction=dcn", "model.dcn_layers=2", "model.dcn_low_rank=16",
+    "model.interaction=dcn", "model.dcn.layers=2", "model.dcn.rank=16",
     "data.global_batch_size=512", "data.seed=7",
     f"data.cardinalities={[1000, 500, 250, 100, 50, 20, 10, 5]}",
     "data.hotness=[3, 2, 1, 2, 6, 1, 1, 1]", "data.train_samples=204800", "data.val_samples=16384",

@@ -7,7 +7,7 @@ from torchrec.models.dlrm import DLRM as TorchrecDLRM
 
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.synthetic import SyntheticClicks
-from dlrm_hybrid.config import DataConfig
+from dlrm_hybrid.config import DataConfig, DcnConfig
 from dlrm_hybrid.model.dlrm import DLRM
 from dlrm_hybrid.model.compositional import feature_lookups
 from dlrm_hybrid.model.embeddings import embedding_tables
@@ -45,7 +45,7 @@ def test_dot_matches_torchrec_dlrm_with_the_same_weights():
     ("dot", {}, 4 + 6),  # dense + C(4, 2) pairs
     ("dot", {"self_interaction": True}, 4 + 10),  # ... + the 4 self dots
     ("cat", {}, 4 + 3 * 4),
-    ("dcn", {"dcn_layers": 2, "dcn_low_rank": 3}, 4 * 4),
+    ("dcn", {"dcn": DcnConfig(layers=2, rank=3)}, 4 * 4),
 ])
 def test_interactions_feed_the_top_mlp_and_train(interaction, kwargs, width):
     model = make_model(interaction, **kwargs)

@@ -145,7 +145,7 @@ def test_the_readme_snippet_scores_an_exported_file(exported, tmp_path):
 
 
 VARIANTS = {
-    "dcn": ["model.interaction=dcn", "model.dcn_low_rank=8"],
+    "dcn": ["model.interaction=dcn", "model.dcn.rank=8"],
     "cat + qr concat": ["model.interaction=cat", "model.compositional=[{technique: qr, "
                         "collisions: 4, operation: concat, rows_above: 200}]"],
     "fm + hash": ["model.interaction=fm",

@@ -14,6 +14,7 @@ from torchrec.models.dlrm import DenseArch, OverArch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from dlrm_hybrid.config import DcnConfig, DhenConfig
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.embeddings import embedding_tables
@@ -23,11 +24,13 @@ from dlrm_hybrid.model.interactions import FactorizationMachine, build_interacti
 class DLRM(nn.Module):
     def __init__(self, num_dense: int, lookups: List[FeatureLookup], bottom_mlp: List[int],
                  top_mlp: List[int], interaction: str = "dot", self_interaction: bool = False,
-                 dcn_layers: int = 3, dcn_low_rank: int = 512, embedding_precision: str = "fp32",
+                 dcn: Optional[DcnConfig] = None, dhen: Optional[DhenConfig] = None,
+                 embedding_precision: str = "fp32",
                  embedding_device: torch.device = torch.device("meta")) -> None:
         """Embedding tables start on `embedding_device`; "meta" allocates nothing, because
         sharding materialises each table only on the rank that owns it. `lookups` says which
-        tables each categorical feature is looked up in (compositional.py)."""
+        tables each categorical feature is looked up in (compositional.py). `dcn`, `dhen`: those
+        interactions' settings (the config's defaults if None)."""
         super().__init__()
         tables = embedding_tables(lookups, embedding_precision)
         self.lookups = lookups
@@ -40,7 +43,7 @@ class DLRM(nn.Module):
         self.embedding_bags = EmbeddingBagCollection(tables=tables, device=embedding_device)
         self.interaction, width = build_interaction(
             interaction, len(lookups), bottom_mlp[-1], self.embedding_dim,
-            self_interaction, dcn_layers, dcn_low_rank)
+            self_interaction, dcn or DcnConfig(), dhen or DhenConfig())
         self.over_arch = OverArch(width, top_mlp)
         # pooled: the lookup returns pooled vectors; des: per-sample partial sums of the first
         # operation on them, added up over their owners (parallel/exchange.py sets it).
@@ -127,5 +130,4 @@ def _lookup_order(pooled: KeyedTensor, wanted: List[str], device: torch.device
 def build_model(model_cfg, spec, embedding_device: torch.device = torch.device("meta")) -> DLRM:
     return DLRM(spec.num_dense, lookups_of(model_cfg, spec), model_cfg.bottom_mlp,
                 model_cfg.top_mlp, model_cfg.interaction, model_cfg.self_interaction,
-                model_cfg.dcn_layers, model_cfg.dcn_low_rank, model_cfg.embedding_precision,
-                embedding_device)
+                model_cfg.dcn, model_cfg.dhen, model_cfg.embedding_precision, embedding_device)

@@ -12,6 +12,8 @@ from torch import nn
 from torchrec.models.dlrm import InteractionDCNArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
+from dlrm_hybrid.config import DcnConfig, DhenConfig
+
 
 class PairwiseDots(torch.autograd.Function):
     """For each sample's vectors z = [dense, sparse_1..F], the dots z_i . z_j of the Gram
@@ -120,8 +122,8 @@ def fm_sums(vectors: torch.Tensor, first_order: torch.Tensor) -> torch.Tensor:
 
 
 def build_interaction(kind: str, num_sparse: int, dense_dim: int, embedding_dim: int,
-                      self_interaction: bool = False, dcn_layers: int = 3,
-                      dcn_low_rank: int = 512) -> Tuple[nn.Module, int]:
+                      self_interaction: bool, dcn: DcnConfig, dhen: DhenConfig
+                      ) -> Tuple[nn.Module, int]:
     """The interaction module and the width of its output."""
     if kind == "dot":
         n = num_sparse + 1
@@ -131,7 +133,7 @@ def build_interaction(kind: str, num_sparse: int, dense_dim: int, embedding_dim:
         return CatInteraction(), dense_dim + num_sparse * embedding_dim
     if kind == "dcn":
         width = (num_sparse + 1) * embedding_dim
-        crossnet = LowRankCrossNet(in_features=width, num_layers=dcn_layers, low_rank=dcn_low_rank)
+        crossnet = LowRankCrossNet(in_features=width, num_layers=dcn.layers, low_rank=dcn.rank)
         return InteractionDCNArch(num_sparse, crossnet), width
     if kind == "fm":
         return FactorizationMachine(num_sparse, embedding_dim), dense_dim + 2
