@@ -95,6 +95,7 @@ class DataConfig:
     id_order: str = "frequency"
     teacher_dim: int = 8  # width of the planted teacher's latent vectors
     teacher_scale: float = 1.0  # logit scale of the teacher: higher means an easier task
+    teacher_order: int = 2  # 2: the teacher sums pairwise dots | 3: and three-way products
 
 
 @dataclass
@@ -365,6 +366,12 @@ def validate(cfg: Config, world_size: int) -> None:
     if len(d.hotness) not in (1, len(d.cardinalities)) or min(d.hotness) <= 0:
         raise ConfigError(
             f"data.hotness: give one positive value or one per table ({len(d.cardinalities)})")
+    if d.teacher_order not in (2, 3):
+        raise ConfigError(f"data.teacher_order: {d.teacher_order} is not 2 (pairwise terms) or 3 "
+                          f"(pairwise and three-way terms); use 2 or 3")
+    if d.teacher_order == 3 and len(d.cardinalities) < 2:
+        raise ConfigError("data.teacher_order: 3 needs three latent vectors (the dense one and "
+                          "at least 2 tables); add a table to data.cardinalities or use 2")
     for i, rule in enumerate(m.compositional):
         _validate_rule(rule, f"model.compositional[{i}]", m.embedding_dim)
         if m.interaction == "fm" and rule.technique == "qr":

@@ -1,12 +1,14 @@
 """The planted-teacher dataset: deterministic, sliceable by rank, skewed like click logs."""
 
 import hashlib
+import itertools
 
 import numpy as np
 import pytest
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
+from conftest import done_fields, failure, run_cli
 from dlrm_hybrid.config import DataConfig
 from dlrm_hybrid.data.loader import rank_batches
 from dlrm_hybrid.data.spec import DataSpec
@@ -136,3 +138,68 @@ def test_ids_with_hotness_up_to_64_are_unchanged():
     digests = [hashlib.sha256(np.ascontiguousarray(a, dtype=np.int64).tobytes()).hexdigest()[:16]
                for a in ids]
     assert digests == ["001d24d0bb4cb1a3", "11ec5f5031e65d97"]
+
+
+@pytest.mark.parametrize("cfg, first4, digest", [
+    (CFG, [0.29134368896484375, 0.38987991213798523, 0.4630601108074188, 0.25595006346702576],
+     "a43962a538d3f395"),
+    (UNIFORM, [0.28944918513298035, 0.03343198075890541, 0.4352675974369049, 0.31423327326774597],
+     "084c902750d5a7e2")], ids=["fixed", "uniform"])
+def test_teacher_order_2_probabilities_are_unchanged(cfg, first4, digest):
+    """data.teacher_order 2 (the default) is the teacher runs and tests were recorded on: its
+    probabilities, pinned bit for bit from the pairwise-only teacher."""
+    prob = SyntheticClicks(cfg).columns("val", 10, 256).true_prob
+    assert prob[:4].tolist() == first4
+    assert hashlib.sha256(prob.tobytes()).hexdigest()[:16] == digest
+
+
+@pytest.mark.parametrize("cfg", [CFG, UNIFORM], ids=["fixed", "uniform"])
+def test_teacher_order_3_adds_the_three_way_products(cfg):
+    """logit3 = b + (logit2 - b) / sqrt 2 + s * T / sqrt(2 C(n,3) / d^2), with T the sum over
+    every triple of vectors i<j<k of sum_c z_ic z_jc z_kc, here enumerated triple by triple."""
+    order2 = SyntheticClicks(cfg)
+    order3 = SyntheticClicks(DataConfig(**{**cfg.__dict__, "teacher_order": 3}))
+    cols2, cols3 = order2.columns("val", 0, 64), order3.columns("val", 0, 64)
+    z = order2._teacher_vectors(torch.from_numpy(cols2.dense).double(), cols2.ids, cols2.lengths)
+    n, d = z.shape[1], z.shape[2]
+    triples = list(itertools.combinations(range(n), 3))
+    assert len(triples) == 4  # the dense vector and 3 tables
+    brute = sum((z[:, i] * z[:, j] * z[:, k]).sum(dim=1) for i, j, k in triples)
+    logit = lambda p: torch.logit(torch.from_numpy(p).double())
+    bias, scale = -1.2, cfg.teacher_scale
+    expected = bias + (logit(cols2.true_prob) - bias) / 2**0.5 \
+        + scale * brute / (2 * len(triples) / d**2) ** 0.5
+    assert torch.allclose(logit(cols3.true_prob), expected, atol=2e-5, rtol=0)
+    pairwise, three_way = logit(cols2.true_prob) - bias, expected - logit(cols2.true_prob)
+    assert 0.3 < three_way.std() / pairwise.std() < 3  # comparable parts, neither negligible
+
+
+def test_teacher_order_3_in_a_training_run(tmp_path):
+    """`--set data.teacher_order=3` reaches the data a run trains and is scored on: the run's
+    oracle AUC is the order-3 teacher's, not the default one's."""
+    sets = ["data.cardinalities=[1000,50,7]", "data.hotness=[1,4,2]", "data.val_samples=2048",
+            "data.teacher_scale=1.5", "data.global_batch_size=256", "train.max_steps=1",
+            "train.progress_bar=false", "data.teacher_order=3", f"train.run_dir={tmp_path}"]
+    result = run_cli(["train", *[a for s in sets for a in ("--set", s)]])
+    assert result.returncode == 0, failure(result)
+    cfg = DataConfig(**{**CFG.__dict__, "val_samples": 2048})
+    def oracle(order: int) -> float:
+        data = SyntheticClicks(DataConfig(**{**cfg.__dict__, "teacher_order": order}))
+        cols = data.columns("val", 0, 2048)
+        return binary_auroc(torch.from_numpy(cols.true_prob), torch.from_numpy(cols.labels).long()).item()
+    assert done_fields(result.stdout)["oracle_auc"] == pytest.approx(oracle(3), abs=1e-5)
+    assert abs(oracle(3) - oracle(2)) > 1e-3
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["data.teacher_order=4"], "error: data.teacher_order: 4 is not 2 (pairwise terms) or 3 "
+                               "(pairwise and three-way terms); use 2 or 3"),
+    (["data.teacher_order=3", "data.cardinalities=[5]"],
+     "error: data.teacher_order: 3 needs three latent vectors (the dense one and at least 2 "
+     "tables); add a table to data.cardinalities or use 2"),
+], ids=["not-2-or-3", "one-table"])
+def test_teacher_order_errors_are_one_line(tmp_path, sets, message):
+    result = run_cli(["train", *[a for s in sets for a in ("--set", s)],
+                      "--set", f"train.run_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2 and result.stderr.strip() == message, result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -2,7 +2,16 @@
 
 A planted teacher (a fixed random model of the DLRM family) gives each sample a true click
 probability; labels are Bernoulli draws from it. The AUC of the true probabilities on the
-validation split (the oracle AUC) is the ceiling a learner can reach.
+validation split (the oracle AUC) is the ceiling a learner can reach. With z_0 the projected
+dense features and z_1..z_F the tables' pooled latent vectors (n = F + 1 vectors of width d):
+
+    data.teacher_order 2:  logit = b + s * P / sqrt(C(n,2) / d)
+    data.teacher_order 3:  logit = b + s * (P / sqrt(C(n,2) / d) + T / sqrt(C(n,3) / d^2)) / sqrt(2)
+    P = sum_{i<j} <z_i, z_j>,  T = sum_{i<j<k} sum_c z_ic z_jc z_kc,  s = data.teacher_scale
+
+Each normalised sum has unit variance (z entries ~N(0, 1/d), the terms uncorrelated), so the
+logit's spread, click rate and oracle AUC stay alike across orders; only order 3 needs a
+model that sees three-way products.
 
 Every random number is a pure function of (seed, stream, sample or row index), computed by a
 counter-based hash instead of a sequential generator: that is what lets each rank generate
@@ -77,11 +86,17 @@ class SyntheticClicks(ClickDataset):
         gen = torch.Generator().manual_seed(self.seed)
         self.dense_proj = torch.randn(self.spec.num_dense, self.teacher_dim, generator=gen,
                                       dtype=torch.float64) / self.spec.num_dense**0.5
+        self.order = data_cfg.teacher_order
         vectors = len(self.spec.cardinalities) + 1
         pairs = vectors * (vectors - 1) // 2
-        # Each latent entry is N(0, 1/d), so a dot of two is ~N(0, 1/d); the sum of the pairwise
-        # dots is rescaled to unit variance, then to teacher_scale, around a ~25% click rate.
+        triples = vectors * (vectors - 1) * (vectors - 2) // 6
+        # Each latent entry is N(0, 1/d), so a dot of two is ~N(0, 1/d) and a three-way product
+        # sum ~N(0, 1/d^2), all uncorrelated: each sum is rescaled to unit variance, then to
+        # teacher_scale (order 3: both divided by sqrt 2, the same total), around a ~25% click rate.
         self.logit_scale = data_cfg.teacher_scale / (pairs / self.teacher_dim) ** 0.5
+        if self.order == 3:
+            self.logit_scale /= 2**0.5
+            self.triple_scale = data_cfg.teacher_scale / (2 * triples / self.teacher_dim**2) ** 0.5
         self.logit_bias = -1.2
 
     def num_samples(self, split: str) -> int:
@@ -140,10 +155,28 @@ class SyntheticClicks(ClickDataset):
 
     def _teacher_logit(self, dense: torch.Tensor, ids: list,
                        lengths: Optional[list]) -> torch.Tensor:
+        """bias + a2 * sum_{i<j} <z_i, z_j>, and for teacher_order 3
+        + a3 * sum_{i<j<k} sum_c z_ic z_jc z_kc (a2, a3 set in __init__)."""
+        z = self._teacher_vectors(dense, ids, lengths)
+        dots = torch.bmm(z, z.transpose(1, 2))
+        upper = torch.triu_indices(z.shape[1], z.shape[1], offset=1)
+        logit = self.logit_bias + self.logit_scale * dots[:, upper[0], upper[1]].sum(dim=1)
+        if self.order == 3:
+            logit = logit + self.triple_scale * third_order(z)
+        return logit
+
+    def _teacher_vectors(self, dense: torch.Tensor, ids: list,
+                         lengths: Optional[list]) -> torch.Tensor:
+        """z = [dense projection, one pooled latent per table]: [B, F + 1, d]."""
         vectors = [dense @ self.dense_proj / self.teacher_dim**0.5]
         vectors += [self._latents(t, table_ids, None if lengths is None else lengths[t])
                     for t, table_ids in enumerate(ids)]
-        z = torch.stack(vectors, dim=1)  # [B, F + 1, d]
-        dots = torch.bmm(z, z.transpose(1, 2))
-        upper = torch.triu_indices(z.shape[1], z.shape[1], offset=1)
-        return self.logit_bias + self.logit_scale * dots[:, upper[0], upper[1]].sum(dim=1)
+        return torch.stack(vectors, dim=1)
+
+
+def third_order(z: torch.Tensor) -> torch.Tensor:
+    """sum over triples i<j<k of sum_c z_ic z_jc z_kc, for z [B, n, d]: per coordinate c the
+    elementary symmetric polynomial e3 = (p1^3 - 3 p1 p2 + 2 p3) / 6 of z_1c..z_nc, p_k the
+    power sums sum_i z_ic^k (Newton's identities), so O(n d) instead of O(n^3 d): [B]."""
+    p1, p2, p3 = (z.pow(k).sum(dim=1) for k in (1, 2, 3))
+    return ((p1**3 - 3 * p1 * p2 + 2 * p3) / 6).sum(dim=1)

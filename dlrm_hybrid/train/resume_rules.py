@@ -25,7 +25,8 @@ MAY_CHANGE = ("train.max_steps", "train.log_every", "train.eval_every", "train.r
 # The planted synthetic data's settings (data/synthetic.py): unused when data.path is set.
 SYNTHETIC_ONLY = ("data.seed", "data.num_dense", "data.cardinalities", "data.hotness",
                   "data.hotness_distribution", "data.train_samples", "data.val_samples",
-                  "data.zipf_exponent", "data.id_order", "data.teacher_dim", "data.teacher_scale")
+                  "data.zipf_exponent", "data.id_order", "data.teacher_dim", "data.teacher_scale",
+                  "data.teacher_order")
 
 
 def check_same_experiment(path: Path, cfg: Config) -> None:
