@@ -1,9 +1,17 @@
 """The DLRM and its interactions."""
 
+import hashlib
+import json
+import warnings
+
 import pytest
 import torch
+import yaml
 from torchrec import EmbeddingBagCollection
 from torchrec.models.dlrm import DLRM as TorchrecDLRM
+from torchrec.modules.crossnet import LowRankCrossNet, LowRankMixtureCrossNet
+
+from conftest import done_fields, failure, run_cli
 
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.synthetic import SyntheticClicks
@@ -65,3 +73,102 @@ def test_self_interaction_adds_each_vectors_own_dot():
     vectors = torch.cat([dense[:, None], sparse], dim=1)
     assert torch.allclose(out[:, 4], (vectors[:, 0] ** 2).sum(1))  # first pair is (0, 0)
     assert out.shape[1] - plain.interaction(dense, sparse).shape[1] == 4
+
+
+def dcn_model(top_mlp=(16, 1), **dcn):
+    torch.manual_seed(0)
+    return DLRM(SPEC.num_dense, LOOKUPS, [8, 4], list(top_mlp), "dcn",
+                dcn=DcnConfig(layers=2, rank=3, **dcn), embedding_device=torch.device("cpu"))
+
+
+def cross_input(model, batch):
+    """x_0 = [bottom-MLP output, pooled embeddings] flattened: N = 4 * 4 = 16 wide."""
+    return torch.cat((model.dense_arch(batch.dense),
+                      model.pooled_embeddings(batch.sparse).flatten(1)), dim=1)
+
+
+@pytest.mark.parametrize("top_mlp", [(16, 8, 1), (1,)])
+def test_dcn_parallel_feeds_the_cross_net_and_the_hidden_layers_on_x0_to_the_last_layer(top_mlp):
+    model, batch = dcn_model(top_mlp, structure="parallel"), sample_batch()
+    x0 = cross_input(model, batch)
+    cross = model.interaction.crossnet.crossnet
+    assert isinstance(cross, LowRankCrossNet)
+    hidden = x0  # no hidden layer: the last layer reads [c; x_0]
+    for layer in (model.over_arch.hidden._mlp if len(top_mlp) > 1 else []):
+        hidden = torch.relu(torch.nn.functional.linear(hidden, layer._linear.weight,
+                                                       layer._linear.bias))
+    last = model.over_arch.last
+    assert last.in_features == 16 + (top_mlp[-2] if len(top_mlp) > 1 else 16)
+    expected = torch.nn.functional.linear(torch.cat((cross(x0), hidden), 1), last.weight,
+                                          last.bias).squeeze(1)
+    torch.testing.assert_close(model(batch.dense, batch.sparse), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("structure", ["stacked", "parallel"])
+def test_dcn_experts_are_torchrecs_mixture_of_low_rank_experts_and_train(structure):
+    model, batch = dcn_model(structure=structure, experts=3), sample_batch()
+    crossnet = model.interaction.crossnet
+    if structure == "parallel":
+        crossnet = crossnet.crossnet
+    reference = LowRankMixtureCrossNet(16, 2, num_experts=3, low_rank=3)
+    reference.load_state_dict(crossnet.state_dict())  # the same parameters, by name and shape
+    x0 = cross_input(model, batch)
+    over_arch_input = reference(x0) if structure == "stacked" else torch.cat((reference(x0), x0), 1)
+    expected = model.over_arch(over_arch_input).squeeze(1)
+    logits = model(batch.dense, batch.sparse)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_a_linear_cross_rank_above_its_width_warns_where_a_mixture_rank_does_not():
+    """(F + 1) * d = 16: U V has rank <= 16 however wide its factors; the experts' relu between
+    the factors makes their rank a hidden width, which may exceed it."""
+    with pytest.warns(UserWarning, match=r"model.dcn.rank: 17 is above the cross network's "
+                                         r"width \(F \+ 1\) \* d = 16.*model.dcn.rank=16 or less"):
+        DLRM(SPEC.num_dense, LOOKUPS, [8, 4], [16, 1], "dcn", dcn=DcnConfig(rank=17),
+             embedding_device=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dcn in (DcnConfig(rank=16), DcnConfig(rank=17, experts=2)):
+            DLRM(SPEC.num_dense, LOOKUPS, [8, 4], [16, 1], "dcn", dcn=dcn,
+                 embedding_device=torch.device("cpu"))
+    assert not [w for w in caught if "model.dcn.rank" in str(w.message)]
+
+
+OLD_DCN_CONFIG = """\
+model: {embedding_dim: 4, bottom_mlp: [8, 4], top_mlp: [8, 1], interaction: dcn,
+        dcn_layers: 2, dcn_low_rank: 512}
+data: {num_dense: 5, cardinalities: [30, 20, 10], global_batch_size: 32, train_samples: 64,
+       val_samples: 64}
+train: {max_steps: 2, eval_every: 0, progress_bar: 'false', tensorboard: 'false'}
+"""
+
+
+def test_a_config_and_a_checkpoint_with_the_old_dcn_keys_train_and_evaluate(tmp_path):
+    """Before `model.dcn`, configs (and the config.yaml of every checkpoint) said
+    model.dcn_layers and model.dcn_low_rank, the latter 512 by default: wider than a narrow
+    model's cross network (here 16), which warns and still trains."""
+    config = tmp_path / "old.yaml"
+    config.write_text(OLD_DCN_CONFIG)
+    result = run_cli(["train", "--config", str(config), "--set", f"train.run_dir={tmp_path}"])
+    assert result.returncode == 0, failure(result)
+    assert "model.dcn.rank: 512 is above the cross network's width" in result.stderr
+    val_auc = done_fields(result.stdout)["val_auc"]
+    checkpoint = tmp_path / "checkpoints/step_2"
+    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    assert saved["model"]["dcn"] == {"layers": 2, "rank": 512, "structure": "stacked",
+                                     "experts": 1}
+    model = saved["model"]  # as the earlier version wrote it, with its digest in meta.json
+    del model["dhen"]
+    dcn = model.pop("dcn")
+    model["dcn_layers"], model["dcn_low_rank"] = dcn["layers"], dcn["rank"]
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["sha256"]["config.yaml"] = hashlib.sha256(
+        (checkpoint / "config.yaml").read_bytes()).hexdigest()
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    result = run_cli(["eval", "--checkpoint", str(checkpoint), "--split", "val"])
+    assert result.returncode == 0, failure(result)
+    assert f"val_auc={val_auc:.5f}" in result.stdout.strip().splitlines()[-1]

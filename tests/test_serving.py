@@ -146,6 +146,10 @@ def test_the_readme_snippet_scores_an_exported_file(exported, tmp_path):
 
 VARIANTS = {
     "dcn": ["model.interaction=dcn", "model.dcn.rank=8"],
+    "dcn stacked, 2 experts": ["model.interaction=dcn", "model.dcn.rank=8", "model.dcn.experts=2"],
+    "dcn parallel": ["model.interaction=dcn", "model.dcn.rank=8", "model.dcn.structure=parallel"],
+    "dcn parallel, 3 experts": ["model.interaction=dcn", "model.dcn.rank=8",
+                                "model.dcn.structure=parallel", "model.dcn.experts=3"],
     "cat + qr concat": ["model.interaction=cat", "model.compositional=[{technique: qr, "
                         "collisions: 4, operation: concat, rows_above: 200}]"],
     "fm + hash": ["model.interaction=fm",

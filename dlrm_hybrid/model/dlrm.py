@@ -17,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from dlrm_hybrid.config import DcnConfig, DhenConfig
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
+from dlrm_hybrid.model.cross import dcn_over_arch
 from dlrm_hybrid.model.embeddings import embedding_tables
 from dlrm_hybrid.model.interactions import FactorizationMachine, build_interaction
 
@@ -41,10 +42,12 @@ class DLRM(nn.Module):
         # train pipeline runs ahead, with the id exchange); the parts' vectors are combined.
         self.lookup_ids, self.combine_parts = composed_lookup(lookups)
         self.embedding_bags = EmbeddingBagCollection(tables=tables, device=embedding_device)
+        dcn = dcn or DcnConfig()
         self.interaction, width = build_interaction(
             interaction, len(lookups), bottom_mlp[-1], self.embedding_dim,
-            self_interaction, dcn or DcnConfig(), dhen or DhenConfig())
-        self.over_arch = OverArch(width, top_mlp)
+            self_interaction, dcn, dhen or DhenConfig())
+        self.over_arch = (dcn_over_arch(width, top_mlp, dcn) if interaction == "dcn"
+                          else OverArch(width, top_mlp))
         # pooled: the lookup returns pooled vectors; des: per-sample partial sums of the first
         # operation on them, added up over their owners (parallel/exchange.py sets it).
         self.exchange = "pooled"

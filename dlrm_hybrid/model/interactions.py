@@ -9,10 +9,9 @@ from typing import Tuple
 
 import torch
 from torch import nn
-from torchrec.models.dlrm import InteractionDCNArch
-from torchrec.modules.crossnet import LowRankCrossNet
 
 from dlrm_hybrid.config import DcnConfig, DhenConfig
+from dlrm_hybrid.model.cross import dcn_interaction
 
 
 class PairwiseDots(torch.autograd.Function):
@@ -132,9 +131,7 @@ def build_interaction(kind: str, num_sparse: int, dense_dim: int, embedding_dim:
     if kind == "cat":
         return CatInteraction(), dense_dim + num_sparse * embedding_dim
     if kind == "dcn":
-        width = (num_sparse + 1) * embedding_dim
-        crossnet = LowRankCrossNet(in_features=width, num_layers=dcn.layers, low_rank=dcn.rank)
-        return InteractionDCNArch(num_sparse, crossnet), width
+        return dcn_interaction(num_sparse, embedding_dim, dcn)
     if kind == "fm":
         return FactorizationMachine(num_sparse, embedding_dim), dense_dim + 2
     raise ValueError(f"model.interaction: unknown interaction {kind!r}")

@@ -18,16 +18,19 @@ from typing import Dict, List, Sequence
 
 import torch
 from torchrec.models.dlrm import InteractionDCNArch
+from torchrec.modules.crossnet import LowRankMixtureCrossNet
 
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.compositional import FeatureLookup, Part
+from dlrm_hybrid.model.cross import WithInput
 from dlrm_hybrid.model.dlrm import DLRM, build_model
 from dlrm_hybrid.model.embeddings import table_order
 from dlrm_hybrid.model.interactions import FactorizationMachine
 from dlrm_hybrid.serve.rowwise import quantize_into
-from dlrm_hybrid.serve.scoring_model import ScoringModel, StackedCrossNet
+from dlrm_hybrid.serve.scoring_model import (ScoringModel, StackedCrossNet,
+                                             StackedMixtureCrossNet)
 from dlrm_hybrid.train.checkpoint import check_checkpoint, checkpoint_config_path, read_meta
 from dlrm_hybrid.train.inference import read_model_state
 
@@ -147,8 +150,18 @@ def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
 def _scriptable(interaction: torch.nn.Module) -> torch.nn.Module:
     """dcn's cross network in a form TorchScript compiles; the other interactions as they are."""
     if isinstance(interaction, InteractionDCNArch):
-        return InteractionDCNArch(interaction.F, StackedCrossNet(interaction.crossnet))
+        return InteractionDCNArch(interaction.F, _scriptable_crossnet(interaction.crossnet))
     return interaction
+
+
+def _scriptable_crossnet(crossnet: torch.nn.Module) -> torch.nn.Module:
+    """torchrec's cross networks index their layers' parameters with a loop variable, which
+    TorchScript cannot: the same tensors, stacked."""
+    if isinstance(crossnet, WithInput):  # structure parallel
+        return WithInput(_scriptable_crossnet(crossnet.crossnet))
+    if isinstance(crossnet, LowRankMixtureCrossNet):
+        return StackedMixtureCrossNet(crossnet)
+    return StackedCrossNet(crossnet)
 
 
 def _num_dense(model: DLRM) -> int:

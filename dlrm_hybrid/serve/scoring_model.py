@@ -166,3 +166,37 @@ class StackedCrossNet(nn.Module):
             x = x0 * (torch.nn.functional.linear(torch.nn.functional.linear(x, self.v[layer]),
                                                  self.w[layer]) + self.bias[layer]) + x
         return x
+
+
+class StackedMixtureCrossNet(nn.Module):
+    """torchrec's LowRankMixtureCrossNet (DCN-v2's mixture of low-rank experts, relu between
+    the factors) with its kernels stacked into tensors and its gates into one [K, N] matrix:
+    the same arithmetic, in a form TorchScript can loop over."""
+
+    u: torch.Tensor
+    v: torch.Tensor
+    c: torch.Tensor
+    bias: torch.Tensor
+    gates: torch.Tensor
+
+    def __init__(self, crossnet: nn.Module) -> None:
+        super().__init__()
+        for name, kernels in (("u", crossnet.U_kernels), ("v", crossnet.V_kernels),
+                              ("c", crossnet.C_kernels), ("bias", crossnet.bias)):
+            self.register_buffer(name, torch.stack(list(kernels)).detach())  # type: ignore
+        self.register_buffer("gates", torch.cat([gate.weight for gate in crossnet.gates])
+                             .detach())
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x0 = input.unsqueeze(2)  # [B, N, 1]
+        x = x0
+        for layer in range(self.u.shape[0]):
+            gating = torch.softmax(torch.nn.functional.linear(x.squeeze(2), self.gates), 1)
+            experts: List[torch.Tensor] = []
+            for i in range(self.u.shape[1]):
+                expert = torch.relu(torch.matmul(self.v[layer, i], x))  # [B, r, 1]
+                expert = torch.relu(torch.matmul(self.c[layer, i], expert))
+                expert = torch.matmul(self.u[layer, i], expert)  # [B, N, 1]
+                experts.append((x0 * (expert + self.bias[layer])).squeeze(2))
+            x = torch.matmul(torch.stack(experts, 2), gating.unsqueeze(2)) + x
+        return x.squeeze(2)
