@@ -364,3 +364,61 @@ def test_a_config_that_cannot_train_replicated_tables_gets_none(setting):
     explained = run_cli(args + ["--explain", "t_cat_5"])
     (line,) = [line for line in explained.stdout.splitlines() if "data_parallel" in line]
     assert "parallel.replicate is false, or the job asks for the des exchange or fp16" in line
+
+
+DHEN_PLAN = ["plan", "--config", "configs/demo.yaml", "--world-size", "8", "--gpus-per-node", "4",
+             "--set", "model.interaction=dhen", "--set", "optim.dense=adam",
+             "--set", "model.dhen.modules=[linear,self_attention,conv,dot,dcn]",
+             "--set", "parallel.reserve_per_rank=200KiB"]
+
+
+def dense_block(stdout: str) -> dict:
+    """{parameters, units, mine, others, verdict} from the printed dense part."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("dense part: "))
+    end = lines.index("", start)
+    block = lines[start:end]
+    return {"parameters": int(block[0].split()[2].replace(",", "")),
+            "units": {line[2:20].strip(): int(line[20:34].replace(",", ""))
+                      for line in block[1:-3]},
+            "mine": block[-3], "others": block[-2], "verdict": block[-1]}
+
+
+def test_plan_reports_dense_bytes_per_rank_and_fsdp_makes_a_tight_reserve_fit():
+    """200KiB per rank holds neither the replicated DHEN with Adam nor hsdp's shards of 4 (one
+    host), only fsdp's of 8: `plan` says so and still plans; under fsdp it fits."""
+    from dlrm_hybrid.parallel.placement import format_bytes
+
+    ddp = run_cli(DHEN_PLAN)
+    assert ddp.returncode == 0, ddp.stderr
+    block = dense_block(ddp.stdout)
+    assert list(block["units"]) == ["bottom MLP", "dhen layer 1", "dhen layer 2", "top MLP"]
+    assert sum(block["units"].values()) == block["parameters"]
+    assert block["mine"].startswith(f"dense per rank, parallel.dense=ddp (replicated): "
+                                    f"{format_bytes(16 * block['parameters'])} = ")  # 4+4+8 B
+    assert block["mine"].endswith("; activations not counted")
+    assert "fsdp 157.9KiB (sharded over 8 ranks); hsdp 219.8KiB (sharded over 4 ranks)" \
+        in block["others"]
+    assert block["verdict"] == ("dense part does not fit in parallel.reserve_per_rank 200KiB: use "
+                                "parallel.dense=fsdp (157.9KiB), or raise "
+                                "parallel.reserve_per_rank to 507.9KiB")
+    fsdp = run_cli(DHEN_PLAN + ["--set", "parallel.dense=fsdp"])
+    assert fsdp.returncode == 0, fsdp.stderr
+    block = dense_block(fsdp.stdout)
+    assert block["mine"].startswith("dense per rank, parallel.dense=fsdp (sharded over 8 ranks): "
+                                    "157.9KiB = ")
+    assert "all-gather of the largest unit (top MLP)" in block["mine"]
+    assert block["verdict"] == "dense part fits in parallel.reserve_per_rank 200KiB"
+
+
+def test_a_training_job_whose_dense_part_does_not_fit_its_reserve_stops_at_start(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(["train", "--config", "configs/demo.yaml", "--set", "train.max_steps=2",
+                      "--set", "parallel.reserve_per_rank=64KiB", "--set",
+                      f"train.run_dir={run_dir}"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: parallel.reserve_per_rank: the dense part needs 87.2KiB per rank under "
+        "parallel.dense=ddp (parameters, gradients, adagrad state), more than the 64KiB kept free "
+        "of tables; raise parallel.reserve_per_rank to 87.2KiB"]
+    assert not run_dir.exists()

@@ -10,6 +10,7 @@ from typing import Callable, List, Optional
 
 from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
 from dlrm_hybrid.data.spec import data_spec
+from dlrm_hybrid.parallel.dense_memory import describe_dense
 from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
 from dlrm_hybrid.parallel.cost_model import DEVICES, device_constants
 from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables, search_rules
@@ -81,6 +82,7 @@ def run(args) -> None:
     for plan in plans:
         print(describe(plan) + "\n")
     print(describe_exchange(plans[0], cfg) + "\n")
+    print(describe_dense(cfg, spec, args.world_size, args.gpus_per_node) + "\n")
     replaced = describe_lookups(lookups_of(cfg.model, spec), cfg)
     if replaced:
         print(replaced + "\n")
