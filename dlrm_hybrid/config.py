@@ -377,6 +377,7 @@ def validate(cfg: Config, world_size: int) -> None:
         if m.interaction == "fm" and rule.technique == "qr":
             raise ConfigError(f"model.compositional[{i}]: interaction fm needs one vector and one "
                               f"first-order weight per id, which qr parts do not give; use hash")
+    _validate_dhen(cfg)
     _validate_exchange(cfg)
     _validate_schedule(cfg)
     from dlrm_hybrid.parallel.cost_model import device_constants  # numpy: not before it is needed
@@ -417,6 +418,35 @@ def _validate_schedule(cfg: Config) -> None:
             raise ConfigError(f"{key}: MLPerf's closed division trains with exact Adagrad, as its "
                               f"reference does, not {_get(cfg, key)}; set {key}=adagrad (or "
                               f"leave train.mlperf_log empty)")
+
+
+DHEN_MODULES = ("linear", "self_attention", "conv", "dot", "dcn")  # model/dhen.py's MODULES
+
+
+def _validate_dhen(cfg: Config) -> None:
+    """What would fail inside model/dhen.py; with another interaction model.dhen is unused."""
+    m, h = cfg.model, cfg.model.dhen
+    if m.interaction != "dhen":
+        return
+    valid = ", ".join(DHEN_MODULES)
+    if not h.modules:
+        raise ConfigError(f"model.dhen.modules: empty; name at least one of {valid}")
+    unknown = [name for name in h.modules if name not in DHEN_MODULES]
+    if unknown:
+        raise ConfigError(f"model.dhen.modules: {unknown[0]!r} is not a module; use {valid}")
+    twice = sorted({name for name in h.modules if h.modules.count(name) > 1})
+    if twice:
+        raise ConfigError(f"model.dhen.modules: {twice[0]} is listed twice; name each module once")
+    if h.width < 0:
+        raise ConfigError(f"model.dhen.width: must be >= 0 (0: the input's length, the tables "
+                          f"+ 1), got {h.width}")
+    if "self_attention" in h.modules and m.embedding_dim % h.heads:
+        raise ConfigError(f"model.dhen.heads: {h.heads} does not divide model.embedding_dim "
+                          f"({m.embedding_dim}), which self_attention splits among its heads; "
+                          f"use a divisor of {m.embedding_dim}")
+    if "dot" in h.modules and h.width == 1 and h.layers > 1:
+        raise ConfigError("model.dhen.width: 1 leaves the dot module of layers 2.. a list of one "
+                          "vector, without pairs to dot; use a width of 2 or more (or 0)")
 
 
 def _validate_exchange(cfg: Config) -> None:

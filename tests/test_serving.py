@@ -150,6 +150,8 @@ VARIANTS = {
     "dcn parallel": ["model.interaction=dcn", "model.dcn.rank=8", "model.dcn.structure=parallel"],
     "dcn parallel, 3 experts": ["model.interaction=dcn", "model.dcn.rank=8",
                                 "model.dcn.structure=parallel", "model.dcn.experts=3"],
+    "dhen": ["model.interaction=dhen", "model.dhen.width=5",
+             "model.dhen.modules=[linear, self_attention, conv, dot, dcn]"],
     "cat + qr concat": ["model.interaction=cat", "model.compositional=[{technique: qr, "
                         "collisions: 4, operation: concat, rows_above: 200}]"],
     "fm + hash": ["model.interaction=fm",

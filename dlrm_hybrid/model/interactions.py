@@ -12,6 +12,7 @@ from torch import nn
 
 from dlrm_hybrid.config import DcnConfig, DhenConfig
 from dlrm_hybrid.model.cross import dcn_interaction
+from dlrm_hybrid.model.dhen import DHEN
 
 
 class PairwiseDots(torch.autograd.Function):
@@ -134,4 +135,7 @@ def build_interaction(kind: str, num_sparse: int, dense_dim: int, embedding_dim:
         return dcn_interaction(num_sparse, embedding_dim, dcn)
     if kind == "fm":
         return FactorizationMachine(num_sparse, embedding_dim), dense_dim + 2
+    if kind == "dhen":
+        dhen_module = DHEN(num_sparse, embedding_dim, dhen)
+        return dhen_module, dhen_module.out_features
     raise ValueError(f"model.interaction: unknown interaction {kind!r}")
