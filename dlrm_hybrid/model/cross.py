@@ -36,7 +36,7 @@ def dcn_interaction(num_sparse: int, embedding_dim: int, dcn: DcnConfig
 
 
 def dcn_over_arch(width: int, top_mlp: List[int], dcn: DcnConfig) -> nn.Module:
-    """The top MLP after `dcn_interaction`'s output of `width`."""
+    """The top MLP on `dcn_interaction`'s output, `width` wide (parallel: [c; x_0], 2 N)."""
     if dcn.structure == "parallel":
         return ParallelOverArch(width // 2, top_mlp)
     return OverArch(width, top_mlp)
