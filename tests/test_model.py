@@ -172,3 +172,11 @@ def test_a_config_and_a_checkpoint_with_the_old_dcn_keys_train_and_evaluate(tmp_
     result = run_cli(["eval", "--checkpoint", str(checkpoint), "--split", "val"])
     assert result.returncode == 0, failure(result)
     assert f"val_auc={val_auc:.5f}" in result.stdout.strip().splitlines()[-1]
+
+
+def test_dcn_settings_leave_other_interactions_alone():
+    plain = make_model("dot")
+    configured = make_model("dot", dcn=DcnConfig(structure="parallel", experts=3))
+    batch = sample_batch()
+    torch.testing.assert_close(configured(batch.dense, batch.sparse),
+                               plain(batch.dense, batch.sparse), rtol=0, atol=0)
