@@ -20,9 +20,13 @@ def gpu_losses(run_dir, *overrides):
     return [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
 
 
-def test_cuda_graphs_replay_gives_the_eager_losses(tmp_path):
-    eager = gpu_losses(tmp_path / "eager")
-    graphed = gpu_losses(tmp_path / "graphs", "train.cuda_graphs=true")
+DHEN = ["model.interaction=dhen", "model.dhen.modules=[dot,self_attention,linear,dcn,conv]"]
+
+
+@pytest.mark.parametrize("interaction", [[], DHEN], ids=["dot", "dhen"])
+def test_cuda_graphs_replay_gives_the_eager_losses(tmp_path, interaction):
+    eager = gpu_losses(tmp_path / "eager", *interaction)
+    graphed = gpu_losses(tmp_path / "graphs", "train.cuda_graphs=true", *interaction)
     assert len(eager) == len(graphed) == 40
     for step, (a, b) in enumerate(zip(eager, graphed), start=1):
         assert abs(a - b) < 1e-3 * abs(a), f"step {step}: eager {a}, graphed {b}"
@@ -41,3 +45,12 @@ def test_bench_on_gpu_reports_the_comparison(tmp_path):
     assert result.returncode == 0, failure(result)
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("bench: precision=bf16 ") and "ratio=" in last
+
+
+@pytest.mark.parametrize("dense", ["fsdp", "hsdp"])
+def test_sharded_dense_layers_on_nccl_give_the_ddp_losses(tmp_path, dense):
+    """FSDP2 over NCCL (one GPU here: a mesh of one rank still runs fully_shard's hooks)."""
+    ddp = gpu_losses(tmp_path / "ddp", *DHEN)
+    sharded = gpu_losses(tmp_path / dense, *DHEN, f"parallel.dense={dense}")
+    for step, (a, b) in enumerate(zip(ddp, sharded), start=1):
+        assert abs(a - b) < 1e-4 * abs(a), f"step {step}: ddp {a}, {dense} {b}"
