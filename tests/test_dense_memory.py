@@ -19,6 +19,20 @@ CONFIGS = {
     "cat": ["model.interaction=cat"],
     "fm": ["model.interaction=fm", "model.bottom_mlp=[16,6]"],
     "dcn stacked": ["model.interaction=dcn", "model.dcn.layers=2", "model.dcn.rank=6"],
+    "dcn stacked 3 experts": ["model.interaction=dcn", "model.dcn.layers=2", "model.dcn.rank=6",
+                              "model.dcn.experts=3"],
+    "dcn parallel": ["model.interaction=dcn", "model.dcn.structure=parallel", "model.dcn.rank=6"],
+    "dcn parallel 3 experts": ["model.interaction=dcn", "model.dcn.structure=parallel",
+                               "model.dcn.rank=6", "model.dcn.experts=3"],
+    "dcn parallel no hidden": ["model.interaction=dcn", "model.dcn.structure=parallel",
+                               "model.dcn.rank=6", "model.top_mlp=[1]"],
+    **{f"dhen {m}": DHEN + [f"model.dhen.modules=[{m}]", "model.dhen.layers=1"]
+       for m in ("linear", "self_attention", "conv", "dot", "dcn")},
+    "dhen all five concat 3 layers": DHEN + [ALL_FIVE, "model.dhen.layers=3"],
+    "dhen all five sum width 7": DHEN + [ALL_FIVE, "model.dhen.ensemble=sum",
+                                         "model.dhen.width=7", "model.dhen.layers=3"],
+    "dhen concat width 3 one layer": DHEN + [ALL_FIVE, "model.dhen.width=3",
+                                             "model.dhen.layers=1"],
 }
 
 
