@@ -379,6 +379,7 @@ def validate(cfg: Config, world_size: int) -> None:
                               f"first-order weight per id, which qr parts do not give; use hash")
     _validate_dhen(cfg)
     _validate_exchange(cfg)
+    _validate_dense(cfg)
     _validate_schedule(cfg)
     from dlrm_hybrid.parallel.cost_model import device_constants  # numpy: not before it is needed
 
@@ -447,6 +448,30 @@ def _validate_dhen(cfg: Config) -> None:
     if "dot" in h.modules and h.width == 1 and h.layers > 1:
         raise ConfigError("model.dhen.width: 1 leaves the dot module of layers 2.. a list of one "
                           "vector, without pairs to dot; use a width of 2 or more (or 0)")
+
+
+def _validate_dense(cfg: Config) -> None:
+    """parallel.dense: what fsdp and hsdp (FSDP2's sharded dense modules) cannot run with.
+    Whether hsdp_shard_size divides the world size is checked where the job builds its mesh
+    (dense_sharding.py): a checkpoint's config is read on other world sizes too."""
+    p = cfg.parallel
+    if p.hsdp_shard_size and p.dense != "hsdp":
+        raise ConfigError(f"parallel.hsdp_shard_size: {p.hsdp_shard_size} applies to "
+                          f"parallel.dense=hsdp only, not {p.dense}; set parallel.dense=hsdp or "
+                          f"leave hsdp_shard_size at 0")
+    if p.hsdp_shard_size < 0:
+        raise ConfigError(f"parallel.hsdp_shard_size: must be >= 0 (0: the ranks of one host), "
+                          f"got {p.hsdp_shard_size}")
+    if p.dense == "ddp":
+        return
+    if cfg.train.cuda_graphs:
+        raise ConfigError(f"train.cuda_graphs: parallel.dense={p.dense} all-gathers the dense "
+                          f"parameters inside the step, which a captured graph cannot; set "
+                          f"train.cuda_graphs=false or parallel.dense=ddp")
+    if p.exchange == "des":
+        raise ConfigError(f"parallel.exchange: des reads the top MLP's first weight outside its "
+                          f"forward, which parallel.dense={p.dense} shards; use pooled or auto, "
+                          f"or parallel.dense=ddp")
 
 
 def _validate_exchange(cfg: Config) -> None:

@@ -25,6 +25,7 @@ from dlrm_hybrid.model.compositional import Part
 from dlrm_hybrid.model.dlrm import DLRM
 from dlrm_hybrid.model.interactions import CatInteraction
 from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
+from dlrm_hybrid.parallel.dense_sharding import dense_layout, dense_param_names, shard_dense
 from dlrm_hybrid.parallel.exchange import install_exchange
 from dlrm_hybrid.parallel.placement import Plan
 
@@ -46,25 +47,34 @@ def sharding_plan(model: DLRM, plan: Plan, local_world_size: int,
 
 
 def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size: int,
-                comm_precision: str = "fp32", exchange: str = "pooled"
-                ) -> DistributedModelParallel:
-    """Shard the embeddings by `plan`; the rest becomes data-parallel (DDP). A job of one rank
-    has nothing to all-reduce and skips DDP (1-2 ms per step of its hooks and copies on CPU).
+                comm_precision: str = "fp32", exchange: str = "pooled", dense: str = "ddp",
+                hsdp_shard_size: int = 0) -> DistributedModelParallel:
+    """Shard the embeddings by `plan`; the rest becomes data-parallel (DDP), or with `dense`
+    fsdp/hsdp the dense modules are sharded by FSDP2 (dense_sharding.py; `hsdp_shard_size` 0:
+    one host's ranks) and DDP keeps the replicated tables. A job of one rank has nothing to
+    all-reduce and skips DDP (1-2 ms per step of its hooks and copies on CPU).
     On CPU the tables go onto huge pages, and SGD ones use every core (cpu_lookup.py).
     `exchange` (pooled | des) is what the owners send back (exchange.py); with des and `cat`,
     the first top layer's weight stays out of DDP."""
     env = sharding_env(dist.group.WORLD)
     codecs = comm_codecs(comm_precision, device)
     sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs)
-    model_parallel = ([f"over_arch.{name}" for name, p in model.over_arch.named_parameters()
-                       if p is model.first_top_layer().weight]
-                      if exchange == "des" and isinstance(model.interaction, CatInteraction) else [])
+    if dense != "ddp":  # FSDP2 shards them below; DDP keeps the replicated tables, if any
+        not_ddp = dense_param_names(model)
+    elif exchange == "des" and isinstance(model.interaction, CatInteraction):
+        not_ddp = [f"over_arch.{name}" for name, p in model.over_arch.named_parameters()
+                   if p is model.first_top_layer().weight]
+    else:
+        not_ddp = []
     dmp = DistributedModelParallel(
         model, env=env, device=device, sharders=[sharder],
         plan=sharding_plan(model, plan, local_world_size, device.type),
         init_data_parallel=plan.world_size > 1,
-        data_parallel_wrapper=DefaultDataParallelWrapper(params_to_ignore=model_parallel))
+        data_parallel_wrapper=DefaultDataParallelWrapper(params_to_ignore=not_ddp))
     dmp.module.to(device)  # what the DDP wrapper does first
+    if dense != "ddp":
+        shard_dense(dmp.module, dense, device,
+                    dense_layout(dense, hsdp_shard_size, plan.world_size, local_world_size))
     if device.type == "cpu":
         speed_up_cpu_tables(dmp)
     install_exchange(dmp, exchange, plan.world_size, comm_precision, codecs)

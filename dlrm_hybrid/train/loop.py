@@ -18,6 +18,7 @@ from dlrm_hybrid.config import Config, ConfigError
 from dlrm_hybrid.data.day23 import require_reference_rule
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
+from dlrm_hybrid.parallel.dense_sharding import dense_layout
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
 from dlrm_hybrid.parallel.plan_report import describe, describe_lookups
@@ -89,7 +90,10 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
 
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
                           on_device=train_step.pipeline is None)  # else the pipeline copies
-    log.record({"step": first, "loader": batches.name, "step_driver": train_step.driver})
+    log.record({"step": first, "loader": batches.name, "step_driver": train_step.driver,
+                "dense": cfg.parallel.dense, "dense_replicas_shards": dense_layout(
+                    cfg.parallel.dense, cfg.parallel.hsdp_shard_size, env.world_size,
+                    env.local_world_size)})
     progress = Progress(first, steps, cfg.train.progress_bar, env.is_main)
     losses, train_time, logged_time = [], 0.0, 0.0  # training seconds, in all and at the last log
     loss_sum, window = torch.zeros((), device=env.device), 0  # since the last loss event
@@ -209,10 +213,12 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     replaced = describe_lookups(model.lookups, cfg)
     if replaced:
         say(replaced)
-    exchange, why = choose_exchange(cfg, plan)
+    exchange, why = (choose_exchange(cfg, plan) if cfg.parallel.dense == "ddp" else
+                     ("pooled", f"des reads the top MLP that parallel.dense={cfg.parallel.dense} "
+                                f"shards"))
     say(f"embedding exchange: {exchange} ({why})")
     dmp = shard_model(model, plan, env.device, env.local_world_size, cfg.parallel.comm_precision,
-                      exchange)
+                      exchange, cfg.parallel.dense, cfg.parallel.hsdp_shard_size)
     init_tables(dmp, [part for lookup in model.lookups for part in lookup.tables], cfg.train.seed)
     return dmp, plan
 

@@ -171,7 +171,8 @@ class Precision:
             optimizer.step()
             return
         if self._overflow:  # perhaps on another rank only: this rank's scaler must see it too
-            next(p.grad for p in self._dense_params if p.grad is not None).fill_(float("inf"))
+            grads = (_local(p.grad) for p in self._dense_params if p.grad is not None)
+            next(g for g in grads if g.numel()).fill_(float("inf"))
         scale = self._scale().clone()  # the scaler only lowers it on a skip
         self.scaler.step(optimizer)
         self.scaler.update()
@@ -206,7 +207,12 @@ class Precision:
 
 def _any_rank_non_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """One flag for the job: a non-finite value in `tensors` on any rank."""
-    flag = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().to(torch.int32)
+    flag = torch.stack([~torch.isfinite(_local(t)).all() for t in tensors]).any().to(torch.int32)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part: of a DTensor (an FSDP2-sharded parameter's gradient) its shard."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
