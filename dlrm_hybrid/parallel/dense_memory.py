@@ -236,8 +236,10 @@ def require_dense_fits(cfg, spec, world_size: int, ranks_per_host: int) -> None:
     the reserve and the way out."""
     memory = all_modes(cfg, spec, world_size, ranks_per_host)
     mode, reserve = cfg.parallel.dense, cfg.parallel.reserve_per_rank
-    if memory[mode].total > parse_bytes(reserve, "parallel.reserve_per_rank"):
+    need = memory[mode]
+    if need.total > parse_bytes(reserve, "parallel.reserve_per_rank"):
+        gathered = f", {need.largest} gathered" if need.transient else ""
         raise ConfigError(f"parallel.reserve_per_rank: the dense part needs "
-                          f"{format_bytes(memory[mode].total)} per rank under parallel.dense="
-                          f"{mode} (parameters, gradients, {cfg.optim.dense} state), more than "
+                          f"{format_bytes(need.total)} per rank under parallel.dense={mode} "
+                          f"(parameters, gradients, {cfg.optim.dense} state{gathered}), more than "
                           f"the {reserve} kept free of tables; {_remedy(memory, mode, reserve)}")
