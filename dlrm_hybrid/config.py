@@ -352,6 +352,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("model.bottom_mlp/model.top_mlp: need at least one layer each")
     if m.top_mlp[-1] != 1:
         raise ConfigError(f"model.top_mlp: last layer must be 1 (the click logit), got {m.top_mlp[-1]}")
+    if len(m.top_mlp) == 1 and not (m.interaction == "dcn" and m.dcn.structure == "parallel"):
+        raise ConfigError(f"model.top_mlp: {m.top_mlp} has no hidden layer, which only "
+                          f"model.dcn.structure=parallel takes; add one, e.g. [64, 1]")
     if m.embedding_dim % 4:  # fbgemm's embedding kernels (CPU and CUDA) assert it per table
         down = m.embedding_dim // 4 * 4
         near = " or ".join(str(d) for d in (down, down + 4) if d)

@@ -32,6 +32,8 @@ def test_overrides_are_typed_and_nested():
     ("model.embedding_dim=32", 1, "model.embedding_dim: 32 must equal the bottom MLP output"),
     ("parallel.backend=mpi", 1, "parallel.backend: 'mpi' is not one of"),
     ("parallel.memory_per_rank=lots", 1, "parallel.memory_per_rank: 'lots' is not a size"),
+    ("model.top_mlp=[1]", 1, "model.top_mlp: [1] has no hidden layer"),
+    ("model.dcn.layers=0", 1, "model.dcn.layers: must be positive"),
 ])
 def test_bad_values_raise_one_named_error(override, world, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("[", r"\[")):
