@@ -7,7 +7,8 @@ usage: dense_sharding_job.py OUT [--save | --resume DIR]
   --save: each mode with Adagrad, checkpointed at step 2 (steps 3-4 are its continuation)
   --resume DIR: each mode with SGD; each Adagrad run of DIR (a --save launch's OUT) resumed
                 from its step 2 in the next mode of the cycle ddp -> fsdp -> hsdp -> ddp; fsdp
-                with Adagrad under torchrec's train pipeline
+                with Adagrad under torchrec's train pipeline; ddp and fsdp with fp16, and
+                fp16's skipped step under fsdp (`fp16_skip`)
 """
 
 import json
@@ -16,6 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 from dlrm_hybrid.config import load_config  # noqa: E402
 from dlrm_hybrid.data.source import open_dataset  # noqa: E402
@@ -60,13 +64,47 @@ def held_on_rank(mode: str, env) -> dict:
     state = optimizer.state_dict()["state"]
     top = next(k for k in state if "over_arch" in k and k.endswith("weight"))
     total_sum = state[top]["sum"]
-    return {"dense_bytes": sum(t.numel() * t.element_size() for t in local),
+    return {"groups": [name for name, module in dmp.module.named_modules()
+                       if isinstance(module, FSDPModule)],
+            "dense_bytes": sum(t.numel() * t.element_size() for t in local),
             "full_bytes": sum(p.numel() * p.element_size() for p in dense),
             "sum_type": type(total_sum).__name__,
             "sum_placements": [str(p) for p in getattr(total_sum, "placements", ())],
             "sum_local_rows": (total_sum.to_local() if hasattr(total_sum, "to_local")
                                else total_sum).shape[0],
             "sum_rows": total_sum.shape[0]}
+
+
+def fp16_skip(env) -> list:
+    """fp16 under fsdp when only rank 1's embedding gradient overflows, at step 1 of 2: every
+    rank must skip, even one whose shard of the first dense gradient is empty (w0: 1 row).
+    Per step: whether this rank's shards changed, and the loss scale."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dlrm_hybrid.train.precision import Precision
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Linear(1, 4))
+    fully_shard(mlp, mesh=init_device_mesh("cpu", (env.world_size,)), reshard_after_forward=True)
+    precision = Precision("fp16", torch.device("cpu"), fallback=False,
+                          dense_params=list(mlp.parameters()))
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.1)
+    record = []
+    for step in range(2):
+        optimizer.zero_grad()
+        pooled = precision.split_at_embeddings(torch.randn(8, 4, requires_grad=True))
+        if env.rank == 1 and step == 0:
+            pooled.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+        before = [p.to_local().clone() for p in mlp.parameters()]
+        with precision.autocast():
+            loss = mlp(pooled).float().mean()
+        precision.backward(loss)
+        precision.step(optimizer)
+        changed = any(not torch.equal(b, p.to_local()) for b, p in zip(before, mlp.parameters()))
+        record.append([changed, precision.scaler.get_scale()])
+    return record
 
 
 def main() -> None:
@@ -92,6 +130,12 @@ def main() -> None:
                 [f"checkpoint.resume={step_2}"]), env).losses
         result["losses"]["fsdp-adagrad-pipelined"] = train(config(
             out / "pipelined", "fsdp", "adagrad", env, ["train.pipeline=enabled"]), env).losses
+        for mode in ("ddp", "fsdp"):  # fp16's loss scaler over the dense gradients' shards
+            result["losses"][f"{mode}-fp16"] = train(config(
+                out / f"{mode}-fp16", mode, "adagrad", env,
+                ["train.precision=fp16", "train.precision_fallback=false"]), env).losses
+        result["fp16_skip"] = [None] * env.world_size
+        dist.all_gather_object(result["fp16_skip"], fp16_skip(env))
     if env.is_main:
         (out / "result.json").write_text(json.dumps(result))
     shutdown()

@@ -52,18 +52,31 @@ def test_every_mode_trains_the_same_model_on_every_world_size(jobs):
 def test_a_checkpoint_resumes_in_another_mode_on_another_world_size(jobs):
     """Each mode's 4-rank checkpoint at step 2 (dense Adagrad), resumed on 2 ranks in the next
     mode, trains steps 3-4 as the 4-rank run did: the model and Adagrad's sharded state load,
-    resharded; torchrec's train pipeline drives fsdp to the same losses."""
+    resharded; torchrec's train pipeline drives fsdp to the same losses; fp16's loss scaler
+    (its overflow check over the gradients' shards) gives fsdp ddp's fp16 losses."""
     for mode, then in NEXT.items():
         assert_same(jobs[4]["losses"][f"{mode}-adagrad"][2:],
                     jobs[2]["losses"][f"{mode}-adagrad-then-{then}"], f"{mode} resumed in {then}")
     assert_same(jobs[4]["losses"]["ddp-adagrad"], jobs[2]["losses"]["fsdp-adagrad-pipelined"],
                 "fsdp pipelined")
+    assert_same(jobs[2]["losses"]["ddp-fp16"], jobs[2]["losses"]["fsdp-fp16"], "fsdp fp16")
+
+
+def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(jobs):
+    """fsdp, 2 ranks: rank 1's embedding gradient overflows at the first step; no rank's
+    shards change and both back the scale off from 2^16 (rank 1's shard of the first dense
+    gradient is empty: the skip must show in another); the second step is taken."""
+    assert jobs[2]["fp16_skip"] == [[[False, 2.0**15], [True, 2.0**15]]] * 2
 
 
 def test_parameters_and_optimizer_state_are_sharded(jobs):
-    """On 4 ranks, rank 0 holds all dense bytes under ddp, about 1/4 under fsdp and 1/2 under
-    hsdp 2x2; Adagrad's sum is a DTensor shard (replicated across hsdp's groups)."""
+    """On 4 ranks, each DHEN layer is a group of its own; rank 0 holds all dense bytes under
+    ddp, about 1/4 under fsdp and 1/2 under hsdp 2x2; Adagrad's sum is a DTensor shard
+    (replicated across hsdp's groups)."""
     held = jobs[4]["held"]
+    assert held["ddp"]["groups"] == []
+    assert held["fsdp"]["groups"] == held["hsdp"]["groups"] == [
+        "dense_arch", "interaction.layers.0", "interaction.layers.1", "over_arch"]
     full = held["ddp"]["full_bytes"]
     assert held["ddp"]["dense_bytes"] == full and held["ddp"]["sum_type"] == "Tensor"
     for mode, shards, placements in (("fsdp", 4, ["S(0)"]), ("hsdp", 2, ["R", "S(0)"])):
@@ -76,7 +89,7 @@ def test_parameters_and_optimizer_state_are_sharded(jobs):
 TINY = ["--config", "configs/demo.yaml", *(f"--set={o}" for o in [
     "train.max_steps=4", "train.log_every=1", "train.eval_every=0", "train.progress_bar=false",
     "data.global_batch_size=256", "data.train_samples=8192", "data.val_samples=1024",
-    "model.interaction=dhen", "model.dhen.layers=1", "model.dhen.modules=[linear]",
+    "model.interaction=cat", "model.top_mlp=[32,16,1]", "parallel.replicate=false",
     "optim.dense_lr=0.01"])]
 
 
@@ -85,12 +98,15 @@ def sets(*overrides: str) -> list:
 
 
 def test_cli_fsdp_run_resumes_under_ddp_and_its_checkpoint_evaluates_and_exports(tmp_path):
-    """`train` on 2 ranks with fsdp (recorded as such), resumed in one process with ddp from
-    its step 4 to step 6; `eval` and `export` of the fsdp checkpoint reproduce its AUC."""
+    """`train` on 2 ranks with fsdp (recorded as such; `cat`, whose automatic exchange would
+    be des under ddp, exchanges pooled vectors), resumed in one process with ddp from its step
+    4 to step 6; `eval` and `export` of the fsdp checkpoint reproduce its AUC."""
     run_dir = tmp_path / "run"
     first = run_cli(["train", *TINY, *sets("parallel.dense=fsdp", f"train.run_dir={run_dir}")],
                     nproc=2)
     assert first.returncode == 0, failure(first)
+    assert "embedding exchange: pooled (des reads the top MLP that parallel.dense=fsdp shards)" \
+        in first.stdout
     record = next(e for e in read_metrics(run_dir) if "dense" in e)
     assert (record["dense"], record["dense_replicas_shards"]) == ("fsdp", [1, 2])
     step_4 = run_dir / "checkpoints" / "step_4"

@@ -171,8 +171,7 @@ class Precision:
             optimizer.step()
             return
         if self._overflow:  # perhaps on another rank only: this rank's scaler must see it too
-            grads = (_local(p.grad) for p in self._dense_params if p.grad is not None)
-            next(g for g in grads if g.numel()).fill_(float("inf"))
+            next(p.grad for p in self._dense_params if p.grad is not None).fill_(float("inf"))
         scale = self._scale().clone()  # the scaler only lowers it on a skip
         self.scaler.step(optimizer)
         self.scaler.update()
