@@ -4,6 +4,7 @@ evaluated, exported and served through the CLI; its config mistakes are one-line
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -134,7 +135,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_saves_fewer_tenso
     cfg = DhenConfig(layers=2, modules=list(MODULES), width=3, heads=HEADS)
     torch.manual_seed(0)
     plain = DHEN(L_IN - 1, D, cfg)
-    recomputed = DHEN(L_IN - 1, D, DhenConfig(**{**vars(cfg), "activation_checkpointing": True}))
+    recomputed = DHEN(L_IN - 1, D, dataclasses.replace(cfg, activation_checkpointing=True))
     recomputed.load_state_dict(plain.state_dict())
     x = list_input().float()
     results = [backward_of(m, x[:, 0].clone().requires_grad_(), x[:, 1:]) for m in
@@ -144,7 +145,8 @@ def test_activation_checkpointing_gives_the_same_gradients_and_saves_fewer_tenso
     for grad, grad_r in zip(grads, grads_r, strict=True):
         torch.testing.assert_close(grad_r, grad)
     assert saved_r < saved / 10, (saved_r, saved)
-    plain.eval(), recomputed.eval()  # evaluation keeps what it needs, recomputes nothing
+    plain.eval()  # evaluation keeps what it needs: it recomputes nothing
+    recomputed.eval()
     eval_saved = [backward_of(m, x[:, 0].clone().requires_grad_(), x[:, 1:])[2]
                   for m in (plain, recomputed)]
     assert eval_saved == [saved, saved]

@@ -97,6 +97,8 @@ class DcnModule(nn.Module):
         return torch.matmul(self.weight, torch.bmm(x.transpose(1, 2), x)) + self.bias
 
 
+# model.dhen.modules -> the class, each built as (l_in, l_out, d, heads); config.DHEN_MODULES
+# names the same keys (config.py imports no torch).
 MODULES = {"linear": LinearModule, "self_attention": SelfAttentionModule, "conv": ConvModule,
            "dot": DotModule, "dcn": DcnModule}
 
