@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from dlrm_hybrid.config import load_config  # noqa: E402
 from dlrm_hybrid.data.source import open_dataset  # noqa: E402
@@ -66,6 +67,7 @@ def held_on_rank(mode: str, env) -> dict:
     total_sum = state[top]["sum"]
     return {"groups": [name for name, module in dmp.module.named_modules()
                        if isinstance(module, FSDPModule)],
+            "ddp": isinstance(dmp._dmp_wrapped_module, DistributedDataParallel),
             "dense_bytes": sum(t.numel() * t.element_size() for t in local),
             "full_bytes": sum(p.numel() * p.element_size() for p in dense),
             "sum_type": type(total_sum).__name__,
