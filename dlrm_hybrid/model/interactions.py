@@ -23,7 +23,7 @@ class PairwiseDots(torch.autograd.Function):
     place, casts them (twice, one copy strided) under autocast, and runs two bmm backward.
     Here they are written once, already cast, and the symmetric Gram matrix needs one bmm
     back: dZ = (G + G^T) Z, G the output gradient scattered to (i, j) and (j, i). Measured on 2
-    CPU cores, batch 2048, 27 vectors of 64, forward + backward: benchmarks/interaction.py.
+    CPU cores, batch 2048, 27 vectors of 64, forward + backward: benchmarks/interactions.py.
     """
 
     @staticmethod
