@@ -204,7 +204,8 @@ def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> Tuple[int, st
 
 
 def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], None]):
-    """The DLRM with its tables placed, sharded and initialised, the MLPs wrapped in DDP."""
+    """The DLRM with its tables placed, sharded and initialised, the dense modules
+    data-parallel as `parallel.dense` says (DDP, or FSDP2's fsdp/hsdp)."""
     torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
     model = build_model(cfg.model, spec)
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
