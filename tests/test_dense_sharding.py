@@ -9,7 +9,6 @@ from conftest import (ROOT, assert_eval_and_export_reproduce, done_fields, failu
                       run_cli)
 
 MODES = ("ddp", "fsdp", "hsdp")
-OPTIMIZERS = ("sgd", "adagrad")
 NEXT = {"ddp": "fsdp", "fsdp": "hsdp", "hsdp": "ddp"}  # dense_sharding_job.py's resume cycle
 
 
