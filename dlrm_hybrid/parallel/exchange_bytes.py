@@ -82,6 +82,8 @@ def choose_exchange(cfg, plan: Plan) -> Tuple[str, str]:
         return "pooled", "qr mult and add features need their parts' pooled vectors"
     if cfg.train.cuda_graphs or cfg.train.precision == "fp16":
         return "pooled", "des runs neither under CUDA graphs nor with fp16"
+    if cfg.parallel.dense != "ddp":
+        return "pooled", f"des reads the top MLP that parallel.dense={cfg.parallel.dense} shards"
     if plan.replicated:
         return "pooled", ("des does not run with replicated tables (each rank looks them "
                           "up for its own samples: no owner sends their partial sums)")

@@ -9,8 +9,6 @@ import torch
 import torch.distributed as dist
 
 from dlrm_hybrid.config import parse_bytes
-from dlrm_hybrid.data.spec import data_spec
-from dlrm_hybrid.parallel.dense_memory import require_dense_fits
 from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants, device_constants, device_kind
 from dlrm_hybrid.parallel.placement import Plan, plan_tables, search_rules
 from dlrm_hybrid.parallel.plan_file import check_plan, load_plan
@@ -21,9 +19,7 @@ CPU_DEFAULT_MEMORY = 8 * 2**30
 
 
 def job_plan(cfg, specs: List[TableSpec], env: DistEnv) -> Plan:
-    """The plan file named by `parallel.plan`, checked against the model, or a fresh plan; first,
-    the dense part must fit in the memory the plan leaves free (parallel.reserve_per_rank)."""
-    require_dense_fits(cfg, data_spec(cfg.data), env.world_size, env.local_world_size)
+    """The plan file named by `parallel.plan`, checked against the model, or a fresh plan."""
     if cfg.parallel.plan:
         plan = load_plan(cfg.parallel.plan)
         check_plan(plan, cfg.parallel.plan, specs, env.world_size)

@@ -30,6 +30,8 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     cfg.optim.embedding = "sgd"
     if not any(o.strip().startswith("parallel.plan=") for o in overrides):
         cfg.parallel.plan = ""  # the training run's plan file is for its world size, not this one's
+    if not any(o.strip().startswith("parallel.hsdp_shard_size=") for o in overrides):
+        cfg.parallel.hsdp_shard_size = 0  # hsdp groups of this job's hosts, which divide its ranks
     log = MetricsLog(Path(cfg.train.run_dir), env.rank)
     check_checkpoint(path, log.say)  # its files are those it was written with
     dataset = open_dataset(cfg.data)

@@ -18,6 +18,7 @@ from dlrm_hybrid.config import Config, ConfigError
 from dlrm_hybrid.data.day23 import require_reference_rule
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
+from dlrm_hybrid.parallel.dense_memory import require_dense_fits
 from dlrm_hybrid.parallel.dense_sharding import dense_layout
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
@@ -206,6 +207,7 @@ def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> Tuple[int, st
 def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], None]):
     """The DLRM with its tables placed, sharded and initialised, the dense modules
     data-parallel as `parallel.dense` says (DDP, or FSDP2's fsdp/hsdp)."""
+    require_dense_fits(cfg, spec, env.world_size, env.local_world_size)  # before building it
     torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
     model = build_model(cfg.model, spec)
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
@@ -214,9 +216,7 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     replaced = describe_lookups(model.lookups, cfg)
     if replaced:
         say(replaced)
-    exchange, why = (choose_exchange(cfg, plan) if cfg.parallel.dense == "ddp" else
-                     ("pooled", f"des reads the top MLP that parallel.dense={cfg.parallel.dense} "
-                                f"shards"))
+    exchange, why = choose_exchange(cfg, plan)
     say(f"embedding exchange: {exchange} ({why})")
     dmp = shard_model(model, plan, env.device, env.local_world_size, cfg.parallel.comm_precision,
                       exchange, cfg.parallel.dense, cfg.parallel.hsdp_shard_size)
