@@ -122,9 +122,10 @@ def fm_sums(vectors: torch.Tensor, first_order: torch.Tensor) -> torch.Tensor:
 
 
 def build_interaction(kind: str, num_sparse: int, dense_dim: int, embedding_dim: int,
-                      self_interaction: bool, dcn: DcnConfig, dhen: DhenConfig
-                      ) -> Tuple[nn.Module, int]:
-    """The interaction module and the width of its output."""
+                      self_interaction: bool = False, dcn: DcnConfig = DcnConfig(),
+                      dhen: DhenConfig = DhenConfig()) -> Tuple[nn.Module, int]:
+    """The interaction module and the width of its output (`dcn`, `dhen`: those interactions'
+    settings, read only)."""
     if kind == "dot":
         n = num_sparse + 1
         pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
