@@ -144,10 +144,19 @@ def dense_units(model_cfg, num_dense: int, features: int) -> List[Unit]:
             Unit("top MLP", {"mlp": top_shapes})]
 
 
-def shard_count(mode: str, world_size: int, hsdp_shard_size: int, ranks_per_host: int) -> int:
-    """Ranks one copy of the dense part is split over: ddp 1, fsdp all, hsdp a group of
-    `hsdp_shard_size` (0: one host's ranks)."""
-    return {"ddp": 1, "fsdp": world_size, "hsdp": hsdp_shard_size or ranks_per_host}[mode]
+def dense_layout(mode: str, hsdp_shard_size: int, world_size: int,
+                 local_world_size: int) -> Tuple[int, int]:
+    """(replicas, shards): how many copies of the dense modules the job keeps, and over how
+    many ranks each copy is split. hsdp's groups: `hsdp_shard_size` ranks, 0 one host's."""
+    if mode == "ddp":
+        return world_size, 1
+    if mode == "fsdp":
+        return 1, world_size
+    shards = hsdp_shard_size or local_world_size
+    if world_size % shards:
+        raise ConfigError(f"parallel.hsdp_shard_size: groups of {shards} ranks do not divide "
+                          f"the world size {world_size}; use a divisor of {world_size}")
+    return world_size // shards, shards
 
 
 def per_rank(units: List[Unit], mode: str, shards: int, optimizer: str) -> DenseMemory:
@@ -172,8 +181,8 @@ def _share(shape: Shape, shards: int) -> int:
 
 def all_modes(cfg, spec, world_size: int, ranks_per_host: int) -> Dict[str, DenseMemory]:
     units = dense_units(cfg.model, spec.num_dense, len(spec.cardinalities))
-    return {mode: per_rank(units, mode, shard_count(mode, world_size, cfg.parallel.hsdp_shard_size,
-                                                    ranks_per_host), cfg.optim.dense)
+    return {mode: per_rank(units, mode, dense_layout(mode, cfg.parallel.hsdp_shard_size, world_size,
+                                                     ranks_per_host)[1], cfg.optim.dense)
             for mode in MODES}
 
 

@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dlrm_hybrid.config import ConfigError
 
 
 def dense_units(model: nn.Module) -> List[nn.Module]:
@@ -39,21 +38,6 @@ def dense_param_names(model: nn.Module) -> List[str]:
     """The dense modules' parameter names in `model` (what DDP must leave to FSDP2)."""
     return [name for name, _ in model.named_parameters()
             if name.split(".")[0] in ("dense_arch", "interaction", "over_arch")]
-
-
-def dense_layout(mode: str, hsdp_shard_size: int, world_size: int,
-                 local_world_size: int) -> Tuple[int, int]:
-    """(replicas, shards): how many copies of the dense modules the job keeps, and over how
-    many ranks each copy is split. hsdp's groups: `hsdp_shard_size` ranks, 0 one host's."""
-    if mode == "ddp":
-        return world_size, 1
-    if mode == "fsdp":
-        return 1, world_size
-    shards = hsdp_shard_size or local_world_size
-    if world_size % shards:
-        raise ConfigError(f"parallel.hsdp_shard_size: groups of {shards} ranks do not divide "
-                          f"the world size {world_size}; use a divisor of {world_size}")
-    return world_size // shards, shards
 
 
 def shard_dense(model: nn.Module, mode: str, device: torch.device,

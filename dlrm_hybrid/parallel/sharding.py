@@ -25,7 +25,8 @@ from dlrm_hybrid.model.compositional import Part
 from dlrm_hybrid.model.dlrm import DLRM
 from dlrm_hybrid.model.interactions import CatInteraction
 from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
-from dlrm_hybrid.parallel.dense_sharding import dense_layout, dense_param_names, shard_dense
+from dlrm_hybrid.parallel.dense_memory import dense_layout
+from dlrm_hybrid.parallel.dense_sharding import dense_param_names, shard_dense
 from dlrm_hybrid.parallel.exchange import install_exchange
 from dlrm_hybrid.parallel.placement import Plan
 

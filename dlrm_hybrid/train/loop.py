@@ -18,8 +18,7 @@ from dlrm_hybrid.config import Config, ConfigError
 from dlrm_hybrid.data.day23 import require_reference_rule
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
-from dlrm_hybrid.parallel.dense_memory import require_dense_fits
-from dlrm_hybrid.parallel.dense_sharding import dense_layout
+from dlrm_hybrid.parallel.dense_memory import dense_layout, require_dense_fits
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
 from dlrm_hybrid.parallel.plan_report import describe, describe_lookups
