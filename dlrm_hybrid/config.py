@@ -63,7 +63,21 @@ class DhenConfig:
 
 
 @dataclass
+class TowerConfig:
+    """One tower of `model.kind: two_tower` (model/two_tower.py): its side's features pooled
+    from their tables, concatenated with its dense features, through an MLP."""
+
+    features: List[str] = field(default_factory=list)  # empty: all of the dataset's for this side
+    embedding_dim: int = 0  # of this tower's tables; 0: model.embedding_dim
+    mlp: List[int] = field(default_factory=lambda: [64, 32])  # the last is the output width
+    normalize: bool = True  # L2-normalise the output (the score is then a cosine)
+
+
+@dataclass
 class ModelConfig:
+    # dlrm: the ranker (one click logit) | two_tower: a user and an item tower trained for
+    # retrieval (model/two_tower.py; the `retrieval` section sets its loss and evaluation)
+    kind: str = "dlrm"
     embedding_dim: int = 16
     embedding_precision: str = "fp32"  # fp32 | fp16
     bottom_mlp: List[int] = field(default_factory=lambda: [64, 16])
@@ -73,6 +87,9 @@ class ModelConfig:
     dcn: DcnConfig = field(default_factory=DcnConfig)
     dhen: DhenConfig = field(default_factory=DhenConfig)
     compositional: List[CompositionalRule] = field(default_factory=list)  # hashing trick, QR
+    user_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
+    item_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
+    temperature: float = 0.05  # two_tower: score = <user, item> / temperature
 
 
 @dataclass
@@ -96,6 +113,10 @@ class DataConfig:
     teacher_dim: int = 8  # width of the planted teacher's latent vectors
     teacher_scale: float = 1.0  # logit scale of the teacher: higher means an easier task
     teacher_order: int = 2  # 2: the teacher sums pairwise dots | 3: and three-way products
+    # two_tower's planted interactions (data/planted_interactions.py), when data.path is empty:
+    users: int = 2000
+    items: int = 1000
+    interactions_per_user: int = 12  # engagements drawn per user before the leave-last-out split
 
 
 @dataclass
@@ -170,6 +191,20 @@ class TrainConfig:
 
 
 @dataclass
+class RetrievalConfig:
+    """two_tower's loss (retrieval/loss.py) and evaluation (retrieval/evaluate.py)."""
+
+    # softmax over the global batch's items: every rank's positives are every sample's negatives
+    logq: bool = True  # subtract log p(item), p streamed from the batches (Yi et al., RecSys 2019)
+    logq_decay: float = 0.01  # the streaming estimate's learning rate (Yi et al.'s alpha)
+    remove_accidental_hits: bool = True  # a sample's own item elsewhere in the batch is no negative
+    uniform_negatives: int = 0  # per global batch, drawn uniformly from the corpus (mixed negatives)
+    cross_batch_memory: int = 0  # item embeddings of recent batches kept as extra negatives
+    eval_k: List[int] = field(default_factory=lambda: [10, 50, 100])  # recall/HR/NDCG@K
+    eval_items_per_chunk: int = 65536  # items scored at once per user batch: bounds eval memory
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints (0: only at the end)
     dir: str = ""  # empty: <train.run_dir>/checkpoints
@@ -185,6 +220,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -197,6 +233,7 @@ class Config:
 
 
 CHOICES = {
+    "model.kind": ("dlrm", "two_tower"),
     "model.embedding_precision": ("fp32", "fp16"),
     "model.interaction": ("dot", "cat", "dcn", "fm", "dhen"),
     "model.dcn.structure": ("stacked", "parallel"),
@@ -221,7 +258,8 @@ QR_OPERATIONS = ("mult", "add", "concat")
 POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.num_dense", "data.train_samples", "data.val_samples",
             "model.embedding_dim", "data.teacher_dim", "train.log_every", "train.stop_grace_s",
             "model.dcn.layers", "model.dcn.rank", "model.dcn.experts", "model.dhen.layers",
-            "model.dhen.heads")
+            "model.dhen.heads", "model.temperature", "data.users", "data.items",
+            "data.interactions_per_user", "retrieval.eval_items_per_chunk")
 LEGACY_KEYS = {"dcn_layers": "layers", "dcn_low_rank": "rank"}  # model.<old> -> model.dcn.<new>
 
 
@@ -348,39 +386,14 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"data.global_batch_size: {d.global_batch_size} is not divisible by the world size "
             f"{world_size}; use a multiple of {world_size}")
-    if not m.bottom_mlp or not m.top_mlp:
-        raise ConfigError("model.bottom_mlp/model.top_mlp: need at least one layer each")
-    if m.top_mlp[-1] != 1:
-        raise ConfigError(f"model.top_mlp: last layer must be 1 (the click logit), got {m.top_mlp[-1]}")
-    if len(m.top_mlp) == 1 and not (m.interaction == "dcn" and m.dcn.structure == "parallel"):
-        raise ConfigError(f"model.top_mlp: {m.top_mlp} has no hidden layer, which only "
-                          f"model.dcn.structure=parallel takes; add one, e.g. [64, 1]")
     if m.embedding_dim % 4:  # fbgemm's embedding kernels (CPU and CUDA) assert it per table
         down = m.embedding_dim // 4 * 4
         near = " or ".join(str(d) for d in (down, down + 4) if d)
         raise ConfigError(f"model.embedding_dim: {m.embedding_dim} is not a multiple of 4, which "
                           f"fbgemm's embedding tables need (CPU and GPU); use {near}")
-    if m.interaction in ("dot", "dcn", "dhen") and m.bottom_mlp[-1] != m.embedding_dim:
-        raise ConfigError(
-            f"model.embedding_dim: {m.embedding_dim} must equal the bottom MLP output "
-            f"(model.bottom_mlp[-1] = {m.bottom_mlp[-1]}) for interaction '{m.interaction}'")
-    if not d.cardinalities or min(d.cardinalities) <= 0:
-        raise ConfigError("data.cardinalities: need one positive row count per categorical feature")
-    if len(d.hotness) not in (1, len(d.cardinalities)) or min(d.hotness) <= 0:
-        raise ConfigError(
-            f"data.hotness: give one positive value or one per table ({len(d.cardinalities)})")
-    if d.teacher_order not in (2, 3):
-        raise ConfigError(f"data.teacher_order: {d.teacher_order} is not 2 (pairwise terms) or 3 "
-                          f"(pairwise and three-way terms); use 2 or 3")
-    if d.teacher_order == 3 and len(d.cardinalities) < 2:
-        raise ConfigError("data.teacher_order: 3 needs three latent vectors (the dense one and "
-                          "at least 2 tables); add a table to data.cardinalities or use 2")
-    for i, rule in enumerate(m.compositional):
-        _validate_rule(rule, f"model.compositional[{i}]", m.embedding_dim)
-        if m.interaction == "fm" and rule.technique == "qr":
-            raise ConfigError(f"model.compositional[{i}]: interaction fm needs one vector and one "
-                              f"first-order weight per id, which qr parts do not give; use hash")
-    _validate_dhen(cfg)
+    if m.kind == "dlrm":
+        _validate_ranker(cfg)
+    _validate_two_tower(cfg)
     _validate_exchange(cfg)
     _validate_dense(cfg)
     _validate_schedule(cfg)
@@ -451,6 +464,73 @@ def _validate_dhen(cfg: Config) -> None:
     if "dot" in h.modules and h.width == 1 and h.layers > 1:
         raise ConfigError("model.dhen.width: 1 leaves the dot module of layers 2.. a list of one "
                           "vector, without pairs to dot; use a width of 2 or more (or 0)")
+
+
+def _validate_ranker(cfg: Config) -> None:
+    """The DLRM's layers and its planted click data (model.kind dlrm)."""
+    m, d = cfg.model, cfg.data
+    if not m.bottom_mlp or not m.top_mlp:
+        raise ConfigError("model.bottom_mlp/model.top_mlp: need at least one layer each")
+    if m.top_mlp[-1] != 1:
+        raise ConfigError(f"model.top_mlp: last layer must be 1 (the click logit), got {m.top_mlp[-1]}")
+    if len(m.top_mlp) == 1 and not (m.interaction == "dcn" and m.dcn.structure == "parallel"):
+        raise ConfigError(f"model.top_mlp: {m.top_mlp} has no hidden layer, which only "
+                          f"model.dcn.structure=parallel takes; add one, e.g. [64, 1]")
+    if m.interaction in ("dot", "dcn", "dhen") and m.bottom_mlp[-1] != m.embedding_dim:
+        raise ConfigError(
+            f"model.embedding_dim: {m.embedding_dim} must equal the bottom MLP output "
+            f"(model.bottom_mlp[-1] = {m.bottom_mlp[-1]}) for interaction '{m.interaction}'")
+    if not d.cardinalities or min(d.cardinalities) <= 0:
+        raise ConfigError("data.cardinalities: need one positive row count per categorical feature")
+    if len(d.hotness) not in (1, len(d.cardinalities)) or min(d.hotness) <= 0:
+        raise ConfigError(
+            f"data.hotness: give one positive value or one per table ({len(d.cardinalities)})")
+    if d.teacher_order not in (2, 3):
+        raise ConfigError(f"data.teacher_order: {d.teacher_order} is not 2 (pairwise terms) or 3 "
+                          f"(pairwise and three-way terms); use 2 or 3")
+    if d.teacher_order == 3 and len(d.cardinalities) < 2:
+        raise ConfigError("data.teacher_order: 3 needs three latent vectors (the dense one and "
+                          "at least 2 tables); add a table to data.cardinalities or use 2")
+    for i, rule in enumerate(m.compositional):
+        _validate_rule(rule, f"model.compositional[{i}]", m.embedding_dim)
+        if m.interaction == "fm" and rule.technique == "qr":
+            raise ConfigError(f"model.compositional[{i}]: interaction fm needs one vector and one "
+                              f"first-order weight per id, which qr parts do not give; use hash")
+    _validate_dhen(cfg)
+
+
+def _validate_two_tower(cfg: Config) -> None:
+    m, r = cfg.model, cfg.retrieval
+    if m.kind != "two_tower":
+        return
+    for side in ("user_tower", "item_tower"):
+        tower = getattr(m, side)
+        if not tower.mlp or min(tower.mlp) <= 0:
+            raise ConfigError(f"model.{side}.mlp: need at least one positive layer width, e.g. [64, 32]")
+        dim = tower.embedding_dim or m.embedding_dim
+        if tower.embedding_dim < 0 or dim % 4:
+            raise ConfigError(f"model.{side}.embedding_dim: {dim} is not a positive multiple of 4, "
+                              f"which fbgemm's embedding tables need; use e.g. 32")
+    if m.user_tower.mlp[-1] != m.item_tower.mlp[-1]:
+        raise ConfigError(f"model.item_tower.mlp: its output width {m.item_tower.mlp[-1]} must "
+                          f"equal model.user_tower.mlp's {m.user_tower.mlp[-1]} (their dot product "
+                          f"is the score); make the last widths equal")
+    if not 0 < r.logq_decay <= 1:
+        raise ConfigError(f"retrieval.logq_decay: {r.logq_decay} is not in (0, 1]; use e.g. 0.01")
+    for key in ("retrieval.uniform_negatives", "retrieval.cross_batch_memory"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
+    if not r.eval_k or min(r.eval_k) <= 0:
+        raise ConfigError(f"retrieval.eval_k: {r.eval_k}: give positive cut-offs, e.g. [10, 50, 100]")
+    unsupported = {"parallel.dense": cfg.parallel.dense != "ddp",
+                   "parallel.exchange": cfg.parallel.exchange == "des",
+                   "train.cuda_graphs": cfg.train.cuda_graphs,
+                   "train.mlperf_log": bool(cfg.train.mlperf_log),
+                   "train.target_auc": cfg.train.target_auc > 0}
+    for key, asked in unsupported.items():
+        if asked:
+            raise ConfigError(f"{key}: {_get(cfg, key)!r} is for the ranker; model.kind "
+                              f"two_tower trains without it (leave {key} at its default)")
 
 
 def _validate_dense(cfg: Config) -> None:

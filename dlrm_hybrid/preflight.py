@@ -30,7 +30,7 @@ def check_launch(torchrun_args: List[str]) -> None:
     if args.command == "eval" and not config:  # the checkpoint's own, as its ranks read it
         config = str(checkpoint_config_path(Path(args.checkpoint)))
     cfg = load_config(config, args.overrides, world_size(launch[0]) or 1)
-    data_spec(cfg.data)  # data.path: a readable feature_spec.yaml
+    data_spec(cfg.data, cfg.model)  # data.path: a readable feature_spec.yaml
 
 
 def split_launch(torchrun_args: List[str]) -> Optional[Tuple[List[str], List[str]]]:

@@ -5,14 +5,33 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dlrm_hybrid.data.interaction_data import InteractionData, open_interactions
+from dlrm_hybrid.data.interaction_meta import META_FILE, is_interaction_folder
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
 from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
+from dlrm_hybrid.data.planted_interactions import planted_interactions
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.errors import DataError
 
 
-def open_dataset(data_cfg):
+def open_dataset(data_cfg, model_cfg=None):
+    """`model_cfg.kind` two_tower reads interaction logs (data/interaction_data.py), with the
+    side features its towers read."""
+    if model_cfg is not None and model_cfg.kind == "two_tower":
+        return open_interaction_dataset(data_cfg).for_model(model_cfg)
+    if is_interaction_folder(data_cfg.path):
+        raise DataError(f"data.path: {data_cfg.path} is an interaction log for retrieval; train "
+                        f"it with model.kind=two_tower, or give the ranker a click-log dataset")
     return SplitBinaryDataset(data_cfg.path) if data_cfg.path else SyntheticClicks(data_cfg)
+
+
+def open_interaction_dataset(data_cfg) -> InteractionData:
+    if not data_cfg.path:
+        return planted_interactions(data_cfg)
+    if not is_interaction_folder(data_cfg.path):
+        raise DataError(f"data.path: {data_cfg.path} has no {META_FILE}; model.kind two_tower "
+                        f"reads a folder made by `dlrm_hybrid preprocess interactions`")
+    return open_interactions(data_cfg.path)
 
 
 def require_samples(dataset, splits: Sequence[str], where: str) -> None:
@@ -21,6 +40,10 @@ def require_samples(dataset, splits: Sequence[str], where: str) -> None:
     for split in splits:
         if dataset.num_samples(split):
             continue
+        if isinstance(dataset, InteractionData):
+            where = dataset.root or "planted interactions"
+            raise DataError(f"{where}: the {split} split has no engagements and {where} reads "
+                            f"it; preprocess with more users or another split rule")
         if isinstance(dataset, SplitBinaryDataset):
             raise DataError(f"{dataset.fspec.root}: the {SPLIT_NAMES[split]} split has no samples "
                             f"and {where} reads it; preprocess again with rows for it (Criteo day "

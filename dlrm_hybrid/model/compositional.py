@@ -169,10 +169,21 @@ def _names(names: Sequence[str]) -> str:
 
 
 def lookups_of(model_cfg, spec) -> List[FeatureLookup]:
-    """The lookups of a config's model over a dataset's features (`spec`: a DataSpec)."""
-    return feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
-                           model_cfg.embedding_dim, model_cfg.compositional,
-                           first_order=model_cfg.interaction == "fm")
+    """The lookups of a config's model over a dataset's features (`spec`: a DataSpec). A
+    two-tower model's are its user tower's features then its item tower's, each at its
+    tower's embedding width."""
+    if model_cfg.kind != "two_tower":
+        return feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
+                               model_cfg.embedding_dim, model_cfg.compositional,
+                               first_order=model_cfg.interaction == "fm")
+    lookups = []
+    for side in ("user", "item"):
+        dim = getattr(model_cfg, f"{side}_tower").embedding_dim or model_cfg.embedding_dim
+        mine = [i for i, name in enumerate(spec.feature_names) if name.startswith(f"{side}_")]
+        lookups += feature_lookups([spec.feature_names[i] for i in mine],
+                                   [spec.cardinalities[i] for i in mine],
+                                   [spec.hotness[i] for i in mine], dim, model_cfg.compositional)
+    return lookups
 
 
 def describe(lookup: FeatureLookup) -> Optional[str]:

@@ -112,6 +112,19 @@ def _dhen_layers(cfg, features: int, d: int) -> List[Unit]:
     return units
 
 
+def model_dense_units(model_cfg, spec) -> List[Unit]:
+    """The dense units of the configured model over a dataset's features (`spec`)."""
+    if model_cfg.kind != "two_tower":
+        return dense_units(model_cfg, spec.num_dense, len(spec.cardinalities))
+    units = []
+    for side in ("user", "item"):
+        tower = getattr(model_cfg, f"{side}_tower")
+        width = (tower.embedding_dim or model_cfg.embedding_dim) * sum(
+            name.startswith(f"{side}_") for name in spec.feature_names)
+        units.append(Unit(f"{side} tower", {"mlp": _mlp(width, tower.mlp)}))
+    return units
+
+
 def dense_units(model_cfg, num_dense: int, features: int) -> List[Unit]:
     """The dense parameters' shapes for `features` categorical features (F) and `num_dense`
     dense ones, unit by unit."""
@@ -180,7 +193,7 @@ def _share(shape: Shape, shards: int) -> int:
 
 
 def all_modes(cfg, spec, world_size: int, ranks_per_host: int) -> Dict[str, DenseMemory]:
-    units = dense_units(cfg.model, spec.num_dense, len(spec.cardinalities))
+    units = model_dense_units(cfg.model, spec)
     return {mode: per_rank(units, mode, dense_layout(mode, cfg.parallel.hsdp_shard_size, world_size,
                                                      ranks_per_host)[1], cfg.optim.dense)
             for mode in MODES}
@@ -189,7 +202,7 @@ def all_modes(cfg, spec, world_size: int, ranks_per_host: int) -> Dict[str, Dens
 def describe_dense(cfg, spec, world_size: int, ranks_per_host: Optional[int]) -> str:
     """`plan`'s dense block: parameters by unit and module, the configured mode's bytes per rank,
     the other modes' in one line, and whether they fit in parallel.reserve_per_rank."""
-    units = dense_units(cfg.model, spec.num_dense, len(spec.cardinalities))
+    units = model_dense_units(cfg.model, spec)
     memory = all_modes(cfg, spec, world_size, ranks_per_host or world_size)
     mode, reserve = cfg.parallel.dense, cfg.parallel.reserve_per_rank
     mine = memory[mode]

@@ -64,7 +64,7 @@ def run(args) -> None:
     if budget <= 0:
         raise ConfigError(f"--gpu-memory: {args.gpu_memory} is not more than "
                           f"parallel.reserve_per_rank ({cfg.parallel.reserve_per_rank})")
-    spec = data_spec(cfg.data)
+    spec = data_spec(cfg.data, cfg.model)
     specs = table_specs(cfg, spec)
     if args.explain and args.explain not in {t.name for t in specs}:
         raise ConfigError(f"--explain: no table {args.explain}; the plan printout (without "

@@ -44,7 +44,10 @@ def value_bytes(comm_precision: str) -> int:
 
 def partial_width(model_cfg) -> Optional[int]:
     """Values per sample a des owner sends: H for cat, D + 2 for fm; None where des does not
-    apply (dot and dcn multiply vectors of different tables first)."""
+    apply (dot and dcn multiply vectors of different tables first; a two-tower model's towers
+    read the pooled vectors)."""
+    if model_cfg.kind == "two_tower":
+        return None
     if model_cfg.interaction == "cat":
         return model_cfg.top_mlp[0]
     if model_cfg.interaction == "fm":
@@ -77,7 +80,8 @@ def choose_exchange(cfg, plan: Plan) -> Tuple[str, str]:
         return asked, f"parallel.exchange={asked}"
     m = cfg.model
     if partial_width(m) is None:
-        return "pooled", f"interaction {m.interaction} needs the pooled vectors"
+        return "pooled", ("the towers need the pooled vectors" if m.kind == "two_tower"
+                          else f"interaction {m.interaction} needs the pooled vectors")
     if any(r.technique == "qr" and r.operation != "concat" for r in m.compositional):
         return "pooled", "qr mult and add features need their parts' pooled vectors"
     if cfg.train.cuda_graphs or cfg.train.precision == "fp16":

@@ -67,6 +67,10 @@ def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size:
                    if p is model.first_top_layer().weight]
     else:
         not_ddp = []
+    if isinstance(getattr(model, "loss", None), torch.nn.Module):
+        # A two-tower loss's state (item frequencies, recent item vectors) is updated from the
+        # global batch on every rank alike: DDP need not broadcast it each step.
+        not_ddp += [f"loss.{name}" for name, _ in model.loss.named_buffers()]
     dmp = DistributedModelParallel(
         model, env=env, device=device, sharders=[sharder],
         plan=sharding_plan(model, plan, local_world_size, device.type),

@@ -55,7 +55,7 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
                         f"({DESCRIPTION}); name the model e.g. model.pt")
     check_checkpoint(path, print)  # its files are those it was written with
     cfg = load_config(str(checkpoint_config_path(path)), list(overrides))
-    spec = data_spec(cfg.data)
+    spec = data_spec(cfg.data, cfg.model)
     model = build_model(cfg.model, spec)
     precisions = table_precisions([p.table for p in table_order(model.lookups)], quantize,
                                   table_overrides)

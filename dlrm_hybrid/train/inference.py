@@ -34,7 +34,7 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
         cfg.parallel.hsdp_shard_size = 0  # hsdp groups of this job's hosts, which divide its ranks
     log = MetricsLog(Path(cfg.train.run_dir), env.rank)
     check_checkpoint(path, log.say)  # its files are those it was written with
-    dataset = open_dataset(cfg.data)
+    dataset = open_dataset(cfg.data, cfg.model)
     require_samples(dataset, (split,), "eval")
     dmp, _ = build_sharded_model(cfg, dataset.spec, env, log.say)
     step = load_checkpoint(path, dmp)["step"]

@@ -18,6 +18,7 @@ from dlrm_hybrid.config import Config, ConfigError
 from dlrm_hybrid.data.day23 import require_reference_rule
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
+from dlrm_hybrid.model.two_tower import build_two_tower
 from dlrm_hybrid.parallel.dense_memory import dense_layout, require_dense_fits
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
@@ -25,6 +26,7 @@ from dlrm_hybrid.parallel.plan_report import describe, describe_lookups
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
 from dlrm_hybrid.parallel.tables import table_specs
+from dlrm_hybrid.retrieval.evaluate import evaluate_retrieval
 from dlrm_hybrid.train.evaluate import evaluate
 from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
                                           intact_checkpoint_to_resume, load_checkpoint,
@@ -65,7 +67,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
 
 def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
-    dataset = open_dataset(cfg.data)
+    dataset = open_dataset(cfg.data, cfg.model)
     require_samples(dataset, ("train", "val"), "training")
     run = run_schedule(cfg, dataset.num_samples("train"))
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
@@ -208,7 +210,8 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     data-parallel as `parallel.dense` says (DDP, or FSDP2's fsdp/hsdp)."""
     require_dense_fits(cfg, spec, env.world_size, env.local_world_size)  # before building it
     torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
-    model = build_model(cfg.model, spec)
+    model = (build_two_tower(cfg, spec) if cfg.model.kind == "two_tower"
+             else build_model(cfg.model, spec))
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
     plan = job_plan(cfg, table_specs(cfg, spec), env)
     say(describe(plan))
@@ -227,12 +230,17 @@ def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog, s
                      mlperf: MLPerfLog, run: RunSchedule) -> Dict[str, float]:
     mlperf.eval_start(run.epoch_num(step))
     start = time.perf_counter()
-    batches = make_loader(cfg.data, dataset, "val", env)
-    metrics = evaluate(dmp, batches, env)
-    batches.close()
+    if cfg.model.kind == "two_tower":
+        metrics = evaluate_retrieval(dmp, dataset, cfg.retrieval, env,
+                                     cfg.data.global_batch_size // env.world_size)
+    else:
+        batches = make_loader(cfg.data, dataset, "val", env)
+        metrics = evaluate(dmp, batches, env)
+        batches.close()
     if metrics is None:
         return {}
-    mlperf.eval_stop(metrics["val_auc"], run.epoch_num(step))
+    if "val_auc" in metrics:
+        mlperf.eval_stop(metrics["val_auc"], run.epoch_num(step))
     log.record({"step": step, **metrics, "eval_s": time.perf_counter() - start})
     log.say(f"eval step {step}: {metrics_text(metrics)}")
     return metrics

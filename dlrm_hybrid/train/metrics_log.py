@@ -115,8 +115,11 @@ def done_line(steps: int, train_loss: float, metrics: dict, samples_per_s: float
               target: Optional[dict] = None) -> str:
     """The run's last printed line; `oracle_auc` only where the data knows the true answer;
     with a target AUC, it and the seconds from the run's start to reaching it (nan: not)."""
-    parts = [f"done: steps={steps}", f"train_loss={train_loss:.5f}",
-             f"val_auc={metrics['val_auc']:.5f}", f"val_logloss={metrics['val_logloss']:.5f}"]
+    parts = [f"done: steps={steps}", f"train_loss={train_loss:.5f}"]
+    if "val_auc" in metrics:
+        parts += [f"val_auc={metrics['val_auc']:.5f}", f"val_logloss={metrics['val_logloss']:.5f}"]
+    else:  # two_tower: its retrieval metrics
+        parts += [f"{k}={v:.5f}" for k, v in metrics.items() if k.startswith("val_")]
     if "oracle_auc" in metrics:
         parts.append(f"oracle_auc={metrics['oracle_auc']:.5f}")
     parts.append(f"samples_per_s={samples_per_s:.0f}")

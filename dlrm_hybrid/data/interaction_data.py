@@ -1,0 +1,155 @@
+"""Interaction logs for retrieval (`model.kind: two_tower`): who engaged with what, split.
+
+A dataset folder (written by `preprocess interactions` or the planted generator) holds
+
+    interactions.yaml            what the folder is: counts, features, split and positive rules
+    <split>_user.npy / _item.npy one row per positive engagement (dense ids), split = train|val|test
+    user_side.npy [users, Fu]    the users' categorical side features, by dense user id
+    item_side.npy [items, Fi]    the items' (the corpus the evaluation ranks), by dense item id
+    users.txt / items.txt        the raw ids of the log, one per line in dense-id order
+
+A training sample is one engagement: the user tower's features (user_id and user_<name> side
+features) and the item tower's (item_id, item_<name>), as categorical features of one batch, so
+the ranker's loaders, placer, sharding and train pipeline carry it unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import yaml
+
+from dlrm_hybrid.data.batch import ClickDataset, Columns
+from dlrm_hybrid.data.interaction_meta import (META_FILE, SPLITS, InteractionMeta, read_meta,
+                                               tower_features)
+from dlrm_hybrid.errors import DataError
+
+class InteractionData(ClickDataset):
+    """Engagement pairs per split and the side features of every user and item, in memory
+    (`open_interactions` memory-maps a folder's arrays)."""
+
+    def __init__(self, meta: InteractionMeta, pairs: Dict[str, Tuple[np.ndarray, np.ndarray]],
+                 user_side: np.ndarray, item_side: np.ndarray, root: str = "") -> None:
+        self.meta, self.pairs, self.root = meta, pairs, root
+        self.user_side, self.item_side = user_side, item_side  # [users, Fu], [items, Fi]
+        self.spec = meta.spec()
+        self.users, self.items = meta.users, meta.items
+
+    def num_samples(self, split: str) -> int:
+        return len(self.pairs[split][0]) if split in self.pairs else 0
+
+    def for_model(self, model_cfg) -> "InteractionData":
+        """The side features the towers read (`tower_features`), the rest left out of batches."""
+        meta = tower_features(self.meta, model_cfg)
+        user_cols = [list(self.meta.user_side).index(n) for n in meta.user_side]
+        item_cols = [list(self.meta.item_side).index(n) for n in meta.item_side]
+        return InteractionData(meta, self.pairs, self.user_side[:, user_cols],
+                               self.item_side[:, item_cols], self.root)
+
+    def columns(self, split: str, first: int, count: int) -> Columns:
+        """Samples [first, first + count) of `split`; rows past its end are padding (valid
+        False) that repeat its last sample."""
+        users, items = self.pairs[split]
+        index = np.arange(first, first + count)
+        valid = index < len(users)
+        index = np.minimum(index, len(users) - 1)
+        return self.tower_columns(users[index].astype(np.int64), items[index].astype(np.int64),
+                                  valid)
+
+    def tower_columns(self, users: np.ndarray, items: np.ndarray, valid: np.ndarray,
+                      with_users: bool = True) -> Columns:
+        """Both towers' ids for these (user, item) pairs; `with_users` False gives the user
+        features empty bags (an item-only batch: the corpus)."""
+        n = len(items)
+        user_ids = [users, *self.user_side[users].T] if len(self.user_side.T) else [users]
+        item_ids = [items, *self.item_side[items].T] if len(self.item_side.T) else [items]
+        ids = [np.ascontiguousarray(c, dtype=np.int64).reshape(n, 1) for c in (*user_ids, *item_ids)]
+        user_len = np.full(n, int(with_users), np.int32)
+        lengths = [user_len] * len(user_ids) + [np.ones(n, np.int32)] * len(item_ids)
+        return Columns(np.zeros((n, 0), np.float32), np.ones(n, np.float32), valid, ids,
+                       lengths=lengths)
+
+    def corpus_columns(self, first: int, count: int) -> Columns:
+        """Items [first, first + count) for the item tower alone (past the end: padding)."""
+        index = np.arange(first, first + count)
+        valid = index < self.items
+        items = np.minimum(index, self.items - 1)
+        return self.tower_columns(np.zeros_like(items), items, valid, with_users=False)
+
+    def engaged(self, splits: Tuple[str, ...]) -> Tuple[np.ndarray, np.ndarray]:
+        """CSR (indptr [users + 1], items) of the distinct items each user engaged with in
+        `splits`: what the evaluation excludes, or what it asks to find."""
+        users = np.concatenate([self.pairs[s][0] for s in splits if s in self.pairs] or [[]])
+        items = np.concatenate([self.pairs[s][1] for s in splits if s in self.pairs] or [[]])
+        key = np.unique(users.astype(np.int64) * self.items + items.astype(np.int64))
+        users, items = key // self.items, key % self.items
+        indptr = np.zeros(self.users + 1, np.int64)
+        np.add.at(indptr, users + 1, 1)
+        return np.cumsum(indptr), items
+
+
+def open_interactions(path: str) -> InteractionData:
+    """A folder written by `write_interactions`, its arrays memory-mapped."""
+    meta, root = read_meta(path), Path(path)
+
+    def load(name: str) -> np.ndarray:
+        try:
+            return np.load(root / name, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{root / name}: cannot read ({e}); preprocess the log again")
+
+    pairs = {}
+    for split in SPLITS:
+        if not (root / f"{split}_user.npy").exists():
+            continue
+        users, items = load(f"{split}_user.npy"), load(f"{split}_item.npy")
+        if len(users) != len(items):
+            raise DataError(f"{root}/{split}_item.npy: {len(items)} rows, its users file has "
+                            f"{len(users)}; preprocess the log again")
+        pairs[split] = (users, items)
+    data = InteractionData(meta, pairs, load("user_side.npy"), load("item_side.npy"), str(root))
+    _check_ranges(data, root)
+    return data
+
+
+def _check_ranges(data: InteractionData, root: Path) -> None:
+    expect = {"user_side.npy": (data.user_side, data.users, list(data.meta.user_side.values())),
+              "item_side.npy": (data.item_side, data.items, list(data.meta.item_side.values()))}
+    for name, (table, rows, cards) in expect.items():
+        if table.shape != (rows, len(cards)):
+            raise DataError(f"{root / name}: shape {table.shape}, interactions.yaml says "
+                            f"({rows}, {len(cards)}); preprocess the log again")
+        for j, card in enumerate(cards):
+            if rows and (table[:, j].min() < 0 or table[:, j].max() >= card):
+                raise DataError(f"{root / name}: column {j} has ids outside [0, {card}); "
+                                f"preprocess the log again")
+    for split, (users, items) in data.pairs.items():
+        for what, ids, rows in (("user", users, data.users), ("item", items, data.items)):
+            if len(ids) and (ids.min() < 0 or ids.max() >= rows):
+                raise DataError(f"{root}/{split}_{what}.npy: ids outside [0, {rows}); "
+                                f"preprocess the log again")
+
+
+def write_interactions(data: InteractionData, path: str, raw_users: List[str] = (),
+                       raw_items: List[str] = ()) -> None:
+    """Write `data` as a folder at `path`, atomically: built beside it, then renamed, so a
+    reader never sees half a dataset. An existing folder is not overwritten."""
+    target = Path(path)
+    if target.exists():
+        raise DataError(f"{target}: already exists; choose another --output or remove it")
+    partial = target.with_name(target.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    for split, (users, items) in data.pairs.items():
+        np.save(partial / f"{split}_user.npy", np.asarray(users, np.int32))
+        np.save(partial / f"{split}_item.npy", np.asarray(items, np.int32))
+    np.save(partial / "user_side.npy", np.asarray(data.user_side, np.int32))
+    np.save(partial / "item_side.npy", np.asarray(data.item_side, np.int32))
+    for name, raw in (("users.txt", raw_users), ("items.txt", raw_items)):
+        if len(raw):
+            (partial / name).write_text("".join(f"{r}\n" for r in raw))
+    meta = data.meta
+    meta.samples = {s: int(len(p[0])) for s, p in data.pairs.items()}
+    (partial / META_FILE).write_text(yaml.safe_dump(meta.to_yaml(), sort_keys=False))
+    partial.replace(target)

@@ -1,0 +1,1 @@
+"""Retrieval: the two-tower model's loss, its corpus evaluation and its item index."""
