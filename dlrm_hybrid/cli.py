@@ -18,6 +18,7 @@ from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
+from dlrm_hybrid.serve import retrieve
 from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 
 FOLLOWER_ERROR_DELAY_S = 3.0
@@ -28,7 +29,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     _quiet_library_noise()
     commands = {"train": run_train, "plan": dry_run.run, "synth": run_synth, "eval": run_eval,
                 "export": run_export, "predict": run_predict, "preprocess": run_preprocess,
-                "bench": run_bench, "plot": curves.run}
+                "bench": run_bench, "plot": curves.run, "retrieve": retrieve.run}
     try:
         commands[args.command](args)
     except UserError as e:
@@ -70,6 +71,16 @@ def _parser() -> argparse.ArgumentParser:
                         "t_cat_0=int4 (repeatable)")
     export.add_argument("--state-dict", action="store_true", help="write the unsharded fp32 "
                         "state dict (torch.save) instead, e.g. to fine-tune elsewhere")
+    export.add_argument("--retrieval", action="store_true", help="a two_tower checkpoint: write "
+                        "the folder --out (user tower, item vectors, FAISS index) `retrieve` reads")
+    export.add_argument("--index", metavar="flat|ivf|hnsw", help="--retrieval's index: exact "
+                        "(flat, the default), inverted lists (ivf) or a graph (hnsw)")
+    for flag, what in (("--nlist", "ivf: lists (default sqrt(items))"),
+                       ("--nprobe", "ivf: lists a query scans (default 8)"),
+                       ("--hnsw-m", "hnsw: links per node (default 32)"),
+                       ("--ef-construction", "hnsw: candidates per insertion (default 200)"),
+                       ("--ef-search", "hnsw: candidates per search (default 64)")):
+        export.add_argument(flag, type=int, help=what)
     predict = commands.add_parser(
         "predict", help="score a split-binary dataset or a CSV/TSV with an exported model")
     predict.add_argument("--model", required=True, help="a file `export` wrote")
@@ -86,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--raw-criteo", metavar="DATASET", default="",
                          help="--data is raw Criteo TSV (label first or none; .gz ok): map its "
                          "values to ids with the vocabulary of DATASET, the model's training data")
+    retrieve.add_arguments(commands.add_parser(
+        "retrieve", help="top-K items for a user (or a history) from an `export --retrieval` "
+                         "folder"))
     bench = _config_arguments(commands.add_parser(
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
@@ -132,6 +146,13 @@ def run_eval(args) -> None:
 
 def run_export(args) -> None:
     checkpoint_config_path(Path(args.checkpoint))  # before torch's seconds of import
+    index_settings = {name: getattr(args, name) for name in INDEX_SETTINGS
+                      if getattr(args, name) is not None}
+    if args.retrieval:
+        return run_retrieval_export(args, index_settings)
+    if args.index or index_settings:
+        raise UserError("export: --index and its settings are for --retrieval (a two_tower "
+                        "checkpoint)")
     from dlrm_hybrid.serve.export import description_path
 
     outputs = [("--out", args.out)]
@@ -159,6 +180,26 @@ def run_export(args) -> None:
           f"{args.quantize}: {tables:,} bytes, {tables / fp32:.1%} of fp32) and "
           f"{description_path(Path(args.out))}; load: import torch, fbgemm_gpu; "
           f"model = torch.jit.load('{args.out}')")
+
+
+INDEX_SETTINGS = ("nlist", "nprobe", "hnsw_m", "ef_construction", "ef_search")
+
+
+def run_retrieval_export(args, index_settings: dict) -> None:
+    if args.state_dict or args.quantize != "fp32" or args.table_overrides:
+        raise UserError("export: --retrieval writes fp32 vectors and an index; --state-dict, "
+                        "--quantize and --quantize-table are for the ranker")
+    refuse_overwriting_inputs([("--out", args.out)], [("--checkpoint", args.checkpoint)], "export")
+    from dlrm_hybrid.retrieval.index import index_params
+    from dlrm_hybrid.serve.retrieval_export import export_retrieval
+
+    params = index_params(args.index or "flat", index_settings)
+    description = export_retrieval(args.checkpoint, args.out, params, args.overrides)
+    index = description["index"]
+    settings = ", ".join(f"{k}={v}" for k, v in index.items() if k != "kind")
+    print(f"wrote {args.out}: user tower, {description['items']:,} item vectors "
+          f"({description['dim']} wide), {index['kind']} index{f' ({settings})' if settings else ''}"
+          f"; retrieve --model {args.out} --user USER")
 
 
 def run_predict(args) -> None:

@@ -53,13 +53,13 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
     if target.suffix == ".json":
         raise UserError(f"--out: {out} would be overwritten by its own description "
                         f"({DESCRIPTION}); name the model e.g. model.pt")
-    check_checkpoint(path, print)  # its files are those it was written with
-    cfg = load_config(str(checkpoint_config_path(path)), list(overrides))
-    spec = data_spec(cfg.data, cfg.model)
+    cfg, spec, weights = read_checkpoint(path, overrides)
+    if cfg.model.kind == "two_tower":
+        raise UserError(f"export: {checkpoint} is a two_tower (retrieval) model; add --retrieval "
+                        f"and give --out a new folder")
     model = build_model(cfg.model, spec)
     precisions = table_precisions([p.table for p in table_order(model.lookups)], quantize,
                                   table_overrides)
-    weights = read_model_state(path)
     scoring = scoring_model(model, weights, precisions)
     description = {
         "format": FORMAT,
@@ -82,6 +82,14 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
     _write_both(target, lambda p: torch.jit.save(scripted, str(p), _extra_files={DESCRIPTION: text}),
                 description_path(target), lambda p: p.write_text(text + "\n"))
     return description
+
+
+def read_checkpoint(path: Path, overrides: Sequence[str] = ()):
+    """(config, data spec, unsharded model weights) of a checkpoint whose files are those it
+    was written with; `overrides` change its config."""
+    check_checkpoint(path, print)
+    cfg = load_config(str(checkpoint_config_path(path)), list(overrides))
+    return cfg, data_spec(cfg.data, cfg.model), read_model_state(path)
 
 
 def require_folder_of(out: Path) -> None:
@@ -117,6 +125,24 @@ def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
                   precisions: Dict[str, str]) -> ScoringModel:
     """The served form of `model` (built on the meta device) with the checkpoint's `weights`."""
     parts = table_order(model.lookups)
+    load_dense_weights(model, weights)
+    tables = quantized_tables(parts, {p.table: weights[f"{TABLE_PREFIX}{p.table}.weight"]
+                                      for p in parts}, precisions)
+    keys = lookup_keys(model.lookups)
+    model.eval().requires_grad_(False)
+    return ScoringModel(
+        tables, _num_dense(model),
+        [lookup.feature for lookup in model.lookups], [lookup.rows for lookup in model.lookups],
+        [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys], [k[3] for k in keys],
+        [lookup.slots if lookup.slots > 1 else 0 for lookup in model.lookups],
+        model.embedding_dim, model.dense_arch, _scriptable(model.interaction), model.over_arch,
+        model.combine_parts, isinstance(model.interaction, FactorizationMachine))
+
+
+def load_dense_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's non-table `weights` into `model` (built on the meta device), after
+    checking that they and its tables' are the ones `model.lookups` needs."""
+    parts = table_order(model.lookups)
     dense = {k: v for k, v in weights.items() if not k.startswith(TABLE_PREFIX)}
     own = model.state_dict()
     for key, value in dense.items():
@@ -134,17 +160,6 @@ def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
     if absent:
         raise UserError(f"checkpoint: has no table {absent[0]}, which its config's model has; "
                         f"it was written by another version of the model")
-    tables = quantized_tables(parts, {p.table: weights[f"{TABLE_PREFIX}{p.table}.weight"]
-                                      for p in parts}, precisions)
-    keys = lookup_keys(model.lookups)
-    model.eval().requires_grad_(False)
-    return ScoringModel(
-        tables, _num_dense(model),
-        [lookup.feature for lookup in model.lookups], [lookup.rows for lookup in model.lookups],
-        [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys], [k[3] for k in keys],
-        [lookup.slots if lookup.slots > 1 else 0 for lookup in model.lookups],
-        model.embedding_dim, model.dense_arch, _scriptable(model.interaction), model.over_arch,
-        model.combine_parts, isinstance(model.interaction, FactorizationMachine))
 
 
 def _scriptable(interaction: torch.nn.Module) -> torch.nn.Module:

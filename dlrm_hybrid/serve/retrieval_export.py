@@ -1,0 +1,190 @@
+"""`export --retrieval`: a two_tower checkpoint -> a folder `retrieve` serves from:
+
+    user_tower.pt       the user tower, TorchScript: plain embedding tables and its MLP, so
+                        torch.jit.load reads it without this package (or torchrec, fbgemm)
+    item_vectors.npy    [items, E] float32: the item tower over the whole corpus
+    index.faiss         those vectors in a FAISS inner-product index (retrieval/index.py)
+    user_side.npy       [users, F] the side features the user tower reads, by dense user id
+    seen_indptr.npy, seen_items.npy   each user's training items (CSR), left out of answers
+    users.txt, items.txt              raw ids in dense-id order (where the dataset has them)
+    retrieval.yaml      what the folder holds: sizes, features, the index and its settings
+
+The folder appears whole or not at all. This module has no `from __future__ import
+annotations`: TorchScript compiles the tower classes below from their annotations.
+"""
+
+import shutil
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import numpy as np
+import torch
+import yaml
+from torch import nn
+from torch.nn.functional import normalize
+
+from dlrm_hybrid import __version__
+from dlrm_hybrid.data.source import open_dataset
+from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.model.compositional import FeatureLookup
+from dlrm_hybrid.model.two_tower import SIDES, TwoTower, build_two_tower
+from dlrm_hybrid.retrieval.index import INDEX_FILE, IndexParams, build_index, write_index
+from dlrm_hybrid.serve.export import TABLE_PREFIX, load_dense_weights, read_checkpoint
+from dlrm_hybrid.serve.retrieve import (DESCRIPTION, FORMAT, ITEM_VECTORS, ITEMS, SEEN_INDPTR,
+                                        SEEN_ITEMS, USER_SIDE, USER_TOWER, USERS)
+from dlrm_hybrid.train.checkpoint import read_meta
+
+CORPUS_CHUNK = 65536  # items through the item tower at once
+
+
+class Table(nn.Module):
+    """A full table (modulus 0) or a hashed one (row = id mod modulus)."""
+
+    def __init__(self, weight: torch.Tensor, modulus: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding.from_pretrained(weight.float().clone(), freeze=True)
+        self.modulus = modulus
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(torch.remainder(ids, self.modulus) if self.modulus > 0 else ids)
+
+
+class QuotientRemainder(nn.Module):
+    """A `qr` feature (model/compositional.py): Q[id // c] combined with R[id % c]."""
+
+    def __init__(self, quotient: torch.Tensor, remainder: torch.Tensor, collisions: int,
+                 operation: str) -> None:
+        super().__init__()
+        self.quotient = nn.Embedding.from_pretrained(quotient.float().clone(), freeze=True)
+        self.remainder = nn.Embedding.from_pretrained(remainder.float().clone(), freeze=True)
+        self.collisions = collisions
+        self.operation = operation
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.quotient(torch.div(ids, self.collisions, rounding_mode="floor"))
+        r = self.remainder(torch.remainder(ids, self.collisions))
+        if self.operation == "mult":
+            return q * r
+        if self.operation == "add":
+            return q + r
+        return torch.cat([q, r], 1)
+
+
+class Tower(nn.Module):
+    """forward(ids [B, F] int64: the tower's features' dense ids, its own id first) -> [B, E]:
+    each feature's vector, concatenated, through the MLP, L2-normalised if it was trained so."""
+
+    cardinalities: torch.Tensor
+
+    def __init__(self, names: List[str], cardinalities: List[int], features: List[nn.Module],
+                 mlp: nn.Module, normalized: bool) -> None:
+        super().__init__()
+        self.names = names
+        self.register_buffer("cardinalities", torch.tensor(cardinalities, dtype=torch.int64))
+        self.features = nn.ModuleList(features)
+        self.mlp = mlp
+        self.normalized = normalized
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.shape[1] != len(self.names):
+            raise ValueError(f"ids: expected [B, {len(self.names)}] ({', '.join(self.names)}), "
+                             f"got {list(ids.shape)}")
+        bad = (ids < 0) | (ids >= self.cardinalities)
+        if bool(bad.any()):
+            where = torch.nonzero(bad)[0]
+            f = int(where[1])
+            raise ValueError(f"ids: {int(ids[where[0], f])} is out of range for feature "
+                             f"{self.names[f]}, whose ids are 0..{int(self.cardinalities[f]) - 1}")
+        pieces: List[torch.Tensor] = []
+        for f, feature in enumerate(self.features):
+            pieces.append(feature(ids[:, f]))
+        out = self.mlp(torch.cat(pieces, 1))
+        return normalize(out, dim=1) if self.normalized else out
+
+
+def tower(model: TwoTower, side: str, weights: Dict[str, torch.Tensor]) -> Tower:
+    """`side`'s tower of `model` (its MLP loaded: load_dense_weights) with the checkpoint's
+    tables, as plain modules."""
+    lookups = [lookup for lookup in model.lookups if lookup.feature.startswith(f"{side}_")]
+    mlp = model.user_mlp if side == "user" else model.item_mlp
+    return Tower([lookup.feature for lookup in lookups], [lookup.rows for lookup in lookups],
+                 [_feature(lookup, weights) for lookup in lookups], mlp.eval(),
+                 model.normalize[side]).eval()
+
+
+def _feature(lookup: FeatureLookup, weights: Dict[str, torch.Tensor]) -> nn.Module:
+    tables = [weights[f"{TABLE_PREFIX}{part.table}.weight"] for part in lookup.parts]
+    if lookup.technique == "qr":
+        return QuotientRemainder(tables[0], tables[1], lookup.modulus, lookup.operation)
+    return Table(tables[0], lookup.modulus if lookup.technique == "hash" else 0)
+
+
+@torch.no_grad()
+def corpus_vectors(item_tower: Tower, item_side: np.ndarray) -> np.ndarray:
+    """[items, E] float32: the item tower over every item (its side features by item id)."""
+    items = len(item_side)
+    out = []
+    for first in range(0, items, CORPUS_CHUNK):
+        ids = np.arange(first, min(items, first + CORPUS_CHUNK))
+        out.append(item_tower(torch.from_numpy(
+            np.column_stack([ids, item_side[ids]]).astype(np.int64))).numpy())
+    return np.concatenate(out).astype(np.float32)
+
+
+def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParams(),
+                     overrides: Sequence[str] = ()) -> dict:
+    """Write the folder `out` (which must not exist) for `checkpoint`; returns its
+    description. `overrides` change the checkpoint's config (e.g. data.path)."""
+    path, target = Path(checkpoint), Path(out)
+    if target.exists():
+        raise UserError(f"--out: {out} already exists; export --retrieval writes a new folder")
+    if not target.parent.is_dir():
+        raise UserError(f"--out: folder {target.parent} does not exist; create it first")
+    cfg, spec, weights = read_checkpoint(path, overrides)
+    if cfg.model.kind != "two_tower":
+        raise UserError(f"export: --retrieval is for two_tower checkpoints; {checkpoint} is a "
+                        f"{cfg.model.kind} ranker: export it without --retrieval")
+    dataset = open_dataset(cfg.data, cfg.model)
+    params = params.resolved(dataset.items)
+    model = build_two_tower(cfg, spec)
+    del model.loss  # and its state (e.g. logQ's item frequencies): training's, not served
+    load_dense_weights(model, {k: v for k, v in weights.items() if not k.startswith("loss.")})
+    user_tower, item_tower = (tower(model, side, weights) for side in SIDES)
+    vectors = corpus_vectors(item_tower, np.asarray(dataset.item_side))
+    seen_indptr, seen_items = dataset.engaged(("train",))
+    raw = [name for name in (USERS, ITEMS) if dataset.root and (Path(dataset.root) / name).is_file()]
+    description = {
+        "format": FORMAT,
+        "load": "user = torch.jit.load('user_tower.pt')(ids [B, F] int64) -> [B, E]; "
+                "items = numpy.load('item_vectors.npy'); index = faiss.read_index('index.faiss')",
+        "score": "inner product of user and item vectors (the training logit times "
+                 f"model.temperature = {cfg.model.temperature})",
+        "users": int(dataset.users), "items": int(dataset.items), "dim": int(vectors.shape[1]),
+        "normalized": {side: bool(model.normalize[side]) for side in SIDES},
+        "user_features": [{"name": name, "cardinality": int(rows)}
+                          for name, rows in zip(user_tower.names, user_tower.cardinalities)],
+        "index": params.stated(),
+        "seen": "each user's items in the training split",
+        "raw_ids": bool(raw),
+        "source": {"checkpoint": str(path.resolve()), "step": read_meta(path)["step"],
+                   "data": cfg.data.path or "planted", "split_rule": dataset.meta.split_rule,
+                   "positive": dataset.meta.positive},
+        "versions": {"dlrm_hybrid": __version__, "torch": str(torch.__version__)},
+    }
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a previous export that was stopped
+    partial.mkdir()
+    try:
+        torch.jit.save(torch.jit.script(user_tower), str(partial / USER_TOWER))
+        np.save(partial / ITEM_VECTORS, vectors)
+        np.save(partial / USER_SIDE, np.asarray(dataset.user_side, np.int64))
+        np.save(partial / SEEN_INDPTR, seen_indptr.astype(np.int64))
+        np.save(partial / SEEN_ITEMS, seen_items.astype(np.int64))
+        write_index(build_index(vectors, params), str(partial / INDEX_FILE))
+        for name in raw:
+            shutil.copyfile(Path(dataset.root) / name, partial / name)
+        (partial / DESCRIPTION).write_text(yaml.safe_dump(description, sort_keys=False))
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return description

@@ -1,0 +1,260 @@
+"""`retrieve`: top-K items for a user from a folder `export --retrieval` wrote.
+
+From the user tower (default): the user's features through the scripted tower, its vector
+searched in the item index. From a history (`--history I1,I2,...`, the survey's history-based
+retrieval): each history item's vector searched in the same index, the neighbour lists merged
+into one, an item scoring the MAX of its scores against the history items (an item near any one
+of them ranks as high as it is near it; a sum would favour items near their centre). The
+user's training items, and the history items, are left out unless `--keep-seen`.
+
+Scores are inner products <query vector, item vector> (cosines when the towers normalise; the
+training logit is that over model.temperature). This module needs torch, numpy, faiss and yaml
+only, not the trainer: a serving host runs `python -m dlrm_hybrid.serve.retrieve` (or the CLI's
+`retrieve`) with the exported folder alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import yaml
+
+from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
+
+FORMAT = "dlrm_hybrid retrieval 1"
+DESCRIPTION = "retrieval.yaml"
+USER_TOWER, ITEM_VECTORS, USER_SIDE = "user_tower.pt", "item_vectors.npy", "user_side.npy"
+SEEN_INDPTR, SEEN_ITEMS = "seen_indptr.npy", "seen_items.npy"  # CSR: each user's training items
+USERS, ITEMS = "users.txt", "items.txt"  # raw ids in dense-id order, where the dataset has them
+MERGE = "max"  # how history retrieval scores an item found near several history items
+
+Ranked = Tuple[np.ndarray, np.ndarray]  # (dense item ids, scores), best first
+
+
+class Retriever:
+    """An exported folder, loaded: the scripted user tower, the item vectors and index, the
+    users' side features and training items, the raw ids."""
+
+    def __init__(self, folder: str) -> None:
+        import torch
+
+        from dlrm_hybrid.retrieval.index import INDEX_FILE, read_index
+
+        root = Path(folder)
+        self.description = read_description(root)
+        self.user_tower = torch.jit.load(str(root / USER_TOWER), map_location="cpu")
+        self.item_vectors = np.load(root / ITEM_VECTORS)
+        self.user_side = np.load(root / USER_SIDE)
+        self.seen_indptr, self.seen_items = np.load(root / SEEN_INDPTR), np.load(root / SEEN_ITEMS)
+        self.index = read_index(str(root / INDEX_FILE), self.description["index"])
+        self.user_names = _raw_ids(root / USERS)
+        self.item_names = _raw_ids(root / ITEMS)
+        self.user_of = {name: i for i, name in enumerate(self.user_names or ())}
+        self.item_of = {name: i for i, name in enumerate(self.item_names or ())}
+
+    def user(self, name: str, dense: bool = False) -> int:
+        """The dense id of user `name` (a raw id of the log, or with `dense` a dense id)."""
+        return self._lookup(name, dense, self.user_names, self.user_of, len(self.user_side),
+                            "user")
+
+    def item(self, name: str, dense: bool = False) -> int:
+        return self._lookup(name, dense, self.item_names, self.item_of,
+                            len(self.item_vectors), "item")
+
+    def item_name(self, item: int, dense: bool = False) -> str:
+        return str(item) if dense or self.item_names is None else self.item_names[item]
+
+    def user_vectors(self, users: np.ndarray) -> np.ndarray:
+        """[U, E] user-tower vectors of dense user ids."""
+        import torch
+
+        ids = np.column_stack([users, self.user_side[users]]).astype(np.int64)
+        with torch.inference_mode():
+            return self.user_tower(torch.from_numpy(ids)).numpy()
+
+    def seen(self, user: int) -> np.ndarray:
+        return self.seen_items[self.seen_indptr[user]:self.seen_indptr[user + 1]]
+
+    def for_users(self, users: np.ndarray, k: int, exact: bool = False,
+                  keep_seen: bool = False) -> List[Ranked]:
+        """Each user's top `k` items by the user tower."""
+        excluded = [np.zeros(0, np.int64) if keep_seen else self.seen(u) for u in users]
+        return self._top(self.user_vectors(users), k, exact, excluded)
+
+    def from_history(self, history: np.ndarray, k: int, user: Optional[int] = None,
+                     exact: bool = False, keep_seen: bool = False) -> Ranked:
+        """The top `k` items near the `history` items, merged by MERGE; the history items (and
+        `user`'s training items) left out unless `keep_seen`."""
+        excluded = np.zeros(0, np.int64)
+        if not keep_seen:
+            excluded = np.union1d(history, self.seen(user) if user is not None else excluded)
+        lists = self._top(self.item_vectors[history], k, exact, [excluded] * len(history))
+        items = np.concatenate([found for found, _ in lists])
+        scores = np.concatenate([score for _, score in lists])
+        order = np.argsort(-scores, kind="stable")  # an item's first place holds its max score
+        items, scores = items[order], scores[order]
+        _, first = np.unique(items, return_index=True)
+        best = np.sort(first)[:k]
+        return items[best], scores[best]
+
+    def _top(self, queries: np.ndarray, k: int, exact: bool,
+             excluded: Sequence[np.ndarray]) -> List[Ranked]:
+        """Each query's top `k` items outside its `excluded` ones: the index's (or, `exact`,
+        numpy's brute-force) top k + |excluded|, filtered."""
+        from dlrm_hybrid.retrieval.index import exact_top_k, search
+
+        wanted = k + max((len(e) for e in excluded), default=0)
+        scores, items = (exact_top_k(self.item_vectors, queries, wanted) if exact
+                         else search(self.index, queries, wanted))
+        out = []
+        for row_items, row_scores, skip in zip(items, scores, excluded):
+            keep = (row_items >= 0) & ~np.isin(row_items, skip)
+            out.append((row_items[keep][:k].astype(np.int64), row_scores[keep][:k]))
+        return out
+
+    def _lookup(self, name: str, dense: bool, names, of: dict, count: int, what: str) -> int:
+        if dense or names is None:
+            try:
+                index = int(name)
+            except ValueError:
+                index = -1
+            if 0 <= index < count:
+                return index
+            raise UserError(f"retrieve: unknown {what} {name!r}; the model's {what}s are dense "
+                            f"ids 0..{count - 1}")
+        if name not in of:
+            raise UserError(f"retrieve: unknown {what} {name!r}: not in {what}s.txt of the model "
+                            f"(the raw ids of its training log); use --dense-ids for dense ids")
+        return of[name]
+
+
+def read_description(root: Path) -> dict:
+    """retrieval.yaml of an exported folder, or a one-line error saying what `root` is."""
+    if (root / "meta.json").is_file():
+        raise UserError(f"--model: {root} is a checkpoint; export it first (export --checkpoint "
+                        f"{root} --out DIR --retrieval) and give that folder")
+    if not (root / DESCRIPTION).is_file():
+        raise UserError(f"--model: {root} has no {DESCRIPTION}; give a folder `export "
+                        f"--retrieval` wrote")
+    try:
+        description = yaml.safe_load((root / DESCRIPTION).read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"{root / DESCRIPTION}: not valid YAML ({str(e).splitlines()[0]}); "
+                        f"export the model again") from None
+    if not isinstance(description, dict) or description.get("format") != FORMAT:
+        raise UserError(f"{root / DESCRIPTION}: not written by `export --retrieval` (format "
+                        f"{FORMAT!r} expected); export the model again")
+    return description
+
+
+def _raw_ids(path: Path) -> Optional[List[str]]:
+    return path.read_text().splitlines() if path.is_file() else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True, help="a folder `export --retrieval` wrote")
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument("--user", help="a user's id as in the training log")
+    who.add_argument("--users", metavar="FILE", help="a file of user ids, one per line: each "
+                     "user's items go to --out as one JSON line")
+    parser.add_argument("--history", metavar="I1,I2,...", help="retrieve the items nearest to "
+                        "these items (merged: an item scores its max over them) instead of by "
+                        "the user tower")
+    parser.add_argument("--k", type=int, default=100, help="items to return (default 100)")
+    parser.add_argument("--exact", action="store_true",
+                        help="exact search over every item vector instead of the index")
+    parser.add_argument("--keep-seen", action="store_true",
+                        help="keep the user's training items (and the history's) in the answer")
+    parser.add_argument("--dense-ids", action="store_true",
+                        help="user and item ids are the dataset's dense ids, in and out")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", help="with --users: the file to write (JSON lines)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.k < 1:
+        raise UserError("retrieve: --k must be at least 1")
+    if args.users:
+        return _run_batch(args)
+    if args.out:
+        raise UserError("retrieve: --out is for --users (a batch); one user's items are printed")
+    retriever = Retriever(args.model)
+    user = retriever.user(args.user, args.dense_ids)
+    if args.history is not None:
+        history = np.array([retriever.item(i.strip(), args.dense_ids)
+                            for i in args.history.split(",") if i.strip()], np.int64)
+        if not len(history):
+            raise UserError("retrieve: --history names no items; give item ids I1,I2,...")
+        items, scores = retriever.from_history(history, args.k, user, args.exact, args.keep_seen)
+    else:
+        [(items, scores)] = retriever.for_users(np.array([user]), args.k, args.exact,
+                                                args.keep_seen)
+    answer = _answer(retriever, args.user, items, scores, args)
+    if args.json:
+        print(json.dumps(answer))
+        return
+    for name, score in zip(answer["items"], answer["scores"]):
+        print(f"{name}\t{score:.6f}")
+
+
+def _run_batch(args: argparse.Namespace) -> None:
+    if args.history is not None:
+        raise UserError("retrieve: --history is for one --user")
+    if not args.out:
+        raise UserError("retrieve: --users needs --out, the file to write")
+    refuse_overwriting_inputs([("--out", args.out)], [("--users", args.users),
+                                                      ("--model", args.model)], "retrieve")
+    require_file_target("--out", args.out)
+    try:
+        names = [line.strip() for line in Path(args.users).read_text().splitlines()
+                 if line.strip()]
+    except OSError as e:
+        raise UserError(f"--users: cannot read {args.users} ({e.strerror})") from None
+    retriever = Retriever(args.model)
+    users = np.array([retriever.user(n, args.dense_ids) for n in names], np.int64)
+    target = Path(args.out)
+    partial = target.with_name(target.name + ".partial")
+    try:
+        with open(partial, "w") as stream:
+            for first in range(0, len(users), 1024):
+                chunk = users[first:first + 1024]
+                for name, (items, scores) in zip(
+                        names[first:first + 1024],
+                        retriever.for_users(chunk, args.k, args.exact, args.keep_seen)):
+                    stream.write(json.dumps(_answer(retriever, name, items, scores, args)) + "\n")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    print(f"retrieve: wrote {args.out} users={len(users)} k={args.k}")
+
+
+def _answer(retriever: Retriever, user: str, items: np.ndarray, scores: np.ndarray,
+            args: argparse.Namespace) -> dict:
+    return {"user": user,
+            "by": f"history ({MERGE} over its items)" if args.history is not None else "user tower",
+            "search": "exact" if args.exact else retriever.description["index"]["kind"],
+            "items": [retriever.item_name(int(i), args.dense_ids) for i in items],
+            "scores": [round(float(s), 6) for s in scores]}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """`python -m dlrm_hybrid.serve.retrieve ...`: the same command, without the trainer."""
+    args = add_arguments(argparse.ArgumentParser(prog="retrieve", description=__doc__)
+                         ).parse_args(argv)
+    try:
+        run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
