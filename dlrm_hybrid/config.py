@@ -520,8 +520,13 @@ def _validate_two_tower(cfg: Config) -> None:
     for key in ("retrieval.uniform_negatives", "retrieval.cross_batch_memory"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
-    if not r.eval_k or min(r.eval_k) <= 0:
-        raise ConfigError(f"retrieval.eval_k: {r.eval_k}: give positive cut-offs, e.g. [10, 50, 100]")
+    if not r.eval_k or min(r.eval_k) <= 0 or len(set(r.eval_k)) < len(r.eval_k):
+        raise ConfigError(f"retrieval.eval_k: {r.eval_k}: give distinct positive cut-offs, e.g. "
+                          f"[10, 50, 100]")
+    if not cfg.data.path and cfg.data.interactions_per_user < 3:
+        raise ConfigError(f"data.interactions_per_user: {cfg.data.interactions_per_user} leaves "
+                          f"the planted log no training engagements (each user's last two are "
+                          f"val and test); use 3 or more")
     unsupported = {"parallel.dense": cfg.parallel.dense != "ddp",
                    "parallel.exchange": cfg.parallel.exchange == "des",
                    "train.cuda_graphs": cfg.train.cuda_graphs,

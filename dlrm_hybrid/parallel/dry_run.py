@@ -17,8 +17,8 @@ from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables, search_rules
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.model.compositional import lookups_of
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
-from dlrm_hybrid.parallel.plan_report import (compare, describe, describe_lookups, explain_table,
-                                              plot, plot_format)
+from dlrm_hybrid.parallel.plan_report import (compare, describe, describe_lookups,
+                                              describe_towers, explain_table, plot, plot_format)
 from dlrm_hybrid.parallel.tables import table_specs
 
 DEFAULT_GPU_MEMORY = "80GiB"
@@ -79,8 +79,11 @@ def run(args) -> None:
     if args.explain:
         print(explain_table(plans[0], args.explain, **search_rules(cfg)))
         return
+    towers = lookups_of(cfg.model, spec) if cfg.model.kind == "two_tower" else []
     for plan in plans:
         print(describe(plan) + "\n")
+        if towers:
+            print(describe_towers(plan, towers) + "\n")
     print(describe_exchange(plans[0], cfg) + "\n")
     print(describe_dense(cfg, spec, args.world_size, args.gpus_per_node) + "\n")
     replaced = describe_lookups(lookups_of(cfg.model, spec), cfg)

@@ -130,6 +130,30 @@ def describe_lookups(lookups: List[FeatureLookup], cfg) -> str:
     return "\n".join(lines)
 
 
+def describe_towers(plan: Plan, lookups: List[FeatureLookup]) -> str:
+    """two_tower: one line per tower (user, item): its tables' count, rows and bytes (weights
+    and optimizer state), and where each table is; "" for the ranker, whose features belong
+    to no tower."""
+    lines = []
+    for side in ("user", "item"):
+        names = [part.table for lookup in lookups if lookup.feature.startswith(f"{side}_")
+                 for part in lookup.tables]
+        if not names:
+            continue
+        specs = [plan.tables[n] for n in names]
+        lines.append(f"{side} tower: {len(names)} tables, {sum(t.rows for t in specs):,} rows, "
+                     f"{format_bytes(sum(t.bytes for t in specs))}: "
+                     f"{', '.join(f'{n} {_where(plan, n)}' for n in names)}")
+    return "\n".join(lines)
+
+
+def _where(plan: Plan, table: str) -> str:
+    if table in plan.replicated:
+        return "on every rank (replicated)"
+    ranks = sorted({s.rank for s in plan.shards_of(table)})
+    return f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def compare(plans: List[Plan]) -> str:
     """Per-rank memory and all-to-all of several plans side by side, then their imbalances."""
     head = f"{'rank':>5} " + " ".join(f"{p.strategy + ' memory':>16} {p.strategy + ' a2a':>14}"

@@ -4,15 +4,17 @@ Every rank computes the item tower over its share of the corpus; the vectors are
 (items x E floats on each rank). Then each rank takes its share of the split's users and, in
 chunks of `retrieval.eval_items_per_chunk` items, counts for each of a user's relevant items
 how many corpus items score higher, leaving out the items the user engaged with in earlier
-splits (training, and validation when testing). That count is the relevant item's exact rank;
-recall, HR, NDCG at each K and MRR follow from the ranks, and the per-user sums are all-reduced,
-so 1 and N ranks give the same numbers.
+splits (training, and validation when testing). That count is the relevant item's exact
+0-based position in the user's ranking of the corpus; recall, HR and NDCG (binary relevance)
+at each K and MRR follow from the positions, and the per-user sums are all-reduced, so 1 and N
+ranks give the same numbers (up to the order of float sums). Memory per user batch is bounded
+by one [users, chunk] score block (and its comparison with the relevant items' scores).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -63,27 +65,29 @@ def _gather_ragged(local: torch.Tensor, env) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_retrieval(dmp, dataset, retrieval_cfg, env, batch: int, split: str = "val",
-                       prefix: str = "val_") -> Optional[Dict[str, float]]:
+                       prefix: str = "") -> Optional[Dict[str, float]]:
     """recall@K, hr@K, ndcg@K for K in `retrieval.eval_k`, and mrr, averaged over the
-    split's users (rank 0 gets them; None elsewhere)."""
+    split's users, named `<prefix or split_>metric`; with the planted log's ceiling beside
+    them where the dataset records one. Rank 0 gets them; None elsewhere."""
+    prefix = prefix or f"{split}_"
     model = _model(dmp)
     model.eval()
     try:
         items = corpus_vectors(dmp, dataset, env, batch)
-        seen_ptr, seen = dataset.engaged(EARLIER[split])
-        want_ptr, want = dataset.engaged((split,))
-        users = np.flatnonzero(np.diff(want_ptr))
+        seen = dataset.engaged(EARLIER[split])
+        want = dataset.engaged((split,))
+        users = np.flatnonzero(np.diff(want[0]))
         mine = np.array_split(users, env.world_size)[env.rank]
         ks = sorted(retrieval_cfg.eval_k)
-        sums = torch.zeros(2 * len(ks) + 2, dtype=torch.float64)
+        sums = torch.zeros(3 * len(ks) + 2, dtype=torch.float64)
         steps = torch.tensor([-(-len(mine) // batch)])
-        if env.world_size > 1:
+        if env.world_size > 1:  # every rank runs the user tower as often (sharded lookups)
             dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         for s in range(int(steps.item())):
             chunk = mine[s * batch:(s + 1) * batch]
             user_vecs = _user_vectors(dmp, dataset, chunk, batch, env)
-            sums += _batch_sums(user_vecs[:len(chunk)], items, chunk, seen_ptr, seen, want_ptr,
-                                want, ks, retrieval_cfg.eval_items_per_chunk)
+            sums += _batch_sums(user_vecs[:len(chunk)], items, _csr_rows(*want, chunk),
+                                _csr_rows(*seen, chunk), ks, retrieval_cfg.eval_items_per_chunk)
     finally:
         model.train()
     if env.world_size > 1:
@@ -93,11 +97,23 @@ def evaluate_retrieval(dmp, dataset, retrieval_cfg, env, batch: int, split: str 
     n = max(1.0, sums[-1].item())
     out = {}
     for i, k in enumerate(ks):
-        out[f"{prefix}recall@{k}"] = sums[i].item() / n
-        out[f"{prefix}hr@{k}"] = sums[len(ks) + i].item() / n
-    out[f"{prefix}mrr"] = sums[2 * len(ks)].item() / n
+        for j, name in enumerate(("recall", "hr", "ndcg")):
+            out[f"{prefix}{name}@{k}"] = sums[j * len(ks) + i].item() / n
+    out[f"{prefix}mrr"] = sums[3 * len(ks)].item() / n
+    out.update({k: v for k, v in ceiling(dataset, split, prefix).items()
+                if k.replace("ceiling_", "") in out})  # the cut-offs evaluated
     out["users"] = int(sums[-1].item())
     return out
+
+
+def ceiling(dataset, split: str, prefix: str) -> Dict[str, float]:
+    """What the planted log's own teacher scores on `split`, as `<prefix>ceiling_<metric>`,
+    where the dataset records it (interactions.yaml `extra`: `ceiling_<metric>` for test,
+    `ceiling_val_<metric>` for val): the best a learner can reach."""
+    extra = getattr(getattr(dataset, "meta", None), "extra", None) or {}
+    mark = "ceiling_val_" if split == "val" else "ceiling_"
+    return {f"{prefix}ceiling_{key[len(mark):]}": float(value) for key, value in extra.items()
+            if key.startswith(mark) and (split == "val" or not key.startswith("ceiling_val_"))}
 
 
 def _user_vectors(dmp, dataset, users: np.ndarray, batch: int, env) -> torch.Tensor:
@@ -110,31 +126,46 @@ def _user_vectors(dmp, dataset, users: np.ndarray, batch: int, env) -> torch.Ten
     return user
 
 
-def _batch_sums(user: torch.Tensor, items: torch.Tensor, users: np.ndarray, seen_ptr, seen,
-                want_ptr, want, ks, chunk: int) -> torch.Tensor:
-    """Per-metric sums over these users: recall@K, hr@K, mrr, count."""
-    rows = torch.from_numpy(np.repeat(np.arange(len(users)), want_ptr[users + 1] - want_ptr[users]))
-    relevant = torch.from_numpy(np.concatenate([want[want_ptr[u]:want_ptr[u + 1]] for u in users]
-                                               or [np.zeros(0, np.int64)]))
-    rows, relevant = rows.to(user.device), relevant.to(user.device)
+def _csr_rows(indptr: np.ndarray, values: np.ndarray, users: np.ndarray
+              ) -> Tuple[np.ndarray, np.ndarray]:
+    """(position of the user in `users`, value) of every entry of those users' CSR rows."""
+    counts = indptr[users + 1] - indptr[users]
+    rows = np.repeat(np.arange(len(users)), counts)
+    offsets = np.repeat(indptr[users] - (np.cumsum(counts) - counts), counts)
+    return rows, np.asarray(values[offsets + np.arange(len(rows))], np.int64)
+
+
+def _batch_sums(user: torch.Tensor, items: torch.Tensor, wanted, seen, ks: List[int],
+                chunk: int) -> torch.Tensor:
+    """Sums over these users of recall@K, hr@K, ndcg@K, mrr, and their count. `wanted` and
+    `seen`: (user's row in `user`, item) pairs to find and to leave out."""
+    n, device = len(user), user.device
+    sums = torch.zeros(3 * len(ks) + 2, dtype=torch.float64)
+    if not n:
+        return sums
+    rows, relevant = (torch.from_numpy(a).to(device) for a in wanted)
+    seen_rows, seen_items = (torch.from_numpy(a).to(device) for a in seen)
     positive = (user[rows] * items[relevant]).sum(1)
-    above = torch.zeros(len(rows), dtype=torch.int64, device=user.device)
-    seen_rows = np.repeat(np.arange(len(users)), seen_ptr[users + 1] - seen_ptr[users])
-    seen_items = np.concatenate([seen[seen_ptr[u]:seen_ptr[u + 1]] for u in users]
-                                or [np.zeros(0, np.int64)])
+    above = torch.zeros(len(rows), dtype=torch.int64, device=device)
     for start in range(0, items.shape[0], chunk):
-        scores = user @ items[start:start + chunk].T
+        scores = user @ items[start:start + chunk].T  # [users, chunk]: the memory bound
         inside = (seen_items >= start) & (seen_items < start + scores.shape[1])
-        scores[torch.from_numpy(seen_rows[inside]), torch.from_numpy(seen_items[inside] - start)] = -math.inf
-        above += (scores[rows] > positive[:, None]).sum(1)
-    ks_t = torch.tensor(ks, device=user.device)
+        scores[seen_rows[inside], seen_items[inside] - start] = -math.inf
+        for first in range(0, len(rows), n):  # a user's relevant items, n rows at a time
+            block = slice(first, first + n)
+            above[block] += (scores[rows[block]] > positive[block, None]).sum(1)
+    ks_t = torch.tensor(ks, device=device)
     hit = (above[:, None] < ks_t[None, :]).double()  # [pairs, K]
-    per_user = torch.zeros(len(users), len(ks), dtype=torch.float64, device=user.device)
-    per_user.index_add_(0, rows, hit)
-    count = torch.from_numpy(want_ptr[users + 1] - want_ptr[users]).to(user.device).double()
-    recall = (per_user / torch.minimum(count[:, None], ks_t[None, :].double())).sum(0)
-    hr = (per_user > 0).double().sum(0)
-    best = torch.full((len(users),), float(items.shape[0]), dtype=torch.float64, device=user.device)
-    best.scatter_reduce_(0, rows, above.double(), reduce="amin")
-    mrr = (1.0 / (best + 1)).sum()
-    return torch.cat([recall.cpu(), hr.cpu(), mrr.cpu()[None], torch.tensor([len(users)], dtype=torch.float64)])
+    found = torch.zeros(n, len(ks), dtype=torch.float64, device=device).index_add_(0, rows, hit)
+    discount = 1.0 / torch.log2(above.double() + 2)
+    dcg = torch.zeros(n, len(ks), dtype=torch.float64, device=device).index_add_(
+        0, rows, hit * discount[:, None])
+    count = torch.bincount(rows, minlength=n).double()
+    best = torch.log2(torch.arange(max(ks), dtype=torch.float64, device=device) + 2)
+    ideal = (1.0 / best).cumsum(0)[(torch.minimum(count[:, None], ks_t[None, :]) - 1).long()]
+    first_hit = torch.full((n,), float(items.shape[0]), dtype=torch.float64, device=device)
+    first_hit.scatter_reduce_(0, rows, above.double(), reduce="amin")
+    return torch.cat([(found / torch.minimum(count[:, None], ks_t[None, :])).sum(0).cpu(),
+                      (found > 0).double().sum(0).cpu(), (dcg / ideal).sum(0).cpu(),
+                      (1.0 / (first_hit + 1)).sum().cpu()[None],
+                      torch.tensor([n], dtype=torch.float64)])

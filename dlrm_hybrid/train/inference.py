@@ -1,5 +1,6 @@
-"""Using a checkpoint outside training: `eval` (AUC and log loss on a split, sharded like
-training, under torchrun or in one process) and `export` (one unsharded state-dict file)."""
+"""Using a checkpoint outside training: `eval` (AUC and log loss on a split, or a two-tower
+model's retrieval metrics; sharded like training, under torchrun or in one process) and
+`export` (one unsharded state-dict file)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.retrieval.evaluate import evaluate_retrieval
 from dlrm_hybrid.train.checkpoint import check_checkpoint, checkpoint_config_path, load_checkpoint
 from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
 from dlrm_hybrid.train.evaluate import evaluate
@@ -38,9 +40,13 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     require_samples(dataset, (split,), "eval")
     dmp, _ = build_sharded_model(cfg, dataset.spec, env, log.say)
     step = load_checkpoint(path, dmp)["step"]
-    batches = make_loader(cfg.data, dataset, split, env)
-    metrics = evaluate(dmp, batches, env, prefix=f"{split}_")
-    batches.close()
+    if cfg.model.kind == "two_tower":  # recall, HR, NDCG and MRR over the whole corpus
+        metrics = evaluate_retrieval(dmp, dataset, cfg.retrieval, env,
+                                     cfg.data.global_batch_size // env.world_size, split)
+    else:
+        batches = make_loader(cfg.data, dataset, split, env)
+        metrics = evaluate(dmp, batches, env, prefix=f"{split}_")
+        batches.close()
     if metrics is not None:
         log.say(f"eval: checkpoint={path} step={step} split={split} {metrics_text(metrics)}")
     return metrics

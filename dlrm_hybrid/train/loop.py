@@ -22,7 +22,7 @@ from dlrm_hybrid.model.two_tower import build_two_tower
 from dlrm_hybrid.parallel.dense_memory import dense_layout, require_dense_fits
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
-from dlrm_hybrid.parallel.plan_report import describe, describe_lookups
+from dlrm_hybrid.parallel.plan_report import describe, describe_lookups, describe_towers
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
 from dlrm_hybrid.parallel.tables import table_specs
@@ -215,6 +215,8 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
     plan = job_plan(cfg, table_specs(cfg, spec), env)
     say(describe(plan))
+    if cfg.model.kind == "two_tower":
+        say(describe_towers(plan, model.lookups))
     replaced = describe_lookups(model.lookups, cfg)
     if replaced:
         say(replaced)
