@@ -21,6 +21,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import yaml
 
+from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.batch import ClickDataset, Columns
 from dlrm_hybrid.data.interaction_meta import (META_FILE, SPLITS, InteractionMeta, read_meta,
                                                tower_features)
@@ -36,6 +37,7 @@ class InteractionData(ClickDataset):
         self.user_side, self.item_side = user_side, item_side  # [users, Fu], [items, Fi]
         self.spec = meta.spec()
         self.users, self.items = meta.users, meta.items
+        self.negatives = (0, 1, 0)  # set_uniform_negatives: (per global batch, its size, seed)
 
     def num_samples(self, split: str) -> int:
         return len(self.pairs[split][0]) if split in self.pairs else 0
@@ -55,8 +57,33 @@ class InteractionData(ClickDataset):
         index = np.arange(first, first + count)
         valid = index < len(users)
         index = np.minimum(index, len(users) - 1)
-        return self.tower_columns(users[index].astype(np.int64), items[index].astype(np.int64),
-                                  valid)
+        engaged = self.tower_columns(users[index].astype(np.int64),
+                                     items[index].astype(np.int64), valid)
+        if split != "train" or not self.negatives[0]:
+            return engaged
+        return _stacked(engaged, self._uniform_negatives(first, count))
+
+    def set_uniform_negatives(self, count: int, global_batch: int, seed: int) -> None:
+        """Training slices get their share of `count` items per global batch drawn uniformly
+        from the corpus (mixed negative sampling), after their engagements: label 0 (negatives
+        only), user features empty. The draw depends on (seed, the global batch's place in the
+        split) only, so 1 rank and N ranks read the same global set."""
+        self.negatives = (count, global_batch, seed)
+
+    def _uniform_negatives(self, first: int, count: int) -> Columns:
+        total, batch, seed = self.negatives
+        place, offset = divmod(first, batch)
+        lo, rest_lo = divmod(offset * total, batch)
+        hi, rest_hi = divmod((offset + count) * total, batch)
+        if rest_lo or rest_hi:
+            raise ConfigError(f"retrieval.uniform_negatives: {total} do not split evenly over the "
+                              f"ranks' slices of the global batch ({batch}); use a multiple of the "
+                              f"number of ranks")
+        items = np.random.default_rng([seed, place]).integers(0, self.items, total)[lo:hi]
+        negatives = self.tower_columns(np.zeros_like(items), items, np.ones(len(items), bool),
+                                       with_users=False)
+        negatives.labels[:] = 0
+        return negatives
 
     def tower_columns(self, users: np.ndarray, items: np.ndarray, valid: np.ndarray,
                       with_users: bool = True) -> Columns:
@@ -88,6 +115,15 @@ class InteractionData(ClickDataset):
         indptr = np.zeros(self.users + 1, np.int64)
         np.add.at(indptr, users + 1, 1)
         return np.cumsum(indptr), items
+
+
+def _stacked(first: Columns, then: Columns) -> Columns:
+    """The rows of `first`, then those of `then`."""
+    cat = np.concatenate
+    return Columns(cat([first.dense, then.dense]), cat([first.labels, then.labels]),
+                   cat([first.valid, then.valid]),
+                   [cat(pair) for pair in zip(first.ids, then.ids)],
+                   lengths=[cat(pair) for pair in zip(first.lengths, then.lengths)])
 
 
 def open_interactions(path: str) -> InteractionData:

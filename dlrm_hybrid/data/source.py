@@ -14,11 +14,16 @@ from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.errors import DataError
 
 
-def open_dataset(data_cfg, model_cfg=None):
+def open_dataset(data_cfg, model_cfg=None, retrieval_cfg=None):
     """`model_cfg.kind` two_tower reads interaction logs (data/interaction_data.py), with the
-    side features its towers read."""
+    side features its towers read, and for training (`retrieval_cfg` given) its training
+    batches carry `retrieval.uniform_negatives`."""
     if model_cfg is not None and model_cfg.kind == "two_tower":
-        return open_interaction_dataset(data_cfg).for_model(model_cfg)
+        dataset = open_interaction_dataset(data_cfg).for_model(model_cfg)
+        if retrieval_cfg is not None:
+            dataset.set_uniform_negatives(retrieval_cfg.uniform_negatives,
+                                          data_cfg.global_batch_size, data_cfg.seed)
+        return dataset
     if is_interaction_folder(data_cfg.path):
         raise DataError(f"data.path: {data_cfg.path} is an interaction log for retrieval; train "
                         f"it with model.kind=two_tower, or give the ranker a click-log dataset")

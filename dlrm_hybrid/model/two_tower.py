@@ -121,6 +121,6 @@ def build_two_tower(cfg, spec, embedding_device: torch.device = torch.device("me
     """The two-tower model a config describes over a dataset's features (`spec`)."""
     m = cfg.model
     items = spec.cardinalities[spec.feature_names.index(ITEM_ID)]
-    loss = InBatchSoftmax(cfg.retrieval, items, m.temperature)
+    loss = InBatchSoftmax(cfg.retrieval, items, m.temperature, m.item_tower.mlp[-1])
     return TwoTower(lookups_of(m, spec), {"user": m.user_tower, "item": m.item_tower},
                     m.temperature, loss, m.embedding_precision, embedding_device)
