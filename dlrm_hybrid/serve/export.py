@@ -54,9 +54,6 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
         raise UserError(f"--out: {out} would be overwritten by its own description "
                         f"({DESCRIPTION}); name the model e.g. model.pt")
     cfg, spec, weights = read_checkpoint(path, overrides)
-    if cfg.model.kind == "two_tower":
-        raise UserError(f"export: {checkpoint} is a two_tower (retrieval) model; add --retrieval "
-                        f"and give --out a new folder")
     model = build_model(cfg.model, spec)
     precisions = table_precisions([p.table for p in table_order(model.lookups)], quantize,
                                   table_overrides)
@@ -84,11 +81,18 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
     return description
 
 
-def read_checkpoint(path: Path, overrides: Sequence[str] = ()):
+def read_checkpoint(path: Path, overrides: Sequence[str] = (), retrieval: bool = False):
     """(config, data spec, unsharded model weights) of a checkpoint whose files are those it
-    was written with; `overrides` change its config."""
+    was written with, a ranker's or with `retrieval` a two_tower model's; `overrides` change
+    its config."""
     check_checkpoint(path, print)
     cfg = load_config(str(checkpoint_config_path(path)), list(overrides))
+    if retrieval and cfg.model.kind != "two_tower":
+        raise UserError(f"export: --retrieval is for two_tower checkpoints; {path} is a "
+                        f"{cfg.model.kind} ranker: export it without --retrieval")
+    if not retrieval and cfg.model.kind == "two_tower":
+        raise UserError(f"export: {path} is a two_tower (retrieval) model; add --retrieval "
+                        f"and give --out a new folder")
     return cfg, data_spec(cfg.data, cfg.model), read_model_state(path)
 
 

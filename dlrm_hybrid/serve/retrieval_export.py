@@ -109,7 +109,7 @@ def tower(model: TwoTower, side: str, weights: Dict[str, torch.Tensor]) -> Tower
     mlp = model.user_mlp if side == "user" else model.item_mlp
     return Tower([lookup.feature for lookup in lookups], [lookup.rows for lookup in lookups],
                  [_feature(lookup, weights) for lookup in lookups], mlp.eval(),
-                 model.normalize[side]).eval()
+                 model.normalize[side]).eval().requires_grad_(False)
 
 
 def _feature(lookup: FeatureLookup, weights: Dict[str, torch.Tensor]) -> nn.Module:
@@ -140,10 +140,7 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
         raise UserError(f"--out: {out} already exists; export --retrieval writes a new folder")
     if not target.parent.is_dir():
         raise UserError(f"--out: folder {target.parent} does not exist; create it first")
-    cfg, spec, weights = read_checkpoint(path, overrides)
-    if cfg.model.kind != "two_tower":
-        raise UserError(f"export: --retrieval is for two_tower checkpoints; {checkpoint} is a "
-                        f"{cfg.model.kind} ranker: export it without --retrieval")
+    cfg, spec, weights = read_checkpoint(path, overrides, retrieval=True)
     dataset = open_dataset(cfg.data, cfg.model)
     params = params.resolved(dataset.items)
     model = build_two_tower(cfg, spec)
