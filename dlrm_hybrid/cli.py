@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from dlrm_hybrid import curves, rank_failure
 from dlrm_hybrid.config import load_config, world_size_from_env
-from dlrm_hybrid.data import day23, multi_hot, npy_days
+from dlrm_hybrid.data import day23, interaction_split, multi_hot, npy_days
 from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
@@ -116,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     day23.add_arguments(formats.add_parser(
         "day23", help="make day 23's first half validation, as MLPerf does, in a dataset "
                       "split the earlier way (in place)"))
+    interaction_split.add_arguments(formats.add_parser(
+        "interactions", help="interaction logs (MovieLens, CSV/TSV) -> a retrieval dataset "
+                             "(model.kind two_tower)"))
     return parser
 
 
@@ -230,7 +233,7 @@ def run_preprocess(args) -> None:
         refuse_overwriting_inputs([("--output", args.output)], [("--input", p) for p in inputs],
                                   f"preprocess {args.format}")
     {"criteo": criteo_preprocess, "npy": npy_days, "multihot": multi_hot,
-     "day23": day23}[args.format].run(args)
+     "day23": day23, "interactions": interaction_split}[args.format].run(args)
 
 
 def run_bench(args) -> None:

@@ -1,0 +1,283 @@
+"""Interaction logs as they come, read into columns: CSV, TSV or `::`-separated rows of
+(user, item, [timestamp], [rating or label], [side columns]), and what counts as a positive.
+
+Layouts: MovieLens' rating files are recognised by name (`LAYOUTS`); any other file needs
+--columns, a comma list of roles: user, item, timestamp, rating, label, user:NAME or item:NAME (a
+side feature of that tower) and _ (a column to ignore). A header line (a number column that is not
+a number, or the roles' own names) is skipped, and a UTF-8 byte-order mark dropped. Fields may be
+quoted ("a,b"). Ids and side values are kept as the file's bytes; numbers are float64.
+
+Speed: a clean file is parsed by numpy's C reader (`np.loadtxt`) in one call; only a file it
+refuses is read again line by line, to name its first bad line (FILE:LINE) or, with
+`skip_bad`, to count and leave out every bad line.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import operator
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dlrm_hybrid.errors import DataError, UserError
+
+ROLES = ("user", "item", "timestamp", "rating", "label")
+NUMBERS = ("timestamp", "rating", "label")
+IGNORED = "_"
+MOVIELENS = ("user", "item", "rating", "timestamp")
+LAYOUTS = {"u.data": ("\t", False), "ratings.dat": ("::", False), "ratings.csv": (",", True)}
+BAD_KINDS = {"wrong_field_count": "{n} fields, the layout has {width} ({columns})",
+             "empty_id": "the {what} is empty",
+             "bad_number": "the {what} is {value!r}, not a finite number"}
+OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
+       ">": operator.gt, "<": operator.lt}
+ID_WIDTH = 16  # bytes first tried for an id or side value; a wider one makes the file read again
+SEPARATOR = "\x1f"  # stands in for a delimiter of several characters (`::`)
+
+
+@dataclass
+class Log:
+    """The rows of one or several files, in file order (which breaks timestamp ties)."""
+
+    columns: Dict[str, np.ndarray]  # role (user:NAME for side columns) -> one value per kept row
+    layout: Tuple[str, ...]  # the roles, as --columns spells them
+    rows: int = 0  # data rows read: kept + bad
+    bad: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(BAD_KINDS, 0))
+    sources: List[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.columns["user"])
+
+    def side(self, tower: str) -> List[str]:
+        return [name.split(":", 1)[1] for name in self.layout if name.startswith(f"{tower}:")]
+
+
+@dataclass(frozen=True)
+class Positive:
+    """What counts as an engagement: `column op value`, or every row (column "")."""
+
+    column: str = ""
+    op: str = ""
+    value: float = 0.0
+
+    def __str__(self) -> str:
+        return f"{self.column} {self.op} {self.value:g}" if self.column else "every row"
+
+    def mask(self, log: Log) -> np.ndarray:
+        if not self.column:
+            return np.ones(len(log), bool)
+        return OPS[self.op](log.columns[self.column], self.value)
+
+
+def parse_columns(spec: str) -> Tuple[str, ...]:
+    """--columns: the roles of a file's columns, in order."""
+    roles = tuple(r.strip() for r in spec.split(","))
+    for role in roles:
+        side = re.fullmatch(r"(user|item):([A-Za-z0-9_]+)", role)
+        if role not in (*ROLES, IGNORED) and not side:
+            raise UserError(f"--columns: {role!r} is not a role; use user, item, timestamp, "
+                            f"rating, label, user:NAME, item:NAME or _ (ignored)")
+        if side and side.group(2) == "id":
+            raise UserError(f"--columns: {role} would clash with the tower's own {role[:4]}_id; "
+                            f"name it otherwise")
+        if role != IGNORED and roles.count(role) > 1:
+            raise UserError(f"--columns: {role} is named twice")
+    if "user" not in roles or "item" not in roles:
+        raise UserError(f"--columns: {spec!r} needs a user and an item column")
+    if "rating" in roles and "label" in roles:
+        raise UserError("--columns: give a rating or a label column, not both")
+    return roles
+
+
+def parse_positive(rule: Optional[str], layout: Sequence[str]) -> Positive:
+    """--positive, e.g. 'rating>=4'; by default rating >= 4, label == 1, or every row."""
+    if rule is None:
+        return (Positive("rating", ">=", 4.0) if "rating" in layout else
+                Positive("label", "==", 1.0) if "label" in layout else Positive())
+    match = re.fullmatch(r"\s*(rating|label)\s*(>=|<=|==|!=|>|<)\s*(-?[0-9.]+)\s*", rule)
+    if not match:
+        raise UserError(f"--positive: {rule!r} is not a rule; write e.g. 'rating>=4' or "
+                        f"'label==1' (operators: {' '.join(OPS)})")
+    if match.group(1) not in layout:
+        raise UserError(f"--positive: the log has no {match.group(1)} column (its columns: "
+                        f"{','.join(layout)}); name it in --columns or drop --positive")
+    return Positive(match.group(1), match.group(2), float(match.group(3)))
+
+
+def layout_of(path: str, columns: Optional[Tuple[str, ...]], delimiter: Optional[str]
+              ) -> Tuple[Tuple[str, ...], str, Optional[bool]]:
+    """(roles, delimiter, header: True/False, or None to detect) of one input file."""
+    known = LAYOUTS.get(Path(path).name)
+    if columns is None and known is None:
+        raise UserError(f"{path}: not a MovieLens file name ({', '.join(LAYOUTS)}); say what its "
+                        f"columns are with --columns, e.g. --columns user,item,rating,timestamp")
+    if columns is None:
+        return MOVIELENS, delimiter or known[0], known[1]
+    return columns, delimiter or _sniff(path), None
+
+
+def _sniff(path: str) -> str:
+    with open(path, "rb") as stream:
+        first = stream.readline()
+    for delimiter in ("::", "\t", ",", ";", "|"):
+        if delimiter.encode() in first:
+            return delimiter
+    raise UserError(f"{path}:1: cannot tell the delimiter (no ::, tab, comma, ; or |); give "
+                    f"--delimiter")
+
+
+def read_log(paths: Sequence[str], columns: Optional[Tuple[str, ...]] = None,
+             delimiter: Optional[str] = None, header: str = "auto", skip_bad: bool = False
+             ) -> Log:
+    """Every file's rows as one log; all files need the same columns."""
+    log: Optional[Log] = None
+    for path in paths:
+        layout, sep, has_header = layout_of(path, columns, delimiter)
+        if header != "auto":
+            has_header = header == "yes"
+        if log is not None and layout != log.layout:
+            raise UserError(f"{path}: its columns ({','.join(layout)}) differ from "
+                            f"{log.sources[0]}'s ({','.join(log.layout)}); give files of one "
+                            f"layout")
+        part = _read_file(path, layout, sep, has_header, skip_bad)
+        if log is None:
+            log = part
+        else:
+            log.columns = {k: np.concatenate([v, part.columns[k]]) for k, v in log.columns.items()}
+            log.rows += part.rows
+            log.bad = {k: n + part.bad[k] for k, n in log.bad.items()}
+            log.sources += part.sources
+    return log
+
+
+def _read_file(path: str, layout: Tuple[str, ...], delimiter: str, header: Optional[bool],
+               skip_bad: bool) -> Log:
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror}); check --input")
+    # latin-1 maps every byte to one character, so ids keep the file's bytes (UTF-8 or not)
+    text = raw.removeprefix(b"\xef\xbb\xbf").decode("latin-1")
+    if len(delimiter) > 1:
+        text = text.replace(delimiter, SEPARATOR)
+        delimiter = SEPARATOR
+    text, first_line = _skip_header(text, layout, delimiter, header)
+    try:
+        log = _columns(path, _parse(io.StringIO(text), layout, delimiter), layout)
+    except ValueError:  # a bad line: find it (and the others), line by line
+        return _read_lines(path, text, first_line, layout, delimiter, skip_bad)
+    if not _clean(log):
+        return _read_lines(path, text, first_line, layout, delimiter, skip_bad)
+    return log
+
+
+def _parse(lines, layout: Sequence[str], delimiter: str) -> np.ndarray:
+    """One structured row per line (`lines`: a text stream or a list of lines)."""
+    width = ID_WIDTH
+    while True:
+        if not isinstance(lines, list):
+            lines.seek(0)
+        with warnings.catch_warnings():  # an empty file is said later, as an empty split
+            warnings.filterwarnings("ignore", message=".*input contained no data")
+            table = np.loadtxt(lines, delimiter=delimiter, quotechar='"', comments=None,
+                               ndmin=1, dtype=_dtype(layout, width))
+        if not _truncated(table, layout, width):
+            return table
+        width *= 4
+
+
+def _dtype(layout: Sequence[str], width: int) -> list:
+    return [(f"f{j}", "f8" if role in NUMBERS else "S1" if role == IGNORED else f"S{width}")
+            for j, role in enumerate(layout)]
+
+
+def _truncated(table: np.ndarray, layout: Sequence[str], width: int) -> bool:
+    """Whether a value may have been cut at `width` bytes (it fills them)."""
+    return any(np.char.str_len(table[f"f{j}"]).max() >= width for j, role in enumerate(layout)
+               if role not in NUMBERS and role != IGNORED and len(table))
+
+
+def _columns(path: str, table: np.ndarray, layout: Sequence[str]) -> Log:
+    columns = {role: np.ascontiguousarray(table[f"f{j}"]) for j, role in enumerate(layout)
+               if role != IGNORED}
+    return Log(columns, tuple(layout), rows=len(table), sources=[path])
+
+
+def _clean(log: Log) -> bool:
+    """No empty id and no nan or infinite number (np.loadtxt reads both)."""
+    return (all((log.columns[r] != b"").all() for r in ("user", "item"))
+            and all(np.isfinite(log.columns[r]).all() for r in NUMBERS if r in log.columns))
+
+
+def _skip_header(text: str, layout: Sequence[str], delimiter: str, header: Optional[bool]
+                 ) -> Tuple[str, int]:
+    """(the text after a header line, the file line number its first line has)."""
+    blank = len(text) - len(text.lstrip("\r\n"))
+    lines_before = text.count("\n", 0, blank)
+    end = text.find("\n", blank)
+    first = text[blank:] if end < 0 else text[blank:end]
+    if header is None:
+        fields = next(csv.reader([first], delimiter=delimiter), [])
+        header = _looks_like_header(fields, layout)
+    if not header:
+        return text, 1
+    return ("" if end < 0 else text[end + 1:]), lines_before + 2
+
+
+def _looks_like_header(fields: List[str], layout: Sequence[str]) -> bool:
+    if len(fields) != len(layout):
+        return False
+    if any(f.strip().lower() == role for f, role in zip(fields, layout) if role != IGNORED):
+        return True
+    return any(not _is_number(f) for f, role in zip(fields, layout) if role in NUMBERS)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return np.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _read_lines(path: str, text: str, first_line: int, layout: Tuple[str, ...],
+                delimiter: str, skip_bad: bool) -> Log:
+    """The slow path: every line checked; the good ones parsed as the fast path does."""
+    good: List[str] = []
+    bad = dict.fromkeys(BAD_KINDS, 0)
+    lines = text.split("\n")
+    for number, line in enumerate(lines, first_line):
+        if not line.strip("\r"):
+            continue  # a blank line is no row
+        fields = next(csv.reader([line.rstrip("\r")], delimiter=delimiter), [])
+        problem = _problem(fields, layout)
+        if problem is None:
+            good.append(line)
+            continue
+        kind, message = problem
+        if not skip_bad:
+            raise DataError(f"{path}:{number}: {message}; correct the line, or pass "
+                            f"--skip-bad-rows to leave out such lines (counted)")
+        bad[kind] += 1
+    table = _parse(good, layout, delimiter)
+    log = _columns(path, table, layout)
+    log.bad, log.rows = bad, len(table) + sum(bad.values())
+    return log
+
+
+def _problem(fields: List[str], layout: Sequence[str]) -> Optional[Tuple[str, str]]:
+    """(kind, message) of what is wrong with a line's fields, or None."""
+    if len(fields) != len(layout):
+        return "wrong_field_count", BAD_KINDS["wrong_field_count"].format(
+            n=len(fields), width=len(layout), columns=",".join(layout))
+    for value, role in zip(fields, layout):
+        if role in ("user", "item") and not value:
+            return "empty_id", BAD_KINDS["empty_id"].format(what=f"{role} id")
+        if role in NUMBERS and not _is_number(value):
+            return "bad_number", BAD_KINDS["bad_number"].format(what=role, value=value)
+    return None

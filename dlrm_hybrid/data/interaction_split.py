@@ -1,0 +1,283 @@
+"""`preprocess interactions`: an interaction log (data/interaction_log.py reads it) -> dense ids,
+side features and train/val/test splits -> a dataset folder (data/interaction_data.py).
+
+- Positives: the rows `--positive` accepts (default rating >= 4, label == 1, or every row).
+- Ids: `--min-count N` leaves out users and items with fewer than N positives (one pass over
+  the counts, not repeated until every count holds); the others are numbered by decreasing count
+  of positives (ties: raw id order), their raw ids written in that order to users.txt/items.txt.
+- Side features (`user:NAME`, `item:NAME`): one value per user (item), from its most recent row
+  (timestamp, then file order), any row of the log, positive or not; values numbered by how
+  many users (items) have them, most first.
+- Splits: leave-last-out per user, by timestamp (ties: file order; no timestamp column: file
+  order): the last positive is test, the one before validation, the rest train; a user with
+  fewer than 3 positives keeps them all in train. Or a global time cut at T1, T2: before T1
+  train, [T1, T2) validation, from T2 test. Train rows are stored in a seeded random order (a
+  batch mixes users), val and test by user, then time.
+- Every row read is accounted for: kept + bad rows + not positive + below min-count = rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from dlrm_hybrid.data.interaction_log import (Log, Positive, parse_columns, parse_positive,
+                                              read_log)
+from dlrm_hybrid.data.interaction_meta import SPLITS, InteractionMeta
+from dlrm_hybrid.errors import DataError, UserError
+
+SPLIT_RULES = ("leave-last-out", "time")
+TRAIN, VAL, TEST = range(3)
+SHORT = 3  # positives a user needs for leave-last-out to give it a val and a test item
+
+
+@dataclass
+class Numbering:
+    """Dense ids of one column's values: `codes` per row (-1: left out), `raw` per id."""
+
+    codes: np.ndarray
+    raw: np.ndarray
+
+
+def factorize(values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(index of each value in `uniques`, uniques sorted). Integer ids written plainly are
+    counted as integers (np.bincount is much faster than sorting strings)."""
+    try:
+        numbers = values.astype(np.int64)
+        plain = len(values) and (numbers.astype(values.dtype) == values).all()
+    except (ValueError, OverflowError):
+        plain = False
+    if plain and 0 <= numbers.min() and numbers.max() < 4 * len(values) + 1024:
+        present = np.bincount(numbers) > 0
+        index = np.cumsum(present) - 1
+        return index[numbers], np.flatnonzero(present).astype(values.dtype)
+    uniques, codes = np.unique(numbers if plain else values, return_inverse=True)
+    return codes.ravel(), uniques.astype(values.dtype) if plain else uniques
+
+
+def by_frequency(codes: np.ndarray, count_rows: np.ndarray, size: int, keep: np.ndarray
+                 ) -> np.ndarray:
+    """Old code -> new id (-1: dropped): the kept codes by decreasing count over `count_rows`
+    (ties: old code order)."""
+    counts = np.bincount(codes[count_rows], minlength=size)
+    order = np.argsort(-counts, kind="stable")
+    order = order[keep[order]]
+    mapping = np.full(size, -1, np.int64)
+    mapping[order] = np.arange(len(order))
+    return mapping
+
+
+def positive_counts(values: np.ndarray, positive: np.ndarray) -> Tuple[Numbering, np.ndarray]:
+    """(`values` numbered in sorted order, each one's count of positives)."""
+    codes, uniques = factorize(values)
+    return Numbering(codes, uniques), np.bincount(codes[positive], minlength=len(uniques))
+
+
+def renumber(numbering: Numbering, kept: np.ndarray) -> Numbering:
+    """Ids by decreasing count over the `kept` rows; values without one are left out (-1)."""
+    mapping = by_frequency(numbering.codes, kept, len(numbering.raw),
+                           np.bincount(numbering.codes[kept], minlength=len(numbering.raw)) > 0)
+    ids = mapping[numbering.codes]
+    raw = np.empty(int(mapping.max()) + 1, numbering.raw.dtype)
+    raw[mapping[mapping >= 0]] = numbering.raw[mapping >= 0]
+    return Numbering(ids, raw)
+
+
+def side_features(ids: np.ndarray, count: int, chronology: np.ndarray,
+                  values: Dict[str, np.ndarray]) -> Tuple[np.ndarray, Dict[str, int]]:
+    """[count, F] value ids of each entity's most recent row (`chronology`: rows oldest
+    first), and each feature's cardinality."""
+    order = chronology[ids[chronology] >= 0]
+    latest = np.full(count, -1, np.int64)
+    latest[ids[order]] = order  # numpy assigns in order: the last (most recent) row wins
+    table = np.zeros((count, len(values)), np.int32)
+    cards = {}
+    for j, (name, column) in enumerate(values.items()):
+        codes, uniques = factorize(column[latest])
+        mapping = by_frequency(codes, np.arange(count), len(uniques), np.ones(len(uniques), bool))
+        table[:, j] = mapping[codes]
+        cards[name] = len(uniques)
+    return table, cards
+
+
+def leave_last_out(users: np.ndarray, chronology: np.ndarray) -> Tuple[np.ndarray, int]:
+    """(split of each row, users with fewer than 3 positives): per user, of the rows in
+    `chronology` (oldest first), the last one test, the one before validation."""
+    order = chronology[np.argsort(users[chronology], kind="stable")]
+    counts = np.bincount(users[order])
+    last = np.cumsum(counts)[users[order]] - 1  # each sorted row's user's last position
+    from_end = last - np.arange(len(order))
+    split = np.full(len(users), TRAIN, np.int8)
+    long_enough = counts[users[order]] >= SHORT
+    split[order[long_enough & (from_end == 0)]] = TEST
+    split[order[long_enough & (from_end == 1)]] = VAL
+    return split, int(((counts > 0) & (counts < SHORT)).sum())
+
+
+def time_cut(times: np.ndarray, cut: Tuple[float, float]) -> np.ndarray:
+    return np.searchsorted(np.asarray(cut), times, side="right").astype(np.int8)
+
+
+def parse_cut(text: Optional[str], split: str) -> Optional[Tuple[float, float]]:
+    if split != "time":
+        if text:
+            raise UserError("--cut: only with --split time")
+        return None
+    try:
+        first, second = (float(t) for t in (text or "").split(","))
+    except ValueError:
+        raise UserError(f"--cut: {text!r}; --split time needs --cut T1,T2 (timestamps: before "
+                        f"T1 train, from T1 validation, from T2 test)") from None
+    if first > second:
+        raise UserError(f"--cut: {first:g} is after {second:g}; give T1 <= T2")
+    return first, second
+
+
+@dataclass
+class Prepared:
+    data: "InteractionData"  # data/interaction_data.py, which imports torch: not at CLI start
+    raw_users: np.ndarray
+    raw_items: np.ndarray
+
+
+def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leave-last-out",
+            cut: Optional[Tuple[float, float]] = None, seed: int = 0) -> Prepared:
+    """The dataset a log makes: ids, side features, splits; the counts in `meta.extra`."""
+    from dlrm_hybrid.data.interaction_data import InteractionData
+
+    if split == "time" and "timestamp" not in log.columns:
+        raise UserError("--split time: the log has no timestamp column; name it in --columns, "
+                        "or split leave-last-out")
+    rows = np.arange(len(log))
+    is_positive = positive.mask(log)
+    users, user_counts = positive_counts(log.columns["user"], is_positive)
+    items, item_counts = positive_counts(log.columns["item"], is_positive)
+    kept = (is_positive & (user_counts >= min_count)[users.codes]
+            & (item_counts >= min_count)[items.codes])
+    users, items = renumber(users, kept), renumber(items, kept)
+    times = log.columns.get("timestamp")
+    chronology = rows if times is None else np.lexsort((rows, times))
+    user_side, user_cards = side_features(users.codes, len(users.raw), chronology,
+                                          {n: log.columns[f"user:{n}"] for n in log.side("user")})
+    item_side, item_cards = side_features(items.codes, len(items.raw), chronology,
+                                          {n: log.columns[f"item:{n}"] for n in log.side("item")})
+    chronology = chronology[kept[chronology]]  # kept rows, oldest first
+    u, i = users.codes, items.codes
+    short = 0
+    if split == "time":
+        which = time_cut(times, cut)
+        rule = f"time cut: train before {cut[0]:g} <= validation < {cut[1]:g} <= test"
+    else:
+        which, short = leave_last_out(u, chronology)
+        rule = (f"leave-last-out by {'timestamp (ties: file order)' if times is not None else 'file order'}"
+                f"; users with < {SHORT} positives: all in train")
+    pairs = {}
+    for code, name in enumerate(SPLITS):
+        chosen = chronology[which[chronology] == code]
+        if code == TRAIN:
+            chosen = np.random.default_rng(seed).permutation(chosen)
+        else:
+            chosen = chosen[np.argsort(u[chosen], kind="stable")]
+        if not len(chosen):
+            raise DataError(f"the {name} split is empty ({rule}, {int(kept.sum())} positives "
+                            f"kept); {_empty_hint(split)}")
+        pairs[name] = (u[chosen].astype(np.int32), i[chosen].astype(np.int32))
+    extra = {"rows": log.rows, **log.bad, "not_positive": int((~is_positive).sum()),
+             "below_min_count": int((is_positive & ~kept).sum()), "min_count": min_count,
+             "dropped_users": int((user_counts > 0).sum()) - len(users.raw),
+             "dropped_items": int((item_counts > 0).sum()) - len(items.raw),
+             "users_all_in_train": short, "seed": seed, "columns": ",".join(log.layout)}
+    meta = InteractionMeta(len(users.raw), len(items.raw), user_cards, item_cards,
+                           split_rule=rule, positive=str(positive), source=list(log.sources),
+                           extra=extra)
+    return Prepared(InteractionData(meta, pairs, user_side, item_side), users.raw, items.raw)
+
+
+def _empty_hint(split: str) -> str:
+    if split == "time":
+        return "choose --cut inside the log's time range"
+    return (f"leave-last-out needs users with {SHORT} or more positives: check --positive "
+            f"and --min-count")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help="interaction logs, one log together: MovieLens u.data, ratings.dat, "
+                             "ratings.csv, or any CSV/TSV/:: file with --columns")
+    parser.add_argument("--output", required=True, metavar="DIR", help="new dataset folder")
+    parser.add_argument("--columns", metavar="ROLES",
+                        help="the columns' roles in order, e.g. user,item,rating,timestamp,"
+                             "user:age,item:genre (_ ignores a column); needed unless the "
+                             "file is named as MovieLens names it")
+    parser.add_argument("--delimiter", metavar="D",
+                        help="field delimiter, e.g. ',' or '::' or tab (default: from the "
+                             "first line)")
+    parser.add_argument("--header", choices=("auto", "yes", "no"), default="auto",
+                        help="whether each file's first line names the columns (auto: when a "
+                             "number column is not a number, or it reads the roles' names)")
+    parser.add_argument("--positive", metavar="RULE",
+                        help="what is an engagement, e.g. 'rating>=4' (default: rating >= 4, "
+                             "label == 1, or every row of a log without either)")
+    parser.add_argument("--min-count", type=int, default=1, metavar="N",
+                        help="leave out users and items with fewer than N positives (default 1)")
+    parser.add_argument("--split", choices=SPLIT_RULES, default="leave-last-out",
+                        help="leave-last-out (default): each user's last positive is test, the "
+                             "one before validation; time: global cuts, see --cut")
+    parser.add_argument("--cut", metavar="T1,T2",
+                        help="--split time: before T1 train, [T1, T2) validation, from T2 test")
+    parser.add_argument("--seed", type=int, default=0, help="the train rows' order (default 0)")
+    parser.add_argument("--skip-bad-rows", action="store_true",
+                        help="leave out malformed lines, counted, instead of stopping at the "
+                             "first (FILE:LINE)")
+
+
+def run(args) -> None:
+    from dlrm_hybrid.data.interaction_data import write_interactions
+
+    start = time.perf_counter()
+    if Path(args.output).exists():
+        raise DataError(f"{args.output}: already exists; choose another --output or remove it")
+    if args.min_count < 1:
+        raise UserError(f"--min-count: must be at least 1, got {args.min_count}")
+    columns = parse_columns(args.columns) if args.columns else None
+    cut = parse_cut(args.cut, args.split)
+    delimiter = "\t" if args.delimiter in ("tab", "\\t") else args.delimiter
+    log = read_log(args.input, columns, delimiter, args.header, args.skip_bad_rows)
+    positive = parse_positive(args.positive, log.layout)
+    prepared = prepare(log, positive, args.min_count, args.split, cut, args.seed)
+    write_interactions(prepared.data, args.output, _text(prepared.raw_users),
+                       _text(prepared.raw_items))
+    print(summary(prepared.data.meta, args.output, time.perf_counter() - start))
+
+
+def _text(raw: np.ndarray) -> List[str]:
+    return [value.decode("utf-8", errors="replace") for value in raw.tolist()]
+
+
+def summary(meta: InteractionMeta, output: str, seconds: float) -> str:
+    """One screen: what was read, kept and left out, and how it was split."""
+    e = meta.extra
+    bad = {k: e[k] for k in ("wrong_field_count", "empty_id", "bad_number") if e.get(k)}
+    sides = lambda side: ", ".join(f"{n} ({c})" for n, c in side.items()) or "none"  # noqa: E731
+    kept = sum(meta.samples.values())
+    return "\n".join([
+        f"wrote {output} in {seconds:.1f} s",
+        f"  read       {e['rows']:,} rows from {len(meta.source)} file(s), columns {e['columns']}",
+        f"  bad rows   {sum(bad.values()):,} skipped"
+        + (" (" + ", ".join(f"{k} {v:,}" for k, v in bad.items()) + ")" if bad else ""),
+        f"  positive   {meta.positive}: {e['not_positive']:,} rows are not",
+        f"  min-count  {e['min_count']}: {e['below_min_count']:,} positives left out with "
+        f"{e['dropped_users']:,} users and {e['dropped_items']:,} items",
+        f"  kept       {kept:,} positives of {meta.users:,} users and {meta.items:,} items",
+        f"  features   user: {sides(meta.user_side)}; item: {sides(meta.item_side)}",
+        f"  split      {meta.split_rule}"
+        + (f" ({e['users_all_in_train']:,} such users)" if "leave-last-out" in meta.split_rule else ""),
+        "             " + ", ".join(f"{s} {n:,}" for s, n in meta.samples.items()),
+        f"done: users={meta.users} items={meta.items} "
+        + " ".join(f"{s}={n}" for s, n in meta.samples.items())
+        + f" skipped={sum(bad.values())} not_positive={e['not_positive']} "
+          f"below_min_count={e['below_min_count']}"])
