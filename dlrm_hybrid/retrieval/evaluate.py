@@ -154,6 +154,9 @@ def _batch_sums(user: torch.Tensor, items: torch.Tensor, wanted, seen, ks: List[
         for first in range(0, len(rows), n):  # a user's relevant items, n rows at a time
             block = slice(first, first + n)
             above[block] += (scores[rows[block]] > positive[block, None]).sum(1)
+        # An item is not above itself: its score here may round apart from `positive`.
+        own = (relevant >= start) & (relevant < start + scores.shape[1])
+        above[own] -= (scores[rows[own], relevant[own] - start] > positive[own]).long()
     ks_t = torch.tensor(ks, device=device)
     hit = (above[:, None] < ks_t[None, :]).double()  # [pairs, K]
     found = torch.zeros(n, len(ks), dtype=torch.float64, device=device).index_add_(0, rows, hit)
