@@ -116,7 +116,7 @@ class DataConfig:
     # two_tower's planted interactions (data/planted_interactions.py), when data.path is empty:
     users: int = 2000
     items: int = 1000
-    interactions_per_user: int = 12  # engagements drawn per user before the leave-last-out split
+    interactions_per_user: int = 30  # engagements drawn per user before the leave-last-out split
 
 
 @dataclass

@@ -1,0 +1,198 @@
+"""`preprocess interactions` as a user meets it (MovieLens layouts, --columns, splits, bad rows),
+the folder it writes read back, and the planted log's recorded ceiling."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import failure, run_cli
+from dlrm_hybrid.config import DataConfig
+from dlrm_hybrid.data.interaction_data import open_interactions
+from dlrm_hybrid.data.planted_interactions import planted_interactions, teacher, teacher_scores
+
+# user, item, rating, timestamp. Positives (rating >= 4) per user, oldest first:
+# user 1: items 1 (t 10), 2 (t 20), 4 (t 40), 5 (t 40, after 4 in the file): val 4, test 5
+# user 2: items 1, 2, 6: val 2, test 6; user 3: item 1 only: all in train
+ROWS = [(1, 1, 5, 10), (1, 2, 4, 20), (1, 3, 2, 30), (1, 4, 5, 40), (1, 5, 4, 40),
+        (2, 6, 4, 25), (2, 1, 4, 5), (2, 2, 5, 15), (3, 1, 5, 50), (3, 2, 1, 60)]
+# dense ids by positives, most first (ties: raw id order): users 1, 2, 3; items 1, 2, 4, 5, 6
+USERS, ITEMS = ["1", "2", "3"], ["1", "2", "4", "5", "6"]
+SPLITS = {"train": {(0, 0), (0, 1), (1, 0), (2, 0)},
+          "val": [(0, 2), (1, 1)], "test": [(0, 3), (1, 4)]}
+
+
+def write_layout(folder: Path, name: str) -> Path:
+    """ROWS as MovieLens writes them in `name`'s layout."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if name == "u.data":
+        text = "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in ROWS)
+    elif name == "ratings.dat":  # with a byte-order mark: not part of the first user id
+        text = "\ufeff" + "".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in ROWS)
+    else:  # ratings.csv: a header, a byte-order mark and CRLF line ends, as Windows tools save it
+        text = "\ufeffuserId,movieId,rating,timestamp\r\n" + "".join(
+            f"{u},{i},{r:.1f},{t}\r\n" for u, i, r, t in ROWS)
+    path = folder / name
+    path.write_bytes(text.encode())
+    return path
+
+
+def preprocess(inputs, output: Path, *options: str):
+    return run_cli(["preprocess", "interactions", "--input", *map(str, inputs),
+                    "--output", str(output), *options])
+
+
+def pairs(data, split: str):
+    users, items = data.pairs[split]
+    return list(zip(users.tolist(), items.tolist()))
+
+
+def write_log(path: Path, lines) -> Path:
+    path.write_text("".join(f"{line}\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("layout", ["u.data", "ratings.dat", "ratings.csv"])
+def test_each_movielens_layout_gives_the_leave_last_out_dataset(tmp_path, layout):
+    result = preprocess([write_layout(tmp_path / "log", layout)], tmp_path / "out")
+    assert result.returncode == 0, failure(result)
+    assert "done: users=3 items=5 train=4 val=2 test=2" in result.stdout
+    data = open_interactions(str(tmp_path / "out"))
+    assert set(pairs(data, "train")) == SPLITS["train"]
+    assert pairs(data, "val") == SPLITS["val"] and pairs(data, "test") == SPLITS["test"]
+    assert (tmp_path / "out" / "users.txt").read_text().split() == USERS
+    assert (tmp_path / "out" / "items.txt").read_text().split() == ITEMS
+    meta = data.meta
+    assert meta.positive == "rating >= 4" and meta.split_rule.startswith("leave-last-out by time")
+    assert meta.extra["users_all_in_train"] == 1 and meta.extra["not_positive"] == 2
+    assert meta.samples == {"train": 4, "val": 2, "test": 2}
+
+
+def test_several_inputs_are_one_log_and_a_time_cut_splits_it_globally(tmp_path):
+    first = write_log(tmp_path / "a.csv", [",".join(map(str, r)) for r in ROWS[:5]])
+    second = write_log(tmp_path / "b.csv", [",".join(map(str, r)) for r in ROWS[5:]])
+    result = preprocess([first, second], tmp_path / "out", "--columns", "user,item,rating,timestamp",
+                        "--split", "time", "--cut", "20,40")
+    assert result.returncode == 0, failure(result)
+    data = open_interactions(str(tmp_path / "out"))
+    # before 20 train; [20, 40) val; from 40 test (user order, then time, then file order)
+    assert set(pairs(data, "train")) == {(0, 0), (1, 0), (1, 1)}
+    assert pairs(data, "val") == [(0, 1), (1, 4)]
+    assert pairs(data, "test") == [(0, 2), (0, 3), (2, 0)]
+    assert data.meta.split_rule == "time cut: train before 20 <= validation < 40 <= test"
+    assert data.meta.source == [str(first), str(second)]
+
+
+def test_side_columns_become_tower_features_from_each_ones_latest_row(tmp_path):
+    log = write_log(tmp_path / "log.tsv", [
+        "user\titem\ttimestamp\tage\tgenre",  # a header: the timestamp column reads its name
+        "a\tx\t3\t20\tdrama", "a\ty\t1\t18\tcomedy",  # user a's latest row (t 3) says 20
+        "b\tx\t2\t30\tdrama", "c\ty\t5\t30\tcomedy", "b\tz\t9\t31\tdrama"])
+    result = preprocess([log], tmp_path / "out", "--columns",
+                        "user,item,timestamp,user:age,item:genre", "--split", "time", "--cut", "4,6")
+    assert result.returncode == 0, failure(result)
+    data = open_interactions(str(tmp_path / "out"))
+    assert data.meta.positive == "every row"
+    assert data.spec.feature_names == ["user_id", "user_age", "item_id", "item_genre"]
+    assert data.meta.user_side == {"age": 3} and data.meta.item_side == {"genre": 2}
+    # users a, b, c (2, 2, 1 rows); ages 20, 31, 30 -> ids by frequency, ties by value
+    assert data.user_side[:, 0].tolist() == [0, 2, 1]
+    # items x, y, z; genres drama, comedy, drama: drama (2 items) is 0
+    assert data.item_side[:, 0].tolist() == [0, 1, 0]
+    assert (tmp_path / "out" / "users.txt").read_text().split() == ["a", "b", "c"]
+
+
+def test_min_count_and_bad_rows_account_for_every_row(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = [(f"u{u}", f"i{i}", int(r), t) for t, (u, i, r) in enumerate(zip(
+        rng.zipf(1.5, 400) % 30, rng.zipf(1.3, 400) % 40, rng.integers(1, 6, 400)))]
+    lines = [f"{u},{i},{r},{t}" for u, i, r, t in rows]
+    lines[10:10] = ["u1,i2,4", ",i3,5,7", "u4,i5,five,8"]  # one bad row of each kind
+    log = write_log(tmp_path / "log.csv", lines)
+    result = preprocess([log], tmp_path / "out", "--columns", "user,item,rating,timestamp",
+                        "--min-count", "5", "--skip-bad-rows", "--positive", "rating>3")
+    assert result.returncode == 0, failure(result)
+    data = open_interactions(str(tmp_path / "out"))
+    extra = data.meta.extra
+    positives = [(u, i) for u, i, r, _ in rows if r > 3]
+    users = collections.Counter(u for u, _ in positives)
+    items = collections.Counter(i for _, i in positives)
+    kept = [(u, i) for u, i in positives if users[u] >= 5 and items[i] >= 5]
+    assert (extra["wrong_field_count"], extra["empty_id"], extra["bad_number"]) == (1, 1, 1)
+    assert extra["not_positive"] == len(rows) - len(positives)
+    assert extra["below_min_count"] == len(positives) - len(kept)
+    assert extra["dropped_users"] == len(users) - len({u for u, _ in kept})
+    assert extra["dropped_items"] == len(items) - len({i for _, i in kept})
+    written = sum(data.meta.samples.values())
+    assert written == len(kept)
+    assert extra["rows"] == 403 == written + 3 + extra["not_positive"] + extra["below_min_count"]
+    # ids by decreasing count of kept positives
+    counts = collections.Counter(u for u, _ in kept)
+    raw_users = (tmp_path / "out" / "users.txt").read_text().split()
+    raw_items = (tmp_path / "out" / "items.txt").read_text().split()
+    assert [counts[u] for u in raw_users] == sorted(counts.values(), reverse=True)
+    # train: all but each user's last two (timestamps are file order), stored shuffled
+    left = {u: n - 2 if n >= 3 else n for u, n in counts.items()}
+    oldest_first = []
+    for u, i in kept:
+        if left[u] > 0:
+            oldest_first.append((u, i))
+        left[u] -= 1
+    stored = [(raw_users[u], raw_items[i]) for u, i in pairs(data, "train")]
+    assert sorted(stored) == sorted(oldest_first) and stored != oldest_first
+
+
+@pytest.mark.parametrize("line, message", [
+    ("2,1,4", "3 fields, the layout has 4 (user,item,rating,timestamp)"),
+    ("2,,4,5", "the item id is empty"),
+    ("2,1,x,5", "the rating is 'x', not a finite number")])
+def test_a_bad_row_is_named_by_file_and_line(tmp_path, line, message):
+    log = write_log(tmp_path / "log.csv", ["user,item,rating,timestamp", "1,1,5,1", "1,2,5,2",
+                                           line, "1,3,5,3"])
+    result = preprocess([log], tmp_path / "out", "--columns", "user,item,rating,timestamp")
+    assert result.returncode == 2
+    assert f"error: {log}:4: {message}; correct the line, or pass --skip-bad-rows" in result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_an_empty_split_is_refused_and_nothing_is_written(tmp_path):
+    log = write_layout(tmp_path / "log", "u.data")
+    result = preprocess([log], tmp_path / "out", "--min-count", "2")  # 2 positives per user left
+    assert result.returncode == 2
+    assert "error: the val split is empty (leave-last-out" in result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    result = preprocess([log], tmp_path / "out", "--split", "time", "--cut", "100,200")
+    assert "error: the val split is empty (time cut" in result.stderr
+
+
+def test_an_existing_output_is_not_overwritten(tmp_path):
+    log = write_layout(tmp_path / "log", "u.data")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = preprocess([log], tmp_path / "out")
+    assert result.returncode == 2 and "already exists" in result.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_the_planted_ceiling_is_the_teachers_exact_ranking():
+    cfg = DataConfig(users=60, items=50, interactions_per_user=8, seed=3)
+    data = planted_interactions(cfg)
+    u, v, log_pop, _, _ = teacher(cfg)
+    scores = teacher_scores(cfg, u, v, log_pop)
+    for split, seen in (("val", ("train",)), ("test", ("train", "val"))):
+        ranks = []
+        for user, target in zip(*data.pairs[split]):
+            earlier = {i for s in seen for uu, i in zip(*data.pairs[s]) if uu == user}
+            ranks.append(sum(scores[user, j] > scores[user, target]
+                             for j in range(cfg.items) if j not in earlier))
+        ranks = np.array(ranks)
+        prefix = "val_" if split == "val" else ""
+        for k in (10, 50):
+            assert data.meta.extra[f"ceiling_{prefix}recall@{k}"] == round((ranks < k).mean(), 4)
+        ndcg = np.where(ranks < 10, 1 / np.log2(ranks + 2.0), 0).mean()
+        assert data.meta.extra[f"ceiling_{prefix}ndcg@10"] == round(ndcg, 4)
+        assert data.meta.extra[f"ceiling_{prefix}mrr"] == round((1 / (ranks + 1.0)).mean(), 4)
+    assert 0 < data.meta.extra["ceiling_recall@10"] < 1
