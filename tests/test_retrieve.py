@@ -233,17 +233,20 @@ def test_retrieve_answers_without_the_trainer(trained, exported):
     assert [line.split("\t")[0] for line in text.stdout.splitlines()] == answers["tower"]["items"]
 
 
-def test_retrieve_a_batch_of_users_to_a_file(exported, tmp_path):
+def test_retrieve_a_batch_of_users_to_a_file(trained, exported, tmp_path):
     (tmp_path / "users.txt").write_text("u5\n\nu7\n")
     out = tmp_path / "answers.jsonl"
     result = run_cli(["retrieve", "--model", str(exported / "flat"), "--users",
                       str(tmp_path / "users.txt"), "--out", str(out), "--k", "10"])
     assert result.returncode == 0, failure(result)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    single = run_cli(["retrieve", "--model", str(exported / "flat"), "--user", "u7", "--k", "10",
-                      "--json"])
     assert [a["user"] for a in lines] == ["u5", "u7"]
-    assert lines[1] == json.loads(single.stdout)
+    vectors, users = np.load(exported / "flat" / "item_vectors.npy"), served_users(exported / "flat")
+    indptr, seen = open_interactions(str(trained[0] / "log")).engaged(("train",))
+    for line, user in zip(lines, (5, 7)):
+        unseen = [i for i in np.argsort(-(vectors @ users[user]))
+                  if i not in seen[indptr[user]:indptr[user + 1]]]
+        assert list(_dense(line["items"])) == unseen[:10]
     again = run_cli(["retrieve", "--model", str(exported / "flat"), "--users", str(out),
                      "--out", str(out)])
     assert again.returncode == 2 and "--out" in again.stderr and "an input" in again.stderr
