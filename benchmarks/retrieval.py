@@ -10,8 +10,9 @@ leave-last-out per user by timestamp). --dataset: a folder it already wrote. Nei
 planted log of the default config (data.users x data.items), whose teacher's ranking is the
 ceiling.
 
-1. Two-tower hyperparameters: a small grid (GRID: temperature x epochs) trained in one process
-   with the default loss (logQ + accidental hits removed), chosen by VALIDATION recall@10.
+1. Two-tower hyperparameters: a small grid (GRID: temperature x embedding learning rate, up
+   to EPOCHS epochs) trained in one process with the default loss (logQ + accidental hits
+   removed); the setting and epoch count with the best VALIDATION recall@10 are chosen.
 2. Each loss option (LOSSES, those the config offers) with the chosen hyperparameters, trained
    through the CLI on --ranks gloo ranks (dlrm_hybrid.torchrun); validation metrics and
    samples/s from the run's metrics.jsonl, TEST metrics from `eval --split test`.
@@ -59,8 +60,9 @@ BASE = {  # the two-tower model over id features (and the log's side features, w
     "train": {"progress_bar": False, "tensorboard": False},
     "checkpoint": {"resume": "none"},
 }
-GRID = {"model.temperature": (0.05, 0.1, 0.2), "epochs": (10, 30)}
-QUICK_GRID = {"model.temperature": (0.1,), "epochs": (1,)}
+GRID = {"model.temperature": (0.05, 0.1, 0.2), "optim.embedding_lr": (0.05, 0.2)}
+EPOCHS = 30  # the longest training the grid tries; validation after each epoch picks the count
+QUICK_GRID = {"model.temperature": (0.1,)}
 LOSSES = {  # name -> retrieval settings; each row adds one option to the default (logQ + hits)
     "in-batch softmax": {"logq": False, "remove_accidental_hits": False},
     "+ logQ": {"logq": True, "remove_accidental_hits": False},
@@ -110,12 +112,15 @@ def prepare_data(args, scratch: Path) -> Tuple[Dict[str, object], str]:
 
 
 def write_config(path: Path, data: Dict[str, object], epochs: int, train_samples: int,
-                 sets: Dict[str, object]) -> int:
-    """BASE with `data`, `sets` (dotted keys) and `epochs` of training; returns the steps."""
+                 sets: Dict[str, object], eval_epochs: int = 0) -> int:
+    """BASE with `data`, `sets` (dotted keys) and `epochs` of training, evaluated at the end
+    (and every `eval_epochs`); returns the steps per epoch."""
     cfg = json.loads(json.dumps(BASE))
     cfg["data"].update(data)
-    steps = max(1, epochs * -(-train_samples // cfg["data"]["global_batch_size"]))
-    cfg["train"].update({"max_steps": steps, "eval_every": steps, "log_every": max(1, steps // 10)})
+    per_epoch = -(-train_samples // cfg["data"]["global_batch_size"])
+    steps = max(1, epochs * per_epoch)
+    cfg["train"].update({"max_steps": steps, "eval_every": eval_epochs * per_epoch,
+                         "log_every": max(1, steps // 10)})
     for key, value in sets.items():
         section, *rest = key.split(".")
         node = cfg.setdefault(section, {})
@@ -123,19 +128,19 @@ def write_config(path: Path, data: Dict[str, object], epochs: int, train_samples
             node = node.setdefault(part, {})
         node[rest[-1]] = value
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return steps
+    return per_epoch
 
 
-def train_two_tower(config: Path, run_dir: Path, ranks: int) -> Dict[str, float]:
-    """Train through the CLI; the final validation metrics, steady samples/s and seconds."""
+def train_two_tower(config: Path, run_dir: Path, ranks: int) -> Tuple[List[dict], dict]:
+    """Train through the CLI: (the validation events, {steady samples/s, seconds, step})."""
     start = time.perf_counter()
     cli(["train", "--config", str(config), "--set", f"train.run_dir={run_dir}"], ranks)
     seconds = time.perf_counter() - start
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     speeds = [e["samples_per_s"] for e in events if "samples_per_s" in e][1:]  # past warm-up
-    val = [e for e in events if "val_recall@10" in e][-1]
-    return {**val, "samples_per_s": statistics.median(speeds) if speeds else float("nan"),
-            "seconds": seconds, "step": max(e.get("step", 0) for e in events)}
+    return [e for e in events if "val_recall@10" in e], {
+        "samples_per_s": statistics.median(speeds) if speeds else float("nan"),
+        "seconds": seconds, "step": max(e.get("step", 0) for e in events)}
 
 
 def test_metrics(run_dir: Path, step: int) -> Dict[str, float]:
@@ -147,21 +152,25 @@ def test_metrics(run_dir: Path, step: int) -> Dict[str, float]:
     return {k: float(v) for k, v in fields.items() if k.startswith("test_")}
 
 
-def tune_two_tower(data_cfg, train_samples: int, scratch: Path, grid) -> Tuple[dict, list]:
-    """The grid's validation results (one process, default loss) and the best setting."""
-    results = []
+def tune_two_tower(data_cfg, train_samples: int, scratch: Path, grid, epochs: int
+                   ) -> Tuple[dict, int]:
+    """The grid's best setting and epoch count by validation recall@10 (one process, the
+    default loss). The learning rates are constant, so one run of `epochs` evaluated after
+    every epoch gives every shorter run's result too."""
+    best = (-1.0, {}, 0)
     for values in itertools.product(*grid.values()):
         setting = dict(zip(grid, values))
-        epochs = setting.pop("epochs")
         name = "_".join(str(v) for v in values)
-        config = scratch / f"grid_{name}.yaml"
-        write_config(config, data_cfg, epochs, train_samples, setting)
-        m = train_two_tower(config, scratch / f"grid_{name}", 0)
-        results.append(({**setting, "epochs": epochs}, m))
-        print(f"  grid {setting} epochs {epochs}: val recall@10 {m['val_recall@10']:.4f} "
-              f"recall@100 {m['val_recall@100']:.4f} ({m['seconds']:.0f} s)", flush=True)
-    best = max(results, key=lambda r: r[1]["val_recall@10"])[0]
-    return best, results
+        per_epoch = write_config(scratch / f"grid_{name}.yaml", data_cfg, epochs, train_samples,
+                                 setting, eval_epochs=1)
+        curve, run = train_two_tower(scratch / f"grid_{name}.yaml", scratch / f"grid_{name}", 0)
+        top = max(curve, key=lambda e: e["val_recall@10"])
+        best = max(best, (top["val_recall@10"], setting, top["step"] // per_epoch),
+                   key=lambda b: b[0])
+        print(f"  {setting}: best val recall@10 {top['val_recall@10']:.4f} after "
+              f"{top['step'] // per_epoch} epochs (after {epochs}: "
+              f"{curve[-1]['val_recall@10']:.4f}; {run['seconds']:.0f} s)", flush=True)
+    return best[1], best[2]
 
 
 def loss_options() -> Dict[str, dict]:
@@ -225,9 +234,10 @@ def row(model: str, setting: str, m: Dict[str, float], speed: str = "",
 def two_tower_rows(data_cfg, train_samples: int, scratch: Path, args) -> Tuple[list, dict]:
     """Tune on validation, then train each loss option on `args.ranks` ranks and test it;
     (table rows, {loss: (metrics, run folder)})."""
-    print("two-tower grid (validation, 1 process, default loss):", flush=True)
-    best, _ = tune_two_tower(data_cfg, train_samples, scratch, QUICK_GRID if args.quick else GRID)
-    epochs = best.pop("epochs")
+    grid, epochs = (QUICK_GRID, 1) if args.quick else (GRID, EPOCHS)
+    print(f"two-tower grid (validation after each of {epochs} epochs, 1 process, default loss):",
+          flush=True)
+    best, epochs = tune_two_tower(data_cfg, train_samples, scratch, grid, epochs)
     print(f"chosen: {best}, {epochs} epochs; batch {BASE['data']['global_batch_size']}, "
           f"embedding dim {BASE['model']['embedding_dim']}, towers "
           f"{BASE['model']['user_tower']['mlp']}", flush=True)
@@ -236,8 +246,8 @@ def two_tower_rows(data_cfg, train_samples: int, scratch: Path, args) -> Tuple[l
         config, run_dir = scratch / f"loss_{len(tower)}.yaml", scratch / f"loss_{len(tower)}"
         write_config(config, data_cfg, epochs, train_samples,
                      {**best, **{f"retrieval.{k}": v for k, v in sets.items()}})
-        m = train_two_tower(config, run_dir, args.ranks)
-        m.update(test_metrics(run_dir, m["step"]))
+        curve, run = train_two_tower(config, run_dir, args.ranks)
+        m = {**curve[-1], **run, **test_metrics(run_dir, run["step"])}
         tower[loss] = (m, run_dir)
         rows.append(row("two-tower", loss, m, f"{m['samples_per_s']:,.0f} ({args.ranks} ranks)",
                         m["seconds"]))
@@ -278,7 +288,7 @@ def main() -> None:
     parser.add_argument("--positive", default="rating>=4", help="what counts as an engagement")
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks of the loss runs")
     parser.add_argument("--quick", action="store_true",
-                        help="a check that it runs: one grid point of one epoch")
+                        help="a check that it runs: one grid point, one epoch")
     args = parser.parse_args()
 
     from dlrm_hybrid.config import load_config
