@@ -8,7 +8,7 @@ splits (training, and validation when testing). That count is the relevant item'
 0-based position in the user's ranking of the corpus; recall, HR and NDCG (binary relevance)
 at each K and MRR follow from the positions, and the per-user sums are all-reduced, so 1 and N
 ranks give the same numbers (up to the order of float sums). Memory per user batch is bounded
-by one [users, chunk] score block (and its comparison with the relevant items' scores).
+by one [users, chunk] score block and its comparison with the relevant items' scores.
 """
 
 from __future__ import annotations
@@ -147,13 +147,18 @@ def _batch_sums(user: torch.Tensor, items: torch.Tensor, wanted, seen, ks: List[
     seen_rows, seen_items = (torch.from_numpy(a).to(device) for a in seen)
     positive = (user[rows] * items[relevant]).sum(1)
     above = torch.zeros(len(rows), dtype=torch.int64, device=device)
+    # The j-th relevant item of each user: rows in order, at most one per user (j = 0: all).
+    first = torch.searchsorted(rows, torch.arange(n, device=device))
+    nth = torch.arange(len(rows), device=device) - first[rows]
+    groups = [torch.nonzero(nth == j).flatten() for j in range(int(nth.max()) + 1)]
     for start in range(0, items.shape[0], chunk):
         scores = user @ items[start:start + chunk].T  # [users, chunk]: the memory bound
         inside = (seen_items >= start) & (seen_items < start + scores.shape[1])
         scores[seen_rows[inside], seen_items[inside] - start] = -math.inf
-        for first in range(0, len(rows), n):  # a user's relevant items, n rows at a time
-            block = slice(first, first + n)
-            above[block] += (scores[rows[block]] > positive[block, None]).sum(1)
+        for pairs in groups:
+            mine = scores if len(pairs) == n else scores[rows[pairs]]
+            higher = (mine > positive[pairs, None]).view(torch.uint8)
+            above[pairs] += higher.sum(1, dtype=torch.int32)
         # An item is not above itself: its score here may round apart from `positive`.
         own = (relevant >= start) & (relevant < start + scores.shape[1])
         above[own] -= (scores[rows[own], relevant[own] - start] > positive[own]).long()
