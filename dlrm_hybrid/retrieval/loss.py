@@ -42,8 +42,8 @@ class InBatchSoftmax(nn.Module):
       every engagement of item j does B <- (1 - a) B + a (t - A), A <- t (a = logq_decay; an
       item's second draw in a step sees a gap of 0, so p counts draws per step). An item never
       seen has p = 0; at its first draw its B starts from t - A = t.
-    - cross_batch_memory M: `memory` [M, dim] and `memory_ids` [M] (-1: empty), newest first,
-      refilled with the global batch's rows after each step's logits.
+    - cross_batch_memory M: `memory` [M, dim] and `memory_ids` [M] (-1: empty), a queue (the
+      oldest first) the global batch's rows join after each step's logits.
     """
 
     def __init__(self, retrieval_cfg, items: int, temperature: float, dim: int = 0) -> None:
@@ -111,7 +111,7 @@ class InBatchSoftmax(nn.Module):
 
     @torch.no_grad()
     def remember(self, items: torch.Tensor, ids: torch.Tensor) -> None:
-        """Put this step's item vectors first in the memory; the oldest fall out."""
+        """Append this step's item vectors to the memory; the oldest fall out."""
         size = len(self.memory_ids)
-        self.memory.copy_(torch.cat([items.to(self.memory.dtype), self.memory])[:size])
-        self.memory_ids.copy_(torch.cat([ids, self.memory_ids])[:size])
+        self.memory.copy_(torch.cat([self.memory, items.to(self.memory.dtype)])[-size:])
+        self.memory_ids.copy_(torch.cat([self.memory_ids, ids])[-size:])
