@@ -10,8 +10,8 @@ The options (`retrieval:`), each a column rule of the [engagements, candidates] 
   drawn from the whole corpus by the dataset: mixed negative sampling, Yang et al. 2020), then
   the cross-batch memory's last M item vectors (detached; Wang et al. 2020).
 - logq: logit - log q_j, q_j = p_j + N / items, the expected number of times item j is drawn
-  into a step's candidates: p_j from the engagements (Yi et al. 2019's streaming estimate), N / items
-  from the uniform draws. The memory replays earlier steps' candidates, which scales every q_j
+  into a step's candidates: p_j from the engagements (Yi et al. 2019's streaming estimate),
+  N / items from the uniform draws. The memory replays earlier steps' candidates, which scales every q_j
   alike and leaves the softmax unchanged, so its rows get their item's q_j too.
 - remove_accidental_hits: a candidate whose item is the engagement's own item, other than its
   own column, is no negative (logit -inf).
@@ -46,7 +46,7 @@ class InBatchSoftmax(nn.Module):
       oldest first) the global batch's rows join after each step's logits.
     """
 
-    def __init__(self, retrieval_cfg, items: int, temperature: float, dim: int = 0) -> None:
+    def __init__(self, retrieval_cfg, items: int, temperature: float, dim: int) -> None:
         """`dim`: the towers' output width (the memory's rows)."""
         super().__init__()
         self.cfg, self.items, self.temperature = retrieval_cfg, items, temperature
