@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         "synth", help="write the planted synthetic dataset (the config's data section) to files"))
     synth.add_argument("--output", required=True, help="new dataset folder")
     evaluate = _config_arguments(commands.add_parser(
-        "eval", help="AUC and log loss of a checkpoint on a split (default: test)"))
+        "eval", help="AUC and log loss of a checkpoint on a split (default: test); a two_tower "
+                  "checkpoint: recall, HR, NDCG@K and MRR over the whole item corpus"))
     evaluate.add_argument("--checkpoint", required=True, help="a step_<n> checkpoint folder")
     evaluate.add_argument("--split", default="test", choices=("test", "val"))
     export = commands.add_parser(

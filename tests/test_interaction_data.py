@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import failure, run_cli
+from conftest import done_fields, failure, run_cli
 from dlrm_hybrid.config import DataConfig
 from dlrm_hybrid.data.interaction_data import open_interactions
 from dlrm_hybrid.data.planted_interactions import planted_interactions, teacher, teacher_scores
@@ -196,3 +196,34 @@ def test_the_planted_ceiling_is_the_teachers_exact_ranking():
         assert data.meta.extra[f"ceiling_{prefix}ndcg@10"] == round(ndcg, 4)
         assert data.meta.extra[f"ceiling_{prefix}mrr"] == round((1 / (ranks + 1.0)).mean(), 4)
     assert 0 < data.meta.extra["ceiling_recall@10"] < 1
+
+
+def test_a_preprocessed_log_trains_checkpoints_and_resumes_only_on_itself(tmp_path):
+    """A run on a `preprocess interactions` folder checkpoints (its identity is the log's),
+    resumes on the same log, and refuses another log of the same shape."""
+    rng = np.random.default_rng(0)
+
+    def log(path: Path, seed_shift: int) -> Path:
+        rows = [f"{u}\t{(u * 7 + k * 3 + seed_shift) % 40}\t5\t{k}" for u in range(30)
+                for k in range(6)]
+        rng.shuffle(rows)
+        return write_log(path, rows)
+
+    for name, shift in (("a", 0), ("b", 1)):
+        result = preprocess([log(tmp_path / f"{name}.tsv", shift)], tmp_path / name,
+                            "--columns", "user,item,rating,timestamp")
+        assert result.returncode == 0, failure(result)
+    settings = ["--set", "model.kind=two_tower", "--set", "data.global_batch_size=16",
+                "--set", f"data.path={tmp_path / 'a'}", "--set", f"train.run_dir={tmp_path / 'run'}",
+                "--set", "train.log_every=1", "--set", "model.embedding_dim=8",
+                "--set", "model.user_tower.mlp=[8]", "--set", "model.item_tower.mlp=[8]"]
+    first = run_cli(["train", *settings, "--set", "train.max_steps=3"])
+    assert first.returncode == 0, failure(first)
+    assert (tmp_path / "run" / "checkpoints" / "step_3").is_dir()
+    assert "val_recall@10=" in first.stdout.strip().splitlines()[-1]
+    again = run_cli(["train", *settings, "--set", "train.max_steps=5"])
+    assert again.returncode == 0, failure(again)
+    assert "(step 3)" in again.stdout and done_fields(again.stdout)["steps"] == 5
+    other = run_cli(["train", *settings, "--set", "train.max_steps=7",
+                     "--set", f"data.path={tmp_path / 'b'}"])
+    assert other.returncode == 2 and "other file contents" in other.stderr, failure(other)

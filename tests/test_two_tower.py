@@ -73,6 +73,8 @@ def test_the_loss_options_change_what_is_trained(jobs):
     """The negatives variant trains another model (its options are on), and keeps its state."""
     assert losses(jobs["one"] / "negatives")[1:] != losses(jobs["one"] / "defaults")[1:]
     state = final_state(jobs["one"] / "negatives")
+    # 10 steps of 64 engagements + 32 uniform negatives fill the 800 slots; engagements alone
+    # (negatives not reaching the batches) would leave 160 empty.
     assert (state["loss.memory_ids"] >= 0).all() and int(state["loss.step"]) == 10
 
 

@@ -29,7 +29,7 @@ COMMON = ["model.kind=two_tower", "model.embedding_dim=16", "model.user_tower.ml
           "checkpoint.keep=5", "checkpoint.resume=none", "parallel.replicate=false"]
 VARIANTS = {
     "defaults": [],  # logq and accidental-hit removal on
-    "negatives": ["retrieval.uniform_negatives=32", "retrieval.cross_batch_memory=96"],
+    "negatives": ["retrieval.uniform_negatives=32", "retrieval.cross_batch_memory=800"],
     "pipeline": ["train.pipeline=enabled"],
     "bf16": ["train.precision=bf16", "train.precision_fallback=false"],  # bf16 even if emulated
 }

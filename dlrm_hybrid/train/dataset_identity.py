@@ -1,4 +1,4 @@
-"""What makes a split-binary dataset the same dataset wherever its folder lies: its feature spec,
+"""What makes a split-binary dataset (or an interaction log's folder) the same dataset wherever its folder lies: its feature spec,
 the samples of each split, and a digest of every file's size and first bytes. A checkpoint
 records it, so that a resume compares datasets, not the spelling of `data.path` (relative or
 absolute, a trailing slash, a copy staged into a job's own folder).
@@ -10,16 +10,20 @@ shuffle, other days) with the same shape, without reading terabytes at each chec
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.data.interaction_meta import is_interaction_folder, read_meta
 from dlrm_hybrid.errors import UserError
 
 HEAD_BYTES = 64 * 1024
 
 
 def dataset_identity(path: str) -> dict:
-    """The identity of the split-binary dataset at `path` (JSON-serialisable)."""
+    """The identity of the split-binary dataset or interaction log at `path` (JSON-serialisable)."""
+    if is_interaction_folder(path):
+        return _interaction_identity(path)
     fspec = load_feature_spec(path)
     spec, heads = fspec.spec, hashlib.sha256()
     samples = {}
@@ -33,6 +37,20 @@ def dataset_identity(path: str) -> dict:
                 heads.update(f.read(HEAD_BYTES))
     return {"num_dense": spec.num_dense, "cardinalities": list(spec.cardinalities),
             "hotness": list(spec.hotness), "samples": samples, "files_sha256": heads.hexdigest()}
+
+
+def _interaction_identity(path: str) -> dict:
+    """An interaction log's tables (users, side features, items), engagements per split, and
+    the heads of its arrays."""
+    meta, heads = read_meta(path), hashlib.sha256()
+    for file in sorted(Path(path).glob("*.npy")):
+        with open(file, "rb") as f:
+            heads.update(f"{file.name} {file.stat().st_size}\n".encode())
+            heads.update(f.read(HEAD_BYTES))
+    spec = meta.spec()
+    return {"num_dense": 0, "cardinalities": list(spec.cardinalities),
+            "hotness": list(spec.hotness), "samples": dict(meta.samples),
+            "files_sha256": heads.hexdigest()}
 
 
 def readable_identity(path: str) -> Optional[dict]:

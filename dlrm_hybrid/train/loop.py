@@ -67,7 +67,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
 
 def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
-    dataset = open_dataset(cfg.data, cfg.model)
+    dataset = open_dataset(cfg.data, cfg.model, cfg.retrieval)
     require_samples(dataset, ("train", "val"), "training")
     run = run_schedule(cfg, dataset.num_samples("train"))
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
