@@ -21,13 +21,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from dlrm_hybrid.data.interaction_log import (Log, Positive, parse_columns, parse_positive,
                                               read_log)
 from dlrm_hybrid.data.interaction_meta import SPLITS, InteractionMeta
+
+if TYPE_CHECKING:  # it imports torch: not at CLI start
+    from dlrm_hybrid.data.interaction_data import InteractionData
 from dlrm_hybrid.errors import DataError, UserError
 
 SPLIT_RULES = ("leave-last-out", "time")
@@ -139,7 +142,7 @@ def parse_cut(text: Optional[str], split: str) -> Optional[Tuple[float, float]]:
 
 @dataclass
 class Prepared:
-    data: "InteractionData"  # data/interaction_data.py, which imports torch: not at CLI start
+    data: "InteractionData"
     raw_users: np.ndarray
     raw_items: np.ndarray
 
