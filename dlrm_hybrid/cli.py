@@ -224,7 +224,16 @@ def run_synth(args) -> None:
     from dlrm_hybrid.data.synth_dataset import write_synthetic
 
     refuse_overwriting_inputs([("--output", args.output)], [("--config", args.config)], "synth")
-    counts = write_synthetic(load_config(args.config, args.overrides).data, args.output)
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.kind == "two_tower":  # the planted interaction log, as training generates it
+        from dlrm_hybrid.data.interaction_data import write_interactions
+        from dlrm_hybrid.data.planted_interactions import planted_interactions
+
+        data = planted_interactions(cfg.data)
+        write_interactions(data, args.output)
+        counts = {split: data.num_samples(split) for split in data.pairs}
+    else:
+        counts = write_synthetic(cfg.data, args.output)
     print(f"wrote {args.output}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()))
 
 
@@ -246,6 +255,9 @@ def run_bench(args) -> None:
     if args.steps < ROUNDS or args.warmup < 1:
         raise UserError(f"bench: --steps must be at least {ROUNDS} and --warmup at least 1")
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.kind != "dlrm":
+        raise UserError("bench: measures the ranker (model.kind dlrm) against its baseline; for "
+                        "two_tower use benchmarks/retrieval.py")
     run_distributed(lambda env: bench(cfg, env, args.steps, args.warmup), cfg.parallel.backend)
 
 

@@ -227,3 +227,28 @@ def test_a_preprocessed_log_trains_checkpoints_and_resumes_only_on_itself(tmp_pa
     other = run_cli(["train", *settings, "--set", "train.max_steps=7",
                      "--set", f"data.path={tmp_path / 'b'}"])
     assert other.returncode == 2 and "other file contents" in other.stderr, failure(other)
+
+
+def test_synth_writes_the_planted_log_training_generates(tmp_path):
+    data_cfg = DataConfig(users=50, items=40, interactions_per_user=5)
+    result = run_cli(["synth", "--set", "model.kind=two_tower", "--set", "data.users=50",
+                      "--set", "data.items=40", "--set", "data.interactions_per_user=5",
+                      "--output", str(tmp_path / "log")])
+    assert result.returncode == 0, failure(result)
+    written, planted = open_interactions(str(tmp_path / "log")), planted_interactions(data_cfg)
+    for split in ("train", "val", "test"):
+        assert pairs(written, split) == pairs(planted, split)
+    assert (written.item_side == planted.item_side).all()
+    assert (written.user_side == planted.user_side).all()
+    assert written.meta.extra == planted.meta.extra
+
+
+def test_predict_and_bench_point_a_two_tower_user_to_their_tools(tmp_path):
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "retrieval.yaml").write_text("dim: 8\n")
+    result = run_cli(["predict", "--model", str(served), "--data", str(tmp_path / "x"),
+                      "--out", str(tmp_path / "p.txt")])
+    assert result.returncode == 2 and "retrieve --model" in result.stderr, failure(result)
+    result = run_cli(["bench", "--config", "configs/two_tower_demo.yaml"])
+    assert result.returncode == 2 and "benchmarks/retrieval.py" in result.stderr, failure(result)
