@@ -393,7 +393,7 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"fbgemm's embedding tables need (CPU and GPU); use {near}")
     if m.kind == "dlrm":
         _validate_ranker(cfg)
-    _validate_two_tower(cfg)
+    _validate_two_tower(cfg, world_size)
     _validate_exchange(cfg)
     _validate_dense(cfg)
     _validate_schedule(cfg)
@@ -499,7 +499,7 @@ def _validate_ranker(cfg: Config) -> None:
     _validate_dhen(cfg)
 
 
-def _validate_two_tower(cfg: Config) -> None:
+def _validate_two_tower(cfg: Config, world_size: int) -> None:
     m, r = cfg.model, cfg.retrieval
     if m.kind != "two_tower":
         return
@@ -520,6 +520,10 @@ def _validate_two_tower(cfg: Config) -> None:
     for key in ("retrieval.uniform_negatives", "retrieval.cross_batch_memory"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
+    if r.uniform_negatives % world_size:
+        raise ConfigError(f"retrieval.uniform_negatives: {r.uniform_negatives} do not split over "
+                          f"{world_size} ranks (each rank's batch carries its share); use a "
+                          f"multiple of {world_size}")
     if not r.eval_k or min(r.eval_k) <= 0 or len(set(r.eval_k)) < len(r.eval_k):
         raise ConfigError(f"retrieval.eval_k: {r.eval_k}: give distinct positive cut-offs, e.g. "
                           f"[10, 50, 100]")

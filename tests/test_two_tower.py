@@ -265,3 +265,10 @@ def test_two_tower_config_mistakes_are_one_line_errors(setting, says):
     assert result.returncode == 2, failure(result)
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"error: {says}"), line
+
+
+def test_uniform_negatives_that_do_not_split_over_the_ranks_stop_the_launch():
+    result = run_cli(["train", "--set", "model.kind=two_tower",
+                      "--set", "retrieval.uniform_negatives=5"], nproc=2)
+    assert result.returncode == 2, failure(result)
+    assert "error: retrieval.uniform_negatives: 5 do not split over 2 ranks" in result.stderr

@@ -15,6 +15,7 @@ the ranker's loaders, placer, sharding and train pipeline carry it unchanged.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -38,6 +39,7 @@ class InteractionData(ClickDataset):
         self.spec = meta.spec()
         self.users, self.items = meta.users, meta.items
         self.negatives = (0, 1, 0)  # set_uniform_negatives: (per global batch, its size, seed)
+        self._engaged: Dict[Tuple[str, ...], Tuple[np.ndarray, np.ndarray]] = {}
 
     def num_samples(self, split: str) -> int:
         return len(self.pairs[split][0]) if split in self.pairs else 0
@@ -107,7 +109,13 @@ class InteractionData(ClickDataset):
 
     def engaged(self, splits: Tuple[str, ...]) -> Tuple[np.ndarray, np.ndarray]:
         """CSR (indptr [users + 1], items) of the distinct items each user engaged with in
-        `splits`: what the evaluation excludes, or what it asks to find."""
+        `splits`: what the evaluation excludes, or what it asks to find. Computed once per
+        `splits` (every evaluation of a run asks again)."""
+        if splits not in self._engaged:
+            self._engaged[splits] = self._csr(splits)
+        return self._engaged[splits]
+
+    def _csr(self, splits: Tuple[str, ...]) -> Tuple[np.ndarray, np.ndarray]:
         users = np.concatenate([self.pairs[s][0] for s in splits if s in self.pairs] or [[]])
         items = np.concatenate([self.pairs[s][1] for s in splits if s in self.pairs] or [[]])
         key = np.unique(users.astype(np.int64) * self.items + items.astype(np.int64))
@@ -176,16 +184,21 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
     if target.exists():
         raise DataError(f"{target}: already exists; choose another --output or remove it")
     partial = target.with_name(target.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    for split, (users, items) in data.pairs.items():
-        np.save(partial / f"{split}_user.npy", np.asarray(users, np.int32))
-        np.save(partial / f"{split}_item.npy", np.asarray(items, np.int32))
-    np.save(partial / "user_side.npy", np.asarray(data.user_side, np.int32))
-    np.save(partial / "item_side.npy", np.asarray(data.item_side, np.int32))
-    for name, raw in (("users.txt", raw_users), ("items.txt", raw_items)):
-        if len(raw):
-            (partial / name).write_text("".join(f"{r}\n" for r in raw))
-    meta = data.meta
-    meta.samples = {s: int(len(p[0])) for s, p in data.pairs.items()}
-    (partial / META_FILE).write_text(yaml.safe_dump(meta.to_yaml(), sort_keys=False))
-    partial.replace(target)
+    shutil.rmtree(partial, ignore_errors=True)  # a write that was stopped
+    partial.mkdir(parents=True)
+    try:
+        for split, (users, items) in data.pairs.items():
+            np.save(partial / f"{split}_user.npy", np.asarray(users, np.int32))
+            np.save(partial / f"{split}_item.npy", np.asarray(items, np.int32))
+        np.save(partial / "user_side.npy", np.asarray(data.user_side, np.int32))
+        np.save(partial / "item_side.npy", np.asarray(data.item_side, np.int32))
+        for name, raw in (("users.txt", raw_users), ("items.txt", raw_items)):
+            if len(raw):
+                (partial / name).write_text("".join(f"{r}\n" for r in raw))
+        meta = data.meta
+        meta.samples = {s: int(len(p[0])) for s, p in data.pairs.items()}
+        (partial / META_FILE).write_text(yaml.safe_dump(meta.to_yaml(), sort_keys=False))
+        partial.replace(target)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise

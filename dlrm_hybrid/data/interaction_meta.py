@@ -61,11 +61,6 @@ class InteractionMeta:
             raise DataError(f"{where}: field {e} missing or malformed; preprocess the log again")
 
 
-def side_names(spec: DataSpec, side: str) -> List[str]:
-    """The features of one side ("user" or "item") in spec order."""
-    return [n for n in spec.feature_names if n.startswith(f"{side}_")]
-
-
 def tower_features(meta: InteractionMeta, model_cfg) -> InteractionMeta:
     """`meta` with only the features `model.user_tower.features` / `item_tower.features` name
     (empty: all of that side's); the id feature stays in as the tower's own id."""

@@ -40,7 +40,7 @@ def tower_mlp(width_in: int, sizes: List[int]) -> nn.Sequential:
 
 class TwoTower(nn.Module):
     def __init__(self, lookups: List[FeatureLookup], towers: Dict[str, object],
-                 temperature: float, loss: nn.Module, embedding_precision: str = "fp32",
+                 loss: nn.Module, embedding_precision: str = "fp32",
                  embedding_device: torch.device = torch.device("meta")) -> None:
         """`towers`: "user" and "item" -> TowerConfig; `lookups`: both towers' features, the
         user's first (compositional.lookups_of); `loss`: the training loss of a batch's
@@ -52,12 +52,14 @@ class TwoTower(nn.Module):
         self.embedding_bags = EmbeddingBagCollection(
             tables=embedding_tables(lookups, embedding_precision), device=embedding_device)
         self.side_keys: Dict[str, List[str]] = {}
+        self.side_dims: Dict[str, int] = {}  # a tower's table width: compositional parts' slots
         self.combine = nn.ModuleDict()
         mlps, self.normalize = {}, {}
         for side in SIDES:
             mine = [lookup for lookup in lookups if lookup.feature.startswith(f"{side}_")]
             self.side_keys[side] = [k for lookup in mine for part in lookup.tables
                                     for k in part.keys]
+            self.side_dims[side] = mine[0].dim
             _, combine = composed_lookup(mine)
             if combine is not None:
                 self.combine[side] = combine
@@ -65,7 +67,6 @@ class TwoTower(nn.Module):
             mlps[side] = tower_mlp(sum(lookup.dim for lookup in mine), tower.mlp)
             self.normalize[side] = tower.normalize
         self.user_mlp, self.item_mlp = mlps["user"], mlps["item"]
-        self.temperature = temperature
         self.loss = loss
         self.exchange = "pooled"  # what the id and vector exchanges carry (parallel/exchange.py)
         # Set by the training step: fp16 loss scaling cuts the backward in two here.
@@ -99,17 +100,10 @@ class TwoTower(nn.Module):
         for side, mlp in zip(SIDES, (self.user_mlp, self.item_mlp)):
             x = torch.cat([columns[k] for k in self.side_keys[side]], 1)
             if side in self.combine:
-                dim = next(lookup.dim for lookup in self.lookups
-                           if lookup.feature.startswith(f"{side}_"))
-                x = self.combine[side](x.view(x.shape[0], -1, dim)).flatten(1)
+                x = self.combine[side](x.view(x.shape[0], -1, self.side_dims[side])).flatten(1)
             x = mlp(x)
             out.append(normalize(x, dim=1) if self.normalize[side] else x)
         return out[0], out[1]
-
-    def scores(self, user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
-        """[U, I] scores of every user vector against every item vector."""
-        return user @ item.T / self.temperature
-
 
 def split_towers(both: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The user and item vectors of `TwoTower.forward`'s evaluation output."""
@@ -123,4 +117,4 @@ def build_two_tower(cfg, spec, embedding_device: torch.device = torch.device("me
     items = spec.cardinalities[spec.feature_names.index(ITEM_ID)]
     loss = InBatchSoftmax(cfg.retrieval, items, m.temperature, m.item_tower.mlp[-1])
     return TwoTower(lookups_of(m, spec), {"user": m.user_tower, "item": m.item_tower},
-                    m.temperature, loss, m.embedding_precision, embedding_device)
+                    loss, m.embedding_precision, embedding_device)

@@ -110,7 +110,7 @@ def ceiling(dataset, split: str, prefix: str) -> Dict[str, float]:
     """What the planted log's own teacher scores on `split`, as `<prefix>ceiling_<metric>`,
     where the dataset records it (interactions.yaml `extra`: `ceiling_<metric>` for test,
     `ceiling_val_<metric>` for val): the best a learner can reach."""
-    extra = getattr(getattr(dataset, "meta", None), "extra", None) or {}
+    extra = dataset.meta.extra
     mark = "ceiling_val_" if split == "val" else "ceiling_"
     return {f"{prefix}ceiling_{key[len(mark):]}": float(value) for key, value in extra.items()
             if key.startswith(mark) and (split == "val" or not key.startswith("ceiling_val_"))}

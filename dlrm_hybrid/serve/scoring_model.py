@@ -145,6 +145,12 @@ class ScoringModel(nn.Module):
         return torch.cat(keys_ids), offsets
 
 
+def _stack_into(module: nn.Module, kernels: dict) -> None:
+    """Each of torchrec's per-layer ParameterLists as one stacked buffer of `module`."""
+    for name, per_layer in kernels.items():
+        module.register_buffer(name, torch.stack(list(per_layer)).detach())
+
+
 class StackedCrossNet(nn.Module):
     """torchrec's LowRankCrossNet (DCN-v2, low rank) with its layers' kernels stacked into
     tensors: the same arithmetic, but TorchScript can loop over it (it cannot index torchrec's
@@ -156,9 +162,8 @@ class StackedCrossNet(nn.Module):
 
     def __init__(self, crossnet: nn.Module) -> None:
         super().__init__()
-        for name, kernels in (("v", crossnet.V_kernels), ("w", crossnet.W_kernels),
-                              ("bias", crossnet.bias)):
-            self.register_buffer(name, torch.stack(list(kernels)).detach())  # type: ignore
+        _stack_into(self, {"v": crossnet.V_kernels, "w": crossnet.W_kernels,
+                           "bias": crossnet.bias})
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
@@ -181,9 +186,8 @@ class StackedMixtureCrossNet(nn.Module):
 
     def __init__(self, crossnet: nn.Module) -> None:
         super().__init__()
-        for name, kernels in (("u", crossnet.U_kernels), ("v", crossnet.V_kernels),
-                              ("c", crossnet.C_kernels), ("bias", crossnet.bias)):
-            self.register_buffer(name, torch.stack(list(kernels)).detach())  # type: ignore
+        _stack_into(self, {"u": crossnet.U_kernels, "v": crossnet.V_kernels,
+                           "c": crossnet.C_kernels, "bias": crossnet.bias})
         self.register_buffer("gates", torch.cat([gate.weight for gate in crossnet.gates])
                              .detach())
 
