@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,26 @@ class TowerConfig:
 
 
 @dataclass
+class TaskConfig:
+    """One engagement a multi-task ranker predicts (model/task_heads.py): the dataset's label of
+    this name, its weight in the loss, and its head's hidden widths (a last layer of width 1,
+    the task's logit, follows them)."""
+
+    name: str = "click"
+    weight: float = 1.0
+    head: List[int] = field(default_factory=list)
+
+
+@dataclass
+class MmoeConfig:
+    """A multi-gate mixture of experts over the shared trunk: `experts` MLPs read the trunk's
+    output and each task's head reads its own softmax-gated mix of them (Ma et al., KDD 2018)."""
+
+    experts: int = 0  # 0: every head reads the trunk itself
+    expert_mlp: List[int] = field(default_factory=lambda: [32])
+
+
+@dataclass
 class ModelConfig:
     # dlrm: the ranker (one click logit) | two_tower: a user and an item tower trained for
     # retrieval (model/two_tower.py; the `retrieval` section sets its loss and evaluation)
@@ -90,6 +111,10 @@ class ModelConfig:
     user_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
     item_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
     temperature: float = 0.05  # two_tower: score = <user, item> / temperature
+    # Multi-task ranking: one head per task replaces the top MLP's last layer (the layers
+    # before it are the shared trunk); empty: one click logit
+    tasks: List[TaskConfig] = field(default_factory=list)
+    mmoe: MmoeConfig = field(default_factory=MmoeConfig)
 
 
 @dataclass
@@ -117,6 +142,10 @@ class DataConfig:
     users: int = 2000
     items: int = 1000
     interactions_per_user: int = 30  # engagements drawn per user before the leave-last-out split
+    # model.tasks on the planted data: each task's teacher logit shares this fraction of its
+    # variance with the other tasks' (the rest is its own latent factors)
+    task_correlation: float = 0.5
+    label_missing: float = 0.0  # each task's label but the first is missing with this chance
 
 
 @dataclass
@@ -221,6 +250,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    # task name -> weight: value = sum_t weight_t * P(task t), what `predict` and the exported
+    # model rank by; changing it needs no retraining
+    value_model: Dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -393,6 +425,7 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"fbgemm's embedding tables need (CPU and GPU); use {near}")
     if m.kind == "dlrm":
         _validate_ranker(cfg)
+        _validate_tasks(cfg)
     _validate_two_tower(cfg, world_size)
     _validate_exchange(cfg)
     _validate_dense(cfg)
@@ -499,10 +532,69 @@ def _validate_ranker(cfg: Config) -> None:
     _validate_dhen(cfg)
 
 
+TASK_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+def task_names(model_cfg) -> List[str]:
+    """The ranker's tasks in output order; a single-task model's one task is `click`."""
+    return [t.name for t in model_cfg.tasks] or ["click"]
+
+
+def _validate_tasks(cfg: Config) -> None:
+    """model.tasks, model.mmoe and value_model (model.kind dlrm)."""
+    m, d = cfg.model, cfg.data
+    names = [t.name for t in m.tasks]
+    for i, task in enumerate(m.tasks):
+        if not TASK_NAME.fullmatch(task.name):
+            raise ConfigError(f"model.tasks[{i}].name: {task.name!r} is not a name (a letter, then "
+                              f"letters, digits or _); it names the dataset's label and metrics")
+        if names.count(task.name) > 1:
+            raise ConfigError(f"model.tasks[{i}].name: {task.name} is listed twice; name each "
+                              f"task once")
+        if not task.weight >= 0:
+            raise ConfigError(f"model.tasks[{i}].weight: must be >= 0, got {task.weight}")
+        if task.head and min(task.head) <= 0:
+            raise ConfigError(f"model.tasks[{i}].head: {task.head}: hidden widths must be "
+                              f"positive (the logit layer follows them), e.g. [16]")
+    if m.tasks and not any(t.weight > 0 for t in m.tasks):
+        raise ConfigError("model.tasks: every weight is 0, so nothing would be trained; give "
+                          "at least one task a positive weight")
+    if m.mmoe.experts < 0:
+        raise ConfigError(f"model.mmoe.experts: must be >= 0, got {m.mmoe.experts}")
+    if m.mmoe.experts and (not m.mmoe.expert_mlp or min(m.mmoe.expert_mlp) <= 0):
+        raise ConfigError(f"model.mmoe.expert_mlp: {m.mmoe.expert_mlp}: give each expert's "
+                          f"positive layer widths, e.g. [32]")
+    if m.mmoe.experts and not m.tasks:
+        raise ConfigError("model.mmoe.experts: gates one mix of experts per task, and "
+                          "model.tasks is empty; name the tasks, or leave experts at 0")
+    if not 0 <= d.task_correlation <= 1:
+        raise ConfigError(f"data.task_correlation: {d.task_correlation} is not in [0, 1]")
+    if not 0 <= d.label_missing < 1:
+        raise ConfigError(f"data.label_missing: {d.label_missing} is not in [0, 1)")
+    unknown = [k for k in cfg.value_model if k not in task_names(m)]
+    if unknown:
+        raise ConfigError(f"value_model.{unknown[0]}: no such task; the model's tasks are "
+                          f"{', '.join(task_names(m))}")
+    if not m.tasks:
+        return
+    refused = {"train.target_auc": cfg.train.target_auc > 0,
+               "train.mlperf_log": bool(cfg.train.mlperf_log),
+               "data.loader": d.loader == "dali"}
+    for key, asked in refused.items():
+        if asked:
+            raise ConfigError(f"{key}: {_get(cfg, key)!r} works with one click label, and "
+                              f"model.tasks names {len(m.tasks)}; leave {key} at its default or "
+                              f"train one task")
+
+
 def _validate_two_tower(cfg: Config, world_size: int) -> None:
     m, r = cfg.model, cfg.retrieval
     if m.kind != "two_tower":
         return
+    if m.tasks or cfg.value_model:
+        key = "model.tasks" if m.tasks else "value_model"
+        raise ConfigError(f"{key}: is for the ranker (model.kind dlrm); a two_tower model has "
+                          f"one retrieval score, leave {key} empty")
     for side in ("user_tower", "item_tower"):
         tower = getattr(m, side)
         if not tower.mlp or min(tower.mlp) <= 0:

@@ -33,7 +33,7 @@ SPLIT_STEPS = 5
 
 def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
     device, B = env.device, cfg.data.global_batch_size
-    dataset = open_dataset(cfg.data)
+    dataset = open_dataset(cfg.data, cfg.model)
     start = time.perf_counter()
     host = [dataset.batch("train", i * B, B) for i in range(min(DISTINCT_BATCHES, steps + warmup))]
     data_ms = (time.perf_counter() - start) / len(host) * 1e3

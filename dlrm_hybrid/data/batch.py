@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -13,14 +13,16 @@ from torch.fx._symbolic_trace import PHWithMeta
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from dlrm_hybrid.errors import DataError
+
 
 @dataclass
 class Columns:
     dense: np.ndarray  # [B, num_dense] float32
-    labels: np.ndarray  # [B] float32 in {0, 1}
+    labels: np.ndarray  # [B] float32 in {0, 1}; with tasks [B, T], NaN where a label is missing
     valid: np.ndarray  # [B] bool; False marks padding of the last evaluation batch
     ids: List[np.ndarray]  # per categorical feature, [B, hotness] int64
-    true_prob: Optional[np.ndarray] = None  # [B] float32, the planted click probability
+    true_prob: Optional[np.ndarray] = None  # [B] (tasks: [B, T]) float32, the planted probability
     lengths: Optional[List[np.ndarray]] = None  # per feature, [B] int32: ids used, a row's first; None: all
 
 
@@ -29,6 +31,21 @@ class ClickDataset:
     [first, first + count) of a split, indices past the end being padding (valid=False)."""
 
     spec = None  # DataSpec
+    label_names: Tuple[str, ...] = ("click",)  # the labels a sample may carry
+    tasks: Optional[List[str]] = None  # set by use_tasks: labels come as [B, T] in this order
+
+    def use_tasks(self, tasks: Sequence[str], where: str) -> None:
+        """Read the labels of `tasks` (model.tasks' names), [B, T]; none: the one label, [B].
+        `where` names the dataset in errors."""
+        unknown = [t for t in tasks if t not in self.label_names]
+        if unknown:
+            raise DataError(f"model.tasks: {where} has no label {unknown[0]!r}; its labels are "
+                            f"{', '.join(self.label_names)}")
+        if not tasks and len(self.label_names) > 1:
+            raise DataError(f"model.tasks: {where} has labels {', '.join(self.label_names)}; "
+                            f"name the ones to train in model.tasks, e.g. "
+                            f"model.tasks=[{{name: {self.label_names[0]}}}]")
+        self.tasks = list(tasks) or None
 
     def num_samples(self, split: str) -> int:
         raise NotImplementedError
@@ -47,7 +64,7 @@ class Batch(Pipelineable):
 
     dense: torch.Tensor  # [B, num_dense] float32
     sparse: KeyedJaggedTensor  # one key per categorical feature, B bags each
-    labels: torch.Tensor  # [B] float32 in {0, 1}
+    labels: torch.Tensor  # [B] float32 in {0, 1}; with tasks [B, T], NaN: missing
     valid: torch.Tensor  # [B] bool; False marks padding of the last evaluation batch
     true_prob: Optional[torch.Tensor] = None  # [B] the planted click probability (synthetic data)
 

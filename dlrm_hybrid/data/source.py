@@ -15,7 +15,8 @@ from dlrm_hybrid.errors import DataError
 
 
 def open_dataset(data_cfg, model_cfg=None, retrieval_cfg=None):
-    """`model_cfg.kind` two_tower reads interaction logs (data/interaction_data.py), with the
+    """The ranker's dataset, its labels those of `model_cfg.tasks` (one click label if none);
+    `model_cfg.kind` two_tower reads interaction logs (data/interaction_data.py), with the
     side features its towers read, and for training (`retrieval_cfg` given) its training
     batches carry `retrieval.uniform_negatives`."""
     if model_cfg is not None and model_cfg.kind == "two_tower":
@@ -27,7 +28,11 @@ def open_dataset(data_cfg, model_cfg=None, retrieval_cfg=None):
     if is_interaction_folder(data_cfg.path):
         raise DataError(f"data.path: {data_cfg.path} is an interaction log for retrieval; train "
                         f"it with model.kind=two_tower, or give the ranker a click-log dataset")
-    return SplitBinaryDataset(data_cfg.path) if data_cfg.path else SyntheticClicks(data_cfg)
+    tasks = [t.name for t in model_cfg.tasks] if model_cfg is not None else []
+    dataset = (SplitBinaryDataset(data_cfg.path) if data_cfg.path
+               else SyntheticClicks(data_cfg, tasks))
+    dataset.use_tasks(tasks, data_cfg.path or "the planted synthetic data")
+    return dataset
 
 
 def open_interaction_dataset(data_cfg) -> InteractionData:

@@ -14,6 +14,13 @@ logit's variance and the click rate stay those of order 2; the three-way sum's h
 lower the oracle AUC a little (configs/demo.yaml: 0.748 against 0.787, click rate 25.1% against
 25.4%). Only order 3 needs a model that forms three-way products.
 
+With `model.tasks` the data carries one label per task (data/synthetic.py's multi-task teacher):
+task t's logit is b_t + sqrt(rho) * S(z) + sqrt(1 - rho) * S(z^t), S the teacher's scaled sum
+above, z the shared latent vectors, z^t the task's own (its own dense projection and table
+latents), rho = data.task_correlation; b_t = -1.2 - 0.6 t gives each task its own rate, and each
+task has its own oracle AUC. Every label but the first is missing (NaN) with probability
+data.label_missing.
+
 Every random number is a pure function of (seed, stream, sample or row index), computed by a
 counter-based hash instead of a sequential generator: that is what lets each rank generate
 exactly its own slice of any global batch, and makes the data identical for any world size.
@@ -22,7 +29,7 @@ Teacher latent vectors are hashed from their row index too, so a 40M-row table c
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -75,18 +82,24 @@ class SyntheticClicks(ClickDataset):
     """The planted-teacher dataset described by a `DataConfig`."""
 
     STREAM_DENSE, STREAM_LABEL, STREAM_IDS, STREAM_LATENT, STREAM_LENGTHS = 0, 1, 2, 3, 4
+    STREAM_MISSING = 5
+    TASK_STREAMS = 1 << 12  # task t's streams: the shared ones + t * this (tables < 256)
 
-    def __init__(self, data_cfg) -> None:
+    def __init__(self, data_cfg, tasks: Sequence[str] = ()) -> None:
+        """`tasks`: the labels to plant (model.tasks' names); none: one click label."""
         self.spec = DataSpec.from_config(data_cfg)
+        self.label_names = tuple(tasks) or ("click",)
+        self.task_correlation = data_cfg.task_correlation
+        self.label_missing = data_cfg.label_missing
         self.seed = data_cfg.seed
         self.exponent = data_cfg.zipf_exponent
         self.scattered = data_cfg.id_order == "scattered"
         self.teacher_dim = data_cfg.teacher_dim
         self.sizes = {"train": data_cfg.train_samples, "val": data_cfg.val_samples,
                       "test": data_cfg.val_samples}
-        gen = torch.Generator().manual_seed(self.seed)
-        self.dense_proj = torch.randn(self.spec.num_dense, self.teacher_dim, generator=gen,
-                                      dtype=torch.float64) / self.spec.num_dense**0.5
+        self.dense_proj = self._dense_projection(self.seed)
+        self.task_dense_proj = [self._dense_projection(self.seed + 7919 * (t + 1))
+                                for t in range(len(self.label_names))]
         self.order = data_cfg.teacher_order
         vectors = len(self.spec.cardinalities) + 1
         pairs = vectors * (vectors - 1) // 2
@@ -100,6 +113,11 @@ class SyntheticClicks(ClickDataset):
             self.triple_scale = data_cfg.teacher_scale / (2 * triples / self.teacher_dim**2) ** 0.5
         self.logit_bias = -1.2
 
+    def _dense_projection(self, seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(self.spec.num_dense, self.teacher_dim, generator=gen,
+                           dtype=torch.float64) / self.spec.num_dense**0.5
+
     def num_samples(self, split: str) -> int:
         return self.sizes[split]
 
@@ -109,11 +127,35 @@ class SyntheticClicks(ClickDataset):
         dense = self._dense(index)
         ids = self._ids(index)
         lengths = self._lengths(index) if self.spec.variable_hotness else None
+        valid = np.arange(first, first + count) < self.sizes[split]
+        if self.tasks:
+            labels, prob = self._task_labels(index, dense, ids, lengths)
+            return Columns(dense.numpy().astype(np.float32), labels, valid, ids, prob, lengths)
         prob = torch.sigmoid(self._teacher_logit(dense, ids, lengths)).numpy()
         labels = counter_uniform(self.seed, self.STREAM_LABEL, index) < prob
-        valid = np.arange(first, first + count) < self.sizes[split]
         return Columns(dense.numpy().astype(np.float32), labels.astype(np.float32), valid, ids,
                        prob.astype(np.float32), lengths)
+
+    def _task_labels(self, index: np.ndarray, dense: torch.Tensor, ids: list,
+                     lengths: Optional[list]):
+        """Labels [B, T] (NaN: missing) and true probabilities [B, T] of the used tasks."""
+        rho = self.task_correlation
+        shared = self._interaction(self._teacher_vectors(dense, ids, lengths))
+        labels, probs = [], []
+        for name in self.tasks:
+            t = self.label_names.index(name)
+            own = self._interaction(self._teacher_vectors(dense, ids, lengths, t))
+            prob = torch.sigmoid(self.logit_bias - 0.6 * t + rho**0.5 * shared
+                                 + (1 - rho)**0.5 * own).numpy()
+            streams = self.TASK_STREAMS * t
+            label = (counter_uniform(self.seed, self.STREAM_LABEL + streams, index) < prob
+                     ).astype(np.float32)
+            if t and self.label_missing:
+                missing = counter_uniform(self.seed, self.STREAM_MISSING + streams, index)
+                label[missing < self.label_missing] = np.nan
+            labels.append(label)
+            probs.append(prob)
+        return (np.stack(labels, 1), np.stack(probs, 1).astype(np.float32))
 
     def _dense(self, index: np.ndarray) -> torch.Tensor:
         n = self.spec.num_dense
@@ -141,12 +183,14 @@ class SyntheticClicks(ClickDataset):
             out.append(np.minimum((u * hot).astype(np.int32), hot - 1) + 1)  # u may round to 1.0
         return out
 
-    def _latents(self, table: int, ids: np.ndarray, lengths: Optional[np.ndarray]) -> torch.Tensor:
-        """The teacher's latent vectors of `ids` ([B, hot]) in `table`, mean-pooled over each
-        row's first `lengths` ids (all if None): [B, d]."""
+    def _latents(self, table: int, ids: np.ndarray, lengths: Optional[np.ndarray],
+                 task: int = -1) -> torch.Tensor:
+        """The teacher's latent vectors of `ids` ([B, hot]) in `table` (a task's own, for
+        `task` >= 0), mean-pooled over each row's first `lengths` ids (all if None): [B, d]."""
         d = self.teacher_dim
         flat = (ids.astype(np.uint64)[..., None] * np.uint64(d) + np.arange(d, dtype=np.uint64))
-        vec = counter_normal(self.seed, self.STREAM_LATENT + 16 * table, flat.reshape(-1))
+        stream = self.STREAM_LATENT + 16 * table + self.TASK_STREAMS * (task + 1)
+        vec = counter_normal(self.seed, stream, flat.reshape(-1))
         vec = vec.reshape(*ids.shape, d)
         if lengths is None:
             return vec.mean(dim=1) / d**0.5
@@ -158,19 +202,24 @@ class SyntheticClicks(ClickDataset):
                        lengths: Optional[list]) -> torch.Tensor:
         """bias + a2 * sum_{i<j} <z_i, z_j>, and for teacher_order 3
         + a3 * sum_{i<j<k} sum_c z_ic z_jc z_kc (a2, a3 set in __init__)."""
-        z = self._teacher_vectors(dense, ids, lengths)
+        return self.logit_bias + self._interaction(self._teacher_vectors(dense, ids, lengths))
+
+    def _interaction(self, z: torch.Tensor) -> torch.Tensor:
+        """The teacher's scaled sum over z [B, n, d]: variance teacher_scale^2, mean 0."""
         dots = torch.bmm(z, z.transpose(1, 2))
         upper = torch.triu_indices(z.shape[1], z.shape[1], offset=1)
-        logit = self.logit_bias + self.logit_scale * dots[:, upper[0], upper[1]].sum(dim=1)
+        total = self.logit_scale * dots[:, upper[0], upper[1]].sum(dim=1)
         if self.order == 3:
-            logit = logit + self.triple_scale * third_order(z)
-        return logit
+            total = total + self.triple_scale * third_order(z)
+        return total
 
-    def _teacher_vectors(self, dense: torch.Tensor, ids: list,
-                         lengths: Optional[list]) -> torch.Tensor:
-        """z = [dense projection, one pooled latent per table]: [B, F + 1, d]."""
-        vectors = [dense @ self.dense_proj / self.teacher_dim**0.5]
-        vectors += [self._latents(t, table_ids, None if lengths is None else lengths[t])
+    def _teacher_vectors(self, dense: torch.Tensor, ids: list, lengths: Optional[list],
+                         task: int = -1) -> torch.Tensor:
+        """z = [dense projection, one pooled latent per table]: [B, F + 1, d]; a task's own
+        for `task` >= 0."""
+        proj = self.dense_proj if task < 0 else self.task_dense_proj[task]
+        vectors = [dense @ proj / self.teacher_dim**0.5]
+        vectors += [self._latents(t, table_ids, None if lengths is None else lengths[t], task)
                     for t, table_ids in enumerate(ids)]
         return torch.stack(vectors, dim=1)
 

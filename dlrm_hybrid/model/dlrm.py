@@ -14,12 +14,13 @@ from torchrec.models.dlrm import DenseArch, OverArch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dlrm_hybrid.config import DcnConfig, DhenConfig
+from dlrm_hybrid.config import DcnConfig, DhenConfig, MmoeConfig, TaskConfig
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.cross import dcn_over_arch
 from dlrm_hybrid.model.embeddings import embedding_tables
 from dlrm_hybrid.model.interactions import FactorizationMachine, build_interaction
+from dlrm_hybrid.model.task_heads import TaskHeads, multitask_loss
 
 
 class DLRM(nn.Module):
@@ -27,11 +28,14 @@ class DLRM(nn.Module):
                  top_mlp: List[int], interaction: str = "dot", self_interaction: bool = False,
                  dcn: Optional[DcnConfig] = None, dhen: Optional[DhenConfig] = None,
                  embedding_precision: str = "fp32",
-                 embedding_device: torch.device = torch.device("meta")) -> None:
+                 embedding_device: torch.device = torch.device("meta"),
+                 tasks: Optional[List[TaskConfig]] = None, mmoe: Optional[MmoeConfig] = None
+                 ) -> None:
         """Embedding tables start on `embedding_device`; "meta" allocates nothing, because
         sharding materialises each table only on the rank that owns it. `lookups` says which
         tables each categorical feature is looked up in (compositional.py). `dcn`, `dhen`: those
-        interactions' settings (the config's defaults if None)."""
+        interactions' settings (the config's defaults if None). `tasks` (multi-task ranking):
+        one head per task in place of the top MLP's last layer, logits [B, T]."""
         super().__init__()
         tables = embedding_tables(lookups, embedding_precision)
         self.lookups = lookups
@@ -48,6 +52,11 @@ class DLRM(nn.Module):
             self_interaction, dcn, dhen or DhenConfig())
         self.over_arch = (dcn_over_arch(width, top_mlp, dcn) if interaction == "dcn"
                           else OverArch(width, top_mlp))
+        self.tasks = [t.name for t in tasks] if tasks else None
+        if tasks:
+            _put_task_heads(self.over_arch, tasks, mmoe or MmoeConfig())
+            self.register_buffer("task_weights", torch.tensor([t.weight for t in tasks]),
+                                 persistent=False)
         # pooled: the lookup returns pooled vectors; des: per-sample partial sums of the first
         # operation on them, added up over their owners (parallel/exchange.py sets it).
         self.exchange = "pooled"
@@ -59,7 +68,8 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Click logits [B]; given `labels`, the step's mean log loss instead (training)."""
+        """Click logits [B] (multi-task: [B, T]); given `labels`, the step's loss instead
+        (training)."""
         if is_fx_symbolic_tracing():  # torchrec's train pipeline: it looks for the lookup's input
             return self.embedding_bags(self._lookup_input(sparse))
         pooled = (self.pooled_embeddings(sparse) if self.exchange == "pooled"
@@ -95,9 +105,9 @@ class DLRM(nn.Module):
         """`pooled`: the pooled embeddings, or with des the owners' summed partial results."""
         bottom = self.dense_arch(dense)
         if self.exchange == "pooled":
-            return self.over_arch(self.interaction(bottom, pooled)).squeeze(1)
+            return self._outputs(self.over_arch(self.interaction(bottom, pooled)))
         if isinstance(self.interaction, FactorizationMachine):
-            return self.over_arch(self.interaction.from_sums(bottom, pooled)).squeeze(1)
+            return self._outputs(self.over_arch(self.interaction.from_sums(bottom, pooled)))
         # cat: the owners sent sum_t W_t e_t; the first top layer adds W_dense x + b.
         first, *rest = self.over_arch.model[0]._mlp
         weight = first._linear.weight
@@ -105,7 +115,11 @@ class DLRM(nn.Module):
             linear(bottom, weight[:, :bottom.shape[1]], first._linear.bias) + pooled)
         for layer in rest:
             hidden = layer(hidden)
-        return self.over_arch.model[1](hidden).squeeze(1)
+        return self._outputs(self.over_arch.model[1](hidden))
+
+    def _outputs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, 1] -> [B] for the single click logit; [B, T] as it is for tasks."""
+        return logits if self.tasks else logits.squeeze(1)
 
     def first_top_layer(self) -> nn.Linear:
         """The top MLP's first layer: with `cat`, its weight's columns past the bottom MLP's
@@ -115,7 +129,16 @@ class DLRM(nn.Module):
     def dense_loss(self, dense: torch.Tensor, pooled: torch.Tensor,
                    labels: torch.Tensor) -> torch.Tensor:
         """The dense part of a training step: the part CUDA Graphs capture."""
+        if self.tasks:
+            return multitask_loss(self.logits(dense, pooled), labels, self.task_weights)
         return binary_cross_entropy_with_logits(self.logits(dense, pooled).float(), labels)
+
+
+def _put_task_heads(over_arch: nn.Module, tasks: List[TaskConfig], mmoe: MmoeConfig) -> None:
+    """Replace the top MLP's last layer (torchrec's OverArch: model[1]; dcn parallel: last)."""
+    attr, owner = ("last", over_arch) if hasattr(over_arch, "last") else ("1", over_arch.model)
+    width = getattr(owner, attr).in_features
+    setattr(owner, attr, TaskHeads(width, [t.head for t in tasks], mmoe.experts, mmoe.expert_mlp))
 
 
 def _lookup_order(pooled: KeyedTensor, wanted: List[str], device: torch.device
@@ -133,4 +156,5 @@ def _lookup_order(pooled: KeyedTensor, wanted: List[str], device: torch.device
 def build_model(model_cfg, spec, embedding_device: torch.device = torch.device("meta")) -> DLRM:
     return DLRM(spec.num_dense, lookups_of(model_cfg, spec), model_cfg.bottom_mlp,
                 model_cfg.top_mlp, model_cfg.interaction, model_cfg.self_interaction,
-                model_cfg.dcn, model_cfg.dhen, model_cfg.embedding_precision, embedding_device)
+                model_cfg.dcn, model_cfg.dhen, model_cfg.embedding_precision, embedding_device,
+                model_cfg.tasks, model_cfg.mmoe)

@@ -71,6 +71,8 @@ def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size:
         # A two-tower loss's state (item frequencies, recent item vectors) is updated from the
         # global batch on every rank alike: DDP need not broadcast it each step.
         not_ddp += [f"loss.{name}" for name, _ in model.loss.named_buffers()]
+    if getattr(model, "tasks", None):
+        not_ddp.append("task_weights")  # the config's constants, equal on every rank
     dmp = DistributedModelParallel(
         model, env=env, device=device, sharders=[sharder],
         plan=sharding_plan(model, plan, local_world_size, device.type),

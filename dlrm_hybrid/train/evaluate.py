@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,32 +13,54 @@ from torchmetrics.functional.classification import binary_auroc
 
 
 @torch.no_grad()
-def evaluate(model, batches: Iterable, env, prefix: str = "val_") -> Optional[Dict[str, float]]:
+def evaluate(model, batches: Iterable, env, prefix: str = "val_",
+             tasks: Optional[List[str]] = None) -> Optional[Dict[str, float]]:
     """`<prefix>auc` and `<prefix>logloss` over one pass of `batches` (this rank's slices of a
     split) on rank 0 (None elsewhere); `oracle_auc` too when the data knows the true click
-    probabilities."""
+    probabilities. With `tasks` (multi-task), each task's: `<prefix>auc_<task>`,
+    `<prefix>logloss_<task>`, `oracle_auc_<task>`, over the samples that have its label."""
     model.eval()
-    columns = []  # per batch: [logit, label, valid, true_prob] x local batch
+    columns = []  # per batch: [logits, labels, valid, true_prob] x local batch, T rows each
     for batch in batches:
         logits = model(batch.dense, batch.sparse).float()
         true_prob = batch.true_prob if batch.true_prob is not None else torch.full_like(logits, -1)
-        columns.append(torch.stack([logits, batch.labels, batch.valid.float(), true_prob]))
+        columns.append(torch.cat([_rows(logits), _rows(batch.labels),
+                                  batch.valid.float()[None], _rows(true_prob)]))
     model.train()
     local = torch.cat(columns, dim=1)
     gathered = [torch.empty_like(local) for _ in range(env.world_size)] if env.is_main else None
     dist.gather(local, gathered, dst=0)
     if not env.is_main:
         return None
-    logits, labels, valid, true_prob = torch.cat(gathered, dim=1)
-    keep = valid > 0.5
-    logits, labels, true_prob = logits[keep].cpu(), labels[keep].cpu(), true_prob[keep].cpu()
+    table = torch.cat(gathered, dim=1).cpu()
+    width = len(tasks) if tasks else 1
+    logits, labels = table[:width], table[width:2 * width]
+    valid, true_prob = table[2 * width] > 0.5, table[2 * width + 1:]
+    if not tasks:
+        return _metrics(logits[0], labels[0], true_prob[0], valid, prefix, "")
+    result = {"samples": int(valid.sum())}
+    for t, task in enumerate(tasks):
+        keep = valid & ~torch.isnan(labels[t])
+        result.update(_metrics(logits[t], labels[t], true_prob[t], keep, prefix, f"_{task}"))
+        result[f"samples_{task}"] = result.pop("samples")
+    return result
+
+
+def _rows(values: torch.Tensor) -> torch.Tensor:
+    """[B] -> [1, B]; [B, T] -> [T, B]."""
+    return values[None] if values.dim() == 1 else values.t()
+
+
+def _metrics(logits: torch.Tensor, labels: torch.Tensor, true_prob: torch.Tensor,
+             keep: torch.Tensor, prefix: str, suffix: str) -> Dict[str, float]:
+    logits, labels, true_prob = logits[keep], labels[keep], true_prob[keep]
     result = {
-        f"{prefix}auc": auc_or_nan(torch.sigmoid(logits), labels, f"{prefix}auc"),
-        f"{prefix}logloss": binary_cross_entropy_with_logits(logits, labels).item(),
+        f"{prefix}auc{suffix}": auc_or_nan(torch.sigmoid(logits), labels, f"{prefix}auc{suffix}"),
+        f"{prefix}logloss{suffix}": binary_cross_entropy_with_logits(logits, labels).item(),
         "samples": int(keep.sum()),
     }
     if (true_prob >= 0).all():
-        result["oracle_auc"] = auc_or_nan(true_prob, labels, "oracle_auc")
+        result[f"oracle_auc{suffix}"] = auc_or_nan(true_prob, labels, f"oracle_auc{suffix}")
     return result
 
 

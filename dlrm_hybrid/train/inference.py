@@ -45,7 +45,8 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
                                      cfg.data.global_batch_size // env.world_size, split)
     else:
         batches = make_loader(cfg.data, dataset, split, env)
-        metrics = evaluate(dmp, batches, env, prefix=f"{split}_")
+        metrics = evaluate(dmp, batches, env, prefix=f"{split}_", 
+                           tasks=[t.name for t in cfg.model.tasks])
         batches.close()
     if metrics is not None:
         log.say(f"eval: checkpoint={path} step={step} split={split} {metrics_text(metrics)}")

@@ -237,7 +237,7 @@ def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog, s
                                      cfg.data.global_batch_size // env.world_size)
     else:
         batches = make_loader(cfg.data, dataset, "val", env)
-        metrics = evaluate(dmp, batches, env)
+        metrics = evaluate(dmp, batches, env, tasks=[t.name for t in cfg.model.tasks])
         batches.close()
     if metrics is None:
         return {}

@@ -118,11 +118,10 @@ def done_line(steps: int, train_loss: float, metrics: dict, samples_per_s: float
     parts = [f"done: steps={steps}", f"train_loss={train_loss:.5f}"]
     if "val_auc" in metrics:
         parts += [f"val_auc={metrics['val_auc']:.5f}", f"val_logloss={metrics['val_logloss']:.5f}"]
-    else:  # two_tower: its retrieval metrics, and of a planted log's ceiling its recall
+    else:  # tasks: each one's; two_tower: its retrieval metrics, of a planted ceiling its recall
         parts += [f"{k}={v:.5f}" for k, v in metrics.items() if k.startswith("val_")
                   and not (k.startswith("val_ceiling_") and "recall@" not in k)]
-    if "oracle_auc" in metrics:
-        parts.append(f"oracle_auc={metrics['oracle_auc']:.5f}")
+    parts += [f"{k}={v:.5f}" for k, v in metrics.items() if k.startswith("oracle_auc")]
     parts.append(f"samples_per_s={samples_per_s:.0f}")
     if target:
         parts += [f"target_auc={target['target_auc']:.5f}",

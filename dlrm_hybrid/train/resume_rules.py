@@ -22,12 +22,13 @@ MAY_CHANGE = ("train.max_steps", "train.log_every", "train.eval_every", "train.r
               "train.precision_fallback", "train.cuda_graphs", "train.pipeline",
               "train.evals_per_epoch", "train.target_auc", "train.mlperf_log",
               "train.stop_grace_s", "data.loader", "data.prefetch", "parallel.", "checkpoint.",
-              "retrieval.eval_k", "retrieval.eval_items_per_chunk")
+              "retrieval.eval_k", "retrieval.eval_items_per_chunk", "value_model.")
 # The planted synthetic data's settings (data/synthetic.py): unused when data.path is set.
 SYNTHETIC_ONLY = ("data.seed", "data.num_dense", "data.cardinalities", "data.hotness",
                   "data.hotness_distribution", "data.train_samples", "data.val_samples",
                   "data.zipf_exponent", "data.id_order", "data.teacher_dim", "data.teacher_scale",
-                  "data.teacher_order", "data.users", "data.items", "data.interactions_per_user")
+                  "data.teacher_order", "data.users", "data.items", "data.interactions_per_user",
+                  "data.task_correlation", "data.label_missing")
 
 
 def check_same_experiment(path: Path, cfg: Config) -> None:
