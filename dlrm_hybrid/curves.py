@@ -1,5 +1,5 @@
-"""`dlrm-hybrid plot RUN_DIR [RUN_DIR ...]`: the training loss and validation AUC of one or more
-runs, against steps and against time, read from their metrics.jsonl and overlaid in one image,
+"""`dlrm-hybrid plot RUN_DIR [RUN_DIR ...]`: the training loss and validation AUC (a multi-task
+run's: each task's) of one or more runs, against steps and against time, read from their metrics.jsonl and overlaid in one image,
 for a look at a run without TensorBoard (e.g. on a cluster's login node)."""
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
 
 METRICS = "metrics.jsonl"
 DEFAULT_NAME = "curves.png"
+LINE_STYLES = (("-", "."), ("--", "x"), (":", "^"), ("-.", "s"))  # (line, marker) per task
+TASK_AUC = "val_auc_"  # a multi-task run's per-task validation AUC: val_auc_<task>
 SIZE_IN, DPI = (12.0, 8.0), 100  # 1200 x 800 pixels
 
 
@@ -27,9 +29,16 @@ class Run:
     name: str
     loss: List[tuple] = field(default_factory=list)
     auc: List[tuple] = field(default_factory=list)
+    task_auc: Dict[str, List[tuple]] = field(default_factory=dict)  # multi-task: val_auc_<task>
 
     def timed(self) -> bool:
-        return all(t is not None for _, t, _ in self.loss + self.auc)
+        points = self.loss + self.auc + [p for ps in self.task_auc.values() for p in ps]
+        return all(t is not None for _, t, _ in points)
+
+    def auc_curves(self) -> List[tuple]:
+        """(label suffix, points) of each AUC curve: the click AUC, or each task's."""
+        return ([("", self.auc)] if self.auc else []) + [
+            (f" {task}", points) for task, points in self.task_auc.items()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +87,7 @@ def read_run(run_dir: str, name: str) -> Run:
                             f"damaged (remove that line to plot the rest)")
         else:  # the record a resume leaves (`resumed`) holds no point: skipped there
             _add_point(run, event)
-    if not run.loss and not run.auc:
+    if not run.loss and not run.auc_curves():
         raise UserError(f"plot: {path} has no loss or val_auc records yet; plot it once the run "
                         f"has logged (train.log_every steps)")
     return run
@@ -98,6 +107,10 @@ def _add_point(run: Run, event: dict) -> None:
     for key, points in (("loss", run.loss), ("val_auc", run.auc)):
         if isinstance(event.get(key), numbers.Real):
             points.append((event["step"], elapsed, event[key]))
+    for key, value in event.items():
+        if key.startswith(TASK_AUC) and isinstance(value, numbers.Real):
+            run.task_auc.setdefault(key[len(TASK_AUC):], []).append(
+                (event["step"], elapsed, value))
 
 
 def _names(run_dirs: List[str]) -> List[str]:
@@ -117,8 +130,12 @@ def _image_format(out: str) -> str:
     return kind
 
 
+def _curves(run: Run, attr: str) -> List[tuple]:
+    return [("", run.loss)] if attr == "loss" else run.auc_curves()
+
+
 def _empty_reason(runs: List[Run], attr: str) -> str:
-    if not any(getattr(r, attr) for r in runs):
+    if not any(points for r in runs for _, points in _curves(r, attr)):
         return "no evaluation yet" if attr == "auc" else "no loss logged yet"
     return "time unavailable: no elapsed_s in metrics.jsonl\n(written by an earlier version)"
 
@@ -136,11 +153,12 @@ def _write(runs: List[Run], out: Path, kind: str) -> None:
         for x, xlabel in enumerate(("step", "elapsed, s")):
             ax = axes[row][x]
             drawn = [(i, r) for i, r in enumerate(runs)
-                     if getattr(r, attr) and (x == 0 or r.timed())]
-            for i, r in drawn:  # a run keeps its colour in every panel
-                points = getattr(r, attr)
-                ax.plot([p[x] for p in points], [p[2] for p in points], marker=".",
-                        color=f"C{i % 10}", label=r.name)
+                     if _curves(r, attr) and (x == 0 or r.timed())]
+            for i, r in drawn:  # a run keeps its colour in every panel, a task its line style
+                for j, (task, points) in enumerate(_curves(r, attr)):
+                    style = LINE_STYLES[j % len(LINE_STYLES)]
+                    ax.plot([p[x] for p in points], [p[2] for p in points], marker=style[1],
+                            color=f"C{i % 10}", linestyle=style[0], label=r.name + task)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
