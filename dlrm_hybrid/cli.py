@@ -258,6 +258,10 @@ def run_bench(args) -> None:
     if cfg.model.kind != "dlrm":
         raise UserError("bench: measures the ranker (model.kind dlrm) against its baseline; for "
                         "two_tower use benchmarks/retrieval.py")
+    if cfg.model.tasks:
+        raise UserError("bench: its baseline is a one-logit DLRM, and model.tasks names "
+                        f"{len(cfg.model.tasks)} tasks; benchmarks/multitask.py measures the cost "
+                        "of each task per step")
     run_distributed(lambda env: bench(cfg, env, args.steps, args.warmup), cfg.parallel.backend)
 
 

@@ -72,6 +72,22 @@ def _mlp(n_in: int, sizes: List[int]) -> List[Shape]:
     return shapes
 
 
+def _last_layer(n_in: int, m) -> List[Shape]:
+    """The top MLP's logit layer, or with model.tasks the task heads in its place (and the
+    MMoE experts and gates): model/task_heads.py."""
+    if not m.tasks:
+        return _linear(n_in, 1)
+    shapes, head_in = [], n_in
+    if m.mmoe.experts:
+        for _ in range(m.mmoe.experts):
+            shapes += _mlp(n_in, m.mmoe.expert_mlp)
+        shapes += _linear(n_in, m.mmoe.experts * len(m.tasks))
+        head_in = m.mmoe.expert_mlp[-1]
+    for task in m.tasks:
+        shapes += _mlp(head_in, [*task.head, 1])
+    return shapes
+
+
 def _cross_net(n: int, layers: int, rank: int, experts: int) -> List[Shape]:
     """torchrec's LowRankCrossNet (experts 1) or LowRankMixtureCrossNet."""
     if experts == 1:
@@ -150,9 +166,9 @@ def dense_units(model_cfg, num_dense: int, features: int) -> List[Unit]:
         raise ValueError(f"model.interaction: unknown interaction {m.interaction!r}")
     if m.interaction == "dcn" and m.dcn.structure == "parallel":
         hidden = top[:-1]  # on x_0, beside the cross net; the last layer reads both
-        top_shapes = _mlp(width, hidden) + _linear(width + (hidden[-1] if hidden else width), 1)
+        top_shapes = _mlp(width, hidden) + _last_layer(width + (hidden[-1] if hidden else width), m)
     else:
-        top_shapes = _mlp(width, top)
+        top_shapes = _mlp(width, top[:-1]) + _last_layer(top[-2] if len(top) > 1 else width, m)
     return [Unit("bottom MLP", {"mlp": _mlp(num_dense, m.bottom_mlp)}), *interaction,
             Unit("top MLP", {"mlp": top_shapes})]
 

@@ -217,6 +217,8 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     say(describe(plan))
     if cfg.model.kind == "two_tower":
         say(describe_towers(plan, model.lookups))
+    if cfg.model.tasks:
+        say(describe_tasks(cfg.model))
     replaced = describe_lookups(model.lookups, cfg)
     if replaced:
         say(replaced)
@@ -226,6 +228,17 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
                       exchange, cfg.parallel.dense, cfg.parallel.hsdp_shard_size)
     init_tables(dmp, [part for lookup in model.lookups for part in lookup.tables], cfg.train.seed)
     return dmp, plan
+
+
+def describe_tasks(model_cfg) -> str:
+    """One line: the tasks, their loss weights and heads, and what the heads read."""
+    tasks = ", ".join(f"{t.name} (weight {t.weight:g}, head {[*t.head, 1]})"
+                      for t in model_cfg.tasks)
+    trunk = f"the shared trunk {model_cfg.top_mlp[:-1]}"
+    mmoe = model_cfg.mmoe
+    reads = (f"{mmoe.experts} gated experts {mmoe.expert_mlp} over {trunk}" if mmoe.experts
+             else trunk)
+    return f"tasks: {tasks}; the heads read {reads}"
 
 
 def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog, step: int,
