@@ -548,7 +548,7 @@ def _validate_tasks(cfg: Config) -> None:
         if not TASK_NAME.fullmatch(task.name):
             raise ConfigError(f"model.tasks[{i}].name: {task.name!r} is not a name (a letter, then "
                               f"letters, digits or _); it names the dataset's label and metrics")
-        if names.count(task.name) > 1:
+        if task.name in names[:i]:
             raise ConfigError(f"model.tasks[{i}].name: {task.name} is listed twice; name each "
                               f"task once")
         if not task.weight >= 0:
@@ -571,6 +571,10 @@ def _validate_tasks(cfg: Config) -> None:
         raise ConfigError(f"data.task_correlation: {d.task_correlation} is not in [0, 1]")
     if not 0 <= d.label_missing < 1:
         raise ConfigError(f"data.label_missing: {d.label_missing} is not in [0, 1)")
+    if d.label_missing and len(m.tasks) < 2:
+        raise ConfigError(f"data.label_missing: {d.label_missing} leaves out the planted labels "
+                          f"of the tasks after the first, and model.tasks names "
+                          f"{len(m.tasks)}; name two or more tasks, or leave it at 0")
     unknown = [k for k in cfg.value_model if k not in task_names(m)]
     if unknown:
         raise ConfigError(f"value_model.{unknown[0]}: no such task; the model's tasks are "

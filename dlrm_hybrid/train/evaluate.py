@@ -38,12 +38,12 @@ def evaluate(model, batches: Iterable, env, prefix: str = "val_",
     valid, true_prob = table[2 * width] > 0.5, table[2 * width + 1:]
     if not tasks:
         return _metrics(logits[0], labels[0], true_prob[0], valid, prefix, "")
-    result = {"samples": int(valid.sum())}
+    result = {}
     for t, task in enumerate(tasks):
         keep = valid & ~torch.isnan(labels[t])
         result.update(_metrics(logits[t], labels[t], true_prob[t], keep, prefix, f"_{task}"))
         result[f"samples_{task}"] = result.pop("samples")
-    return result
+    return {**result, "samples": int(valid.sum())}
 
 
 def _rows(values: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from dlrm_hybrid.config import Config, ConfigError, load_config
+from dlrm_hybrid.config import Config, ConfigError, load_config, task_names
 from dlrm_hybrid.train.checkpoint import CONFIG, read_meta
 from dlrm_hybrid.train.dataset_identity import (dataset_identity, identity_changes,
                                                 readable_identity)
@@ -34,6 +34,7 @@ SYNTHETIC_ONLY = ("data.seed", "data.num_dense", "data.cardinalities", "data.hot
 def check_same_experiment(path: Path, cfg: Config) -> None:
     """Refuse to resume `path` under settings that change what is trained."""
     there_cfg = load_config(str(path / CONFIG))
+    _refuse_task_count_change(path, there_cfg, cfg)
     there, here = _flat(there_cfg.to_dict()), _flat(cfg.to_dict())
     on_files = bool(there_cfg.data.path and cfg.data.path)
     free = MAY_CHANGE + (("data.path", *SYNTHETIC_ONLY) if on_files else ())
@@ -47,6 +48,23 @@ def check_same_experiment(path: Path, cfg: Config) -> None:
         raise ConfigError(f"checkpoint.resume: {path} was trained with other settings: "
                           f"{', '.join(diffs)}; resume it with its own settings, or start anew "
                           f"with checkpoint.resume=none or another train.run_dir")
+
+
+def _refuse_task_count_change(path: Path, there: Config, here: Config) -> None:
+    """A single-task model's one logit and a multi-task model's heads are different models:
+    neither continues as the other, so say that rather than list the keys that differ."""
+    if bool(there.model.tasks) == bool(here.model.tasks):
+        return
+    tasks = ", ".join(task_names(there.model if there.model.tasks else here.model))
+    if there.model.tasks:
+        raise ConfigError(f"model.tasks: {path} is a multi-task model ({tasks}), and a "
+                          f"multi-task model cannot continue as a single-task (click) one; "
+                          f"resume it with its model.tasks, or start anew with "
+                          f"checkpoint.resume=none or another train.run_dir")
+    raise ConfigError(f"model.tasks: {path} is a single-task (click) model, and a single-task "
+                      f"model cannot continue as a multi-task one ({tasks}); start the "
+                      f"multi-task model anew with checkpoint.resume=none or another "
+                      f"train.run_dir, or resume with model.tasks empty")
 
 
 def _dataset_change(recorded: Optional[dict], there: str, here: str) -> List[str]:
