@@ -1,0 +1,285 @@
+"""Multi-task ranking: one model for every task against one single-task model per task at the
+same training budget, MMoE against the shared trunk, and what each extra task costs per step.
+
+    .venv/bin/python benchmarks/multitask.py [--steps 1500] [--data ml-100k/u.data |
+        --dataset DIR] [--log-steps 3000] [--quick]
+
+1. Planted teacher: configs/demo.yaml's model and data with the tasks click, like, see_less
+   (data/synthetic.py: correlated tasks, data.task_correlation 0.5; like's and see_less's label
+   missing with data.label_missing 0.3), each task's head HEAD. Trained at one budget of
+   S x batch samples: one multi-task model (shared trunk) for S steps; the same with an MMoE
+   of EXPERTS experts; one single-task model per task for S/T steps each (the sum: S steps);
+   and, for scale, one per task for S steps each (T times the budget). A single-task model is
+   the same network with only its task's weight non-zero (the other heads get no gradient,
+   so the trunk learns that task alone): the planted teacher is defined by the task list, so
+   this keeps every model's data identical. Per-task val AUC over 65,536 samples (the samples
+   whose label is missing left out) beside each task's oracle AUC.
+2. Step cost: steps of T = 1, 2, 4, 8 tasks (shared trunk and MMoE) and of the legacy single
+   click logit on the same batch, the models alternating in rounds in one process (batches
+   generated before timing); ms/step of the fastest round, samples/s, ratio to T = 1.
+3. With --data (an interaction log, e.g. MovieLens' u.data) or --dataset (a folder made from
+   one): the log made into a ranking dataset by `preprocess interactions --labels LOG_LABELS
+   --ranking-negatives LOG_NEGATIVES`, and the same multi vs single comparison on its labels
+   (no oracle: the true probabilities are unknown).
+
+Everything trains in this process on one gloo rank (OMP threads as set; 1 by default). Prints
+the CPU, markdown tables and last the planted run's summary line:
+
+    multitask: tasks=N multi_auc=A1,A2,.. single_auc=A1,A2,.. oracle_auc=A1,A2,..
+
+(multi: the shared trunk; single: one model per task at the same total budget.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs/demo.yaml")
+PLANTED_TASKS = ("click", "like", "see_less")
+MORE_TASKS = ("share", "comment", "save", "hide", "follow")  # up to 8 for the step cost
+HEAD = [16]  # every task's head: hidden widths before its logit
+EXPERTS = 4
+LABEL_MISSING = 0.3
+LOG_LABELS = "watched,liked:rating>=4,disliked:rating<=2"
+LOG_NEGATIVES = 4
+BATCH = 1024
+COST_COUNTS = (1, 2, 4, 8)
+COST_BATCHES = 8  # distinct batches cycled by the step-cost runs
+
+
+def tasks_set(tasks: Sequence[str], only: Optional[str] = None) -> str:
+    """`model.tasks=...` naming `tasks`, each with HEAD; with `only`, the other tasks' weights
+    are 0: a single-task model on data that carries every task's label as it is."""
+    value = [{"name": t, "weight": 1.0 if only in (None, t) else 0.0, "head": HEAD}
+             for t in tasks]
+    return f"model.tasks={json.dumps(value)}"
+
+
+def budget(steps: int, run_dir: str) -> List[str]:
+    """The settings every training run shares: `steps` x BATCH samples, warmup 20, then the
+    learning rates decay over the second half of the run."""
+    return [f"data.global_batch_size={BATCH}", f"train.max_steps={steps}",
+            f"train.log_every={steps}", "train.eval_every=0", "train.progress_bar=false",
+            "train.tensorboard=false", f"optim.warmup_steps={min(20, steps // 4)}",
+            f"optim.decay_start_step={steps // 2}", f"optim.decay_steps={steps - steps // 2}",
+            "checkpoint.resume=none", f"train.run_dir={run_dir}"]
+
+
+def train_run(data: List[str], steps: int, run_dir: str, env) -> Tuple[Dict[str, float], float]:
+    """(final validation metrics, seconds) of one run of configs/demo.yaml with `data` (the
+    data and model.tasks settings) at `steps` steps; the run's own lines are not printed."""
+    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.train.loop import train
+
+    cfg = load_config(DEMO, data + budget(steps, run_dir))
+    start = time.perf_counter()
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        metrics = train(cfg, env).metrics
+    return metrics, time.perf_counter() - start
+
+
+def compare(data: List[str], tasks: Sequence[str], steps: int, scratch: str, env,
+            scale: bool) -> Dict[str, Tuple[List[float], float, int]]:
+    """Every model of the comparison on `data`: {row name: (val AUC per task, seconds, steps
+    per model)}, and "oracle" where the data know the true probabilities."""
+    per_task = max(1, steps // len(tasks))
+    rows: Dict[str, Tuple[List[float], float, int]] = {}
+    models = {"multi-task, shared trunk": [tasks_set(tasks)],
+              f"multi-task, MMoE ({EXPERTS} experts)": [tasks_set(tasks),
+                                                        f"model.mmoe.experts={EXPERTS}"]}
+    for name, sets in models.items():
+        m, seconds = train_run(data + sets, steps, f"{scratch}/{len(rows)}", env)
+        rows[name] = ([m[f"val_auc_{t}"] for t in tasks], seconds, steps)
+        if "oracle_auc_" + tasks[0] in m:
+            rows["oracle"] = ([m[f"oracle_auc_{t}"] for t in tasks], 0.0, 0)
+        print(f"  {name}: {steps} steps, {seconds:.0f} s", flush=True)
+    singles = [("single-task, one per task", per_task)]
+    singles += [("single-task, one per task, T x the budget", steps)] if scale else []
+    for name, n in singles:
+        aucs, seconds = [], 0.0
+        for task in tasks:
+            m, s = train_run(data + [tasks_set(tasks, only=task)], n, f"{scratch}/{len(rows)}"
+                             f"_{task}", env)
+            aucs.append(m[f"val_auc_{task}"])
+            seconds += s
+        rows[name] = (aucs, seconds, n)
+        print(f"  {name}: {n} steps each, {seconds:.0f} s", flush=True)
+    return rows
+
+
+def comparison_table(title: str, tasks: Sequence[str],
+                     rows: Dict[str, Tuple[List[float], float, int]]) -> str:
+    oracle = rows.get("oracle", ([],))[0]
+    lines = [title, "| model | models x steps x batch | training samples | "
+             + " | ".join(f"val AUC {t}" for t in tasks)
+             + (" | mean AUC - oracle" if oracle else "") + " | train s |",
+             "|---|---|---:|" + "---:|" * len(tasks) + ("---:|" if oracle else "") + "---:|"]
+    for name, (aucs, seconds, steps) in rows.items():
+        if name == "oracle":
+            continue
+        models = len(tasks) if name.startswith("single") else 1
+        gap = (f" {sum(a - o for a, o in zip(aucs, oracle)) / len(tasks):+.4f} |"
+               if oracle else "")
+        lines.append(f"| {name} | {models} x {steps:,} x {BATCH:,} | {models * steps * BATCH:,} "
+                     f"| " + " | ".join(f"{a:.4f}" for a in aucs) + f" |{gap} {seconds:.0f} |")
+    if oracle:
+        lines.append("| oracle (the teacher's probabilities) | | | "
+                     + " | ".join(f"{a:.4f}" for a in oracle) + " | | |")
+    return "\n".join(lines)
+
+
+def summary_line(tasks: Sequence[str], multi: Sequence[float], single: Sequence[float],
+                 oracle: Sequence[float]) -> str:
+    """The benchmark's last line, for scripts (AUCs in task order)."""
+    def join(values: Sequence[float]) -> str:
+        return ",".join(f"{v:.4f}" for v in values)
+
+    return (f"multitask: tasks={len(tasks)} multi_auc={join(multi)} single_auc={join(single)} "
+            f"oracle_auc={join(oracle)}")
+
+
+def step_cost(steps: int, rounds: int, env) -> str:
+    """ms/step of the legacy click logit and of T tasks (shared trunk, MMoE) on the same
+    batches; the models alternate, `steps` per round, and each keeps its fastest round."""
+    import torch
+
+    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.data.source import open_dataset
+    from dlrm_hybrid.train.loop import build_sharded_model
+    from dlrm_hybrid.train.optim import build_optimizer
+    from dlrm_hybrid.train.step import TrainStep
+
+    tasks = PLANTED_TASKS + MORE_TASKS
+    cases = {("legacy click logit", 0): []}
+    for count in COST_COUNTS:
+        sets = [tasks_set(tasks[:count])]  # one task has no label to leave out
+        sets += [f"data.label_missing={LABEL_MISSING}"] if count > 1 else []
+        cases["shared trunk", count] = sets
+        cases[f"MMoE ({EXPERTS} experts)", count] = sets + [f"model.mmoe.experts={EXPERTS}"]
+    runs = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for case, sets in cases.items():
+            cfg = load_config(DEMO, sets + budget(steps, scratch))
+            dataset = open_dataset(cfg.data, cfg.model)
+            batches = [dataset.batch("train", i * BATCH, BATCH).to(env.device)
+                       for i in range(COST_BATCHES)]
+            dmp, _ = build_sharded_model(cfg, dataset.spec, env, lambda line: None)
+            runs[case] = (TrainStep(dmp, *build_optimizer(dmp, cfg.optim), cfg.train,
+                                    env.device), batches)
+    best = {case: float("inf") for case in cases}
+    for _ in range(rounds + 1):  # the first round warms up
+        for case, (train_step, batches) in runs.items():
+            cycle = iter(batches * (steps // COST_BATCHES + 1))
+            start = time.perf_counter()
+            for _ in range(steps):
+                loss = train_step(cycle)
+            loss.item()
+            best[case] = min(best[case], (time.perf_counter() - start) / steps)
+    base = {trunk: best[trunk, 1] for trunk, count in cases if count == 1}
+    lines = [f"Step cost: batch {BATCH:,}, configs/demo.yaml's model, head {HEAD} per task, "
+             f"{torch.get_num_threads()} thread(s); fastest of {rounds} rounds of {steps} steps",
+             "| tasks | trunk | ms/step | samples/s | ratio to 1 task | ms per task beyond the "
+             "first |", "|---:|---|---:|---:|---:|---:|"]
+    for (trunk, count), seconds in best.items():
+        one = base.get(trunk, best["shared trunk", 1])
+        extra = f"{(seconds - one) * 1e3 / (count - 1):+.2f}" if count > 1 else ""
+        lines.append(f"| {count or '-'} | {trunk} | {seconds * 1e3:.2f} | {BATCH / seconds:,.0f} "
+                     f"| {seconds / one:.2f} | {extra} |")
+    return "\n".join(lines)
+
+
+def cli(args: List[str]) -> None:
+    """`python -m dlrm_hybrid ARGS`, or exit with its error line."""
+    run = subprocess.run([sys.executable, "-m", "dlrm_hybrid", *args], cwd=ROOT, text=True,
+                         capture_output=True)
+    if run.returncode:
+        lines = (run.stderr + run.stdout).strip().splitlines() or ["no output"]
+        errors = [line for line in lines if line.startswith("error:")]
+        sys.exit(f"{' '.join(args[:2])} failed: {(errors or lines)[-1]}")
+
+
+def log_comparison(args, scratch: str, env) -> str:
+    """Part 3: the interaction log as a ranking dataset, multi vs single on its labels."""
+    from dlrm_hybrid.data.source import open_dataset
+    from dlrm_hybrid.config import load_config
+
+    folder = args.dataset
+    if not folder:
+        folder = f"{scratch}/log"
+        cli(["preprocess", "interactions", "--input", args.data, "--output", folder,
+             "--labels", LOG_LABELS, "--ranking-negatives", str(LOG_NEGATIVES)])
+    name = args.name or Path(args.data or folder).resolve().parent.name
+    data = [f"data.path={folder}"]
+    dataset = open_dataset(load_config(None, data).data)  # all its labels, for their names
+    tasks = dataset.label_names
+    splits = {s: dataset.num_samples(s) for s in ("train", "val")}
+    print(f"{name}: {splits['train']:,} training / {splits['val']:,} validation samples, "
+          f"labels {', '.join(tasks)}; training {args.log_steps} steps", flush=True)
+    rows = compare(data, tasks, args.log_steps, f"{scratch}/log_runs", env, scale=True)
+    return comparison_table(
+        f"{name} (`preprocess interactions --labels \"{LOG_LABELS}\" --ranking-negatives "
+        f"{LOG_NEGATIVES}`): {splits['train']:,} training samples ({splits['train'] / BATCH:.0f} "
+        f"steps an epoch), {splits['val']:,} validation", tasks, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500,
+                        help="S: the planted comparison's budget in steps of 1,024 samples")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--data", help="an interaction log (e.g. ml-100k/u.data) for part 3")
+    source.add_argument("--dataset", help="a ranking dataset `preprocess interactions "
+                        "--labels ... --ranking-negatives N` wrote, for part 3")
+    parser.add_argument("--name", help="the log's name in its table (default: its folder's)")
+    parser.add_argument("--log-steps", type=int, default=3000, help="S on the log")
+    parser.add_argument("--cost-steps", type=int, default=40, help="steps per step-cost round")
+    parser.add_argument("--quick", action="store_true", help="a check that it runs: 60 steps "
+                        "(30 on the log), 2 step-cost rounds of 8 steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.log_steps, args.cost_steps = 60, 30, 8
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(ROOT))
+    import logging
+
+    import torch
+
+    from dlrm_hybrid.parallel.process_group import init_distributed
+    from dlrm_hybrid.train.precision import cpu_description
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    env = init_distributed("gloo")
+    cpu = f"{os.cpu_count()} cores ({cpu_description()}), {torch.get_num_threads()} thread(s)"
+    print(f"multitask benchmark on {cpu}", flush=True)
+    planted = ["data.val_samples=65536", f"data.label_missing={LABEL_MISSING}"]
+    with tempfile.TemporaryDirectory() as scratch:
+        print(f"planted teacher, budget {args.steps} x {BATCH:,} samples:", flush=True)
+        rows = compare(planted, PLANTED_TASKS, args.steps, f"{scratch}/planted", env,
+                       scale=True)
+        cost = step_cost(args.cost_steps, 2 if args.quick else 5, env)
+        log = log_comparison(args, scratch, env) if args.data or args.dataset else ""
+    print(f"\n{cpu}\n")
+    print(comparison_table(
+        f"Planted teacher (configs/demo.yaml, tasks {', '.join(PLANTED_TASKS)}; task_correlation "
+        f"0.5, label_missing {LABEL_MISSING}; head {HEAD} per task), budget {args.steps:,} x "
+        f"{BATCH:,} = {args.steps * BATCH:,} samples", PLANTED_TASKS, rows))
+    print(f"\n{cost}\n")
+    if log:
+        print(f"{log}\n")
+    print(summary_line(PLANTED_TASKS, rows["multi-task, shared trunk"][0],
+                       rows["single-task, one per task"][0], rows["oracle"][0]))
+
+
+if __name__ == "__main__":
+    main()

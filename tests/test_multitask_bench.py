@@ -1,0 +1,49 @@
+"""benchmarks/multitask.py: what its comparison rests on (a single-task model trains on the same
+planted labels as the multi-task model, its loss that task's alone) and its summary line."""
+
+import importlib.util
+import re
+import sys
+
+import pytest
+
+from conftest import ROOT
+from dlrm_hybrid.config import load_config
+
+TASKS = ("click", "like", "see_less")
+PLANTED = ["data.label_missing=0.3"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/multitask.py, loaded from its file (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("multitask_bench",
+                                                  ROOT / "benchmarks" / "multitask.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_single_task_model_trains_its_task_alone_on_the_multi_task_models_data(bench):
+    """The planted labels are a function of the data settings and the task list (task t's
+    teacher is the t-th), so the single-task model keeps every task, and the same data
+    settings, and weighs the others 0: its loss is its task's alone."""
+    multi = load_config(None, PLANTED + [bench.tasks_set(TASKS)])
+    single = load_config(None, PLANTED + [bench.tasks_set(TASKS, only="like")])
+    assert [t.name for t in single.model.tasks] == [t.name for t in multi.model.tasks] \
+        == list(TASKS)
+    assert single.data == multi.data
+    assert [t.weight for t in multi.model.tasks] == [1.0, 1.0, 1.0]
+    assert [t.weight for t in single.model.tasks] == [0.0, 1.0, 0.0]
+    assert [t.head for t in single.model.tasks] == [t.head for t in multi.model.tasks] \
+        == [bench.HEAD] * 3
+
+
+def test_the_summary_line_names_each_tasks_auc_in_task_order(bench):
+    line = bench.summary_line(TASKS, [0.71, 0.7, 0.69], [0.65, 0.64444, 0.63],
+                              [0.795, 0.7949, 0.8132])
+    assert line == ("multitask: tasks=3 multi_auc=0.7100,0.7000,0.6900 "
+                    "single_auc=0.6500,0.6444,0.6300 oracle_auc=0.7950,0.7949,0.8132")
+    number = r"\d\.\d{4}"
+    assert re.fullmatch(rf"multitask: tasks=3( \w+_auc={number}(,{number}){{2}}){{3}}", line)
