@@ -90,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
                          "(or of raw Criteo rows: --raw-criteo)")
     predict.add_argument("--split", default="test", choices=("test", "val", "train"),
                          help="which split of a split-binary folder (default test)")
-    predict.add_argument("--out", required=True, help="file to write, one probability per line")
+    predict.add_argument("--out", required=True, help="file to write, one probability per line "
+                         "(several tasks or a value model: a CSV, each task's, then the value)")
     predict.add_argument("--batch-size", type=int, default=4096, help="rows per call (4096)")
     predict.add_argument("--header", default="auto", choices=("auto", "yes", "no"),
                          help="CSV/TSV: is the first line a header (auto: only when it is not "
@@ -98,6 +99,16 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--raw-criteo", metavar="DATASET", default="",
                          help="--data is raw Criteo TSV (label first or none; .gz ok): map its "
                          "values to ids with the vocabulary of DATASET, the model's training data")
+    predict.add_argument("--value", default="", metavar="TASK=W,...", help="value model weights "
+                         "in place of the exported value_model, e.g. click=1,like=0.5 (tasks "
+                         "left out weigh 0)")
+    predict.add_argument("--top-k-label", type=int, default=0, metavar="K", help="also write "
+                         "--label-out: 1 for each row among its request's K of highest value")
+    predict.add_argument("--label-out", default="", metavar="FILE", help="--top-k-label's file, "
+                         "one 0/1 per row in row order")
+    predict.add_argument("--request-feature", default="", metavar="NAME", help="the categorical "
+                         "feature whose id names a row's request (consecutive rows); default: "
+                         "the dataset's metadata.request_feature")
     retrieve.add_arguments(commands.add_parser(
         "retrieve", help="top-K items for a user (or a history) from an `export --retrieval` "
                          "folder"))
@@ -211,13 +222,18 @@ def run_predict(args) -> None:
 
     if args.batch_size < 1:
         raise UserError("predict: --batch-size must be at least 1")
-    refuse_overwriting_inputs([("--out", args.out)],
+    refuse_overwriting_inputs([("--out", args.out), ("--label-out", args.label_out)],
                               [("--model", args.model), ("--data", args.data),
                                ("--raw-criteo", args.raw_criteo)], "predict")
     result = predict(args.model, args.data, args.out, args.split, args.batch_size, args.header,
-                     args.raw_criteo)
+                     args.raw_criteo, args.value, args.top_k_label, args.label_out,
+                     args.request_feature)
+    value = result.pop("value_model", None)
     metrics = "".join(f" {k}={v:.5f}" for k, v in result.items() if k != "samples")
-    print(f"predict: wrote {args.out} samples={result['samples']}{metrics}")
+    if value is not None:
+        metrics += " value_model=" + (",".join(f"{k}:{v:g}" for k, v in value.items()) or "none")
+    labels = f" and {args.label_out}" if args.label_out else ""
+    print(f"predict: wrote {args.out}{labels} samples={result['samples']}{metrics}")
 
 
 def run_synth(args) -> None:

@@ -5,8 +5,10 @@ field is a missing value, 0.0, as `preprocess criteo` stores an empty integer fi
 but a header is a row: `header` says whether the first line is one ("auto": only when it is
 clearly not a row; it will not guess about pandas' 0,1,2,...). A header's names (the model's:
 label, num_<i>, cat_<i>, as feature_spec.yaml names them) place its columns, in any order;
-pandas' header of unnamed columns leaves them in place. Read in chunks, so a file of any size
-scores in bounded memory."""
+pandas' header of unnamed columns leaves them in place. A multi-task model's labels are columns
+named by its tasks (any of them, in a header; all of them first, in the model's order, without
+one); an empty label field there is a missing label (NaN), as in a multi-task dataset. Read in
+chunks, so a file of any size scores in bounded memory."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class ScoringRows:
     dense: np.ndarray  # [B, num_dense] float32
     ids: List[np.ndarray]  # per categorical feature, [B, widest bag] int64, padded
     lengths: List[np.ndarray]  # per categorical feature, [B] ids used
-    labels: Optional[np.ndarray]  # [B] float32, when the data has them
+    labels: Optional[np.ndarray]  # [B] float32 (multi-task: [B, T], NaN: missing), if labelled
     locate: Callable[[int], str]  # where row i of the chunk comes from, for error messages
 
 
@@ -40,12 +42,15 @@ class Layout:
 
     header: bool  # the first line is a header
     width: int  # fields per row
-    labelled: bool
-    order: Optional[List[int]]  # field of each model column (label first), or None: in order
+    labels: List[int]  # the task of each label field (they come first); empty: unlabelled
+    order: Optional[List[int]]  # field of each model column (labels first), or None: in order
 
 
 def text_row_chunks(path: Path, num_dense: int, features: List[str], rows_per_chunk: int,
-                    header: str = "auto") -> Iterator[ScoringRows]:
+                    header: str = "auto", tasks: Optional[List[str]] = None
+                    ) -> Iterator[ScoringRows]:
+    """Chunks of the file's rows; `tasks`: a multi-task model's task names (None: one label,
+    named `label`)."""
     delimiter = "\t" if path.suffix in (".tsv", ".txt") or _first_line_has_tab(path) else ","
     with open(path, newline="", encoding="utf-8-sig") as stream:  # utf-8-sig: drops a BOM
         reader = csv.reader(stream, delimiter=delimiter)
@@ -56,7 +61,7 @@ def text_row_chunks(path: Path, num_dense: int, features: List[str], rows_per_ch
             if not row:
                 continue  # a blank line
             if layout is None:
-                layout = _layout(path, line, row, num_dense, features, header)
+                layout = _layout(path, line, row, num_dense, features, header, tasks)
                 if layout.header:
                     continue
             if len(row) != layout.width:
@@ -65,10 +70,10 @@ def text_row_chunks(path: Path, num_dense: int, features: List[str], rows_per_ch
             chunk.append(row if layout.order is None else [row[j] for j in layout.order])
             lines.append(line)
             if len(chunk) == rows_per_chunk:
-                yield _parse(path, chunk, lines, num_dense, layout.labelled)
+                yield _parse(path, chunk, lines, num_dense, layout.labels, tasks)
                 chunk, lines = [], []
         if chunk and layout is not None:
-            yield _parse(path, chunk, lines, num_dense, layout.labelled)
+            yield _parse(path, chunk, lines, num_dense, layout.labels, tasks)
 
 
 def _numbered(path: Path, reader) -> Iterator[Tuple[int, List[str]]]:
@@ -83,14 +88,15 @@ def _numbered(path: Path, reader) -> Iterator[Tuple[int, List[str]]]:
 
 
 def _layout(path: Path, line: int, first: List[str], num_dense: int, features: List[str],
-            header: str) -> Layout:
+            header: str, tasks: Optional[List[str]]) -> Layout:
     """The rows' layout, from the first line: a header, or the first row."""
     columns = [f"num_{i}" for i in range(num_dense)] + list(features)
+    labels = tasks if tasks is not None else [LABEL]
     if _is_header(path, line, first, header):
         if _is_index_header(first):
-            return _positional(path, line, first, num_dense, len(features), header=True)
-        return _named(path, line, [name.strip() for name in first], num_dense, columns)
-    return _positional(path, line, first, num_dense, len(features), header=False)
+            return _positional(path, line, first, num_dense, len(features), labels, header=True)
+        return _named(path, line, [name.strip() for name in first], num_dense, columns, labels)
+    return _positional(path, line, first, num_dense, len(features), labels, header=False)
 
 
 def _is_header(path: Path, line: int, first: List[str], header: str) -> bool:
@@ -104,22 +110,25 @@ def _is_header(path: Path, line: int, first: List[str], header: str) -> bool:
 
 
 def _positional(path: Path, line: int, first: List[str], num_dense: int, num_features: int,
-                header: bool) -> Layout:
-    fields = num_dense + num_features
-    if len(first) not in (fields, fields + 1):
+                labels: List[str], header: bool) -> Layout:
+    fields, count = num_dense + num_features, len(labels)
+    if len(first) not in (fields, fields + count):
+        with_labels = (f"{fields + 1} with a label first" if labels == [LABEL] else
+                       f"{fields + count} with the labels {', '.join(labels)} first")
         raise DataError(f"{path}:{line}: {len(first)} fields; the model takes {num_dense} dense "
                         f"values and {num_features} categorical features ({fields} fields, or "
-                        f"{fields + 1} with a label first)")
-    return Layout(header, len(first), len(first) == fields + 1, None)
+                        f"{with_labels})")
+    return Layout(header, len(first), list(range(count)) if len(first) > fields else [], None)
 
 
-def _named(path: Path, line: int, names: List[str], num_dense: int, columns: List[str]
-           ) -> Layout:
+def _named(path: Path, line: int, names: List[str], num_dense: int, columns: List[str],
+           labels: List[str]) -> Layout:
     """Columns placed by a header's names, which must be the model's."""
-    spans = (f"{LABEL} (optional)", _span(columns[:num_dense]), _span(columns[num_dense:]))
+    spans = (f"{', '.join(labels)} (optional)", _span(columns[:num_dense]),
+             _span(columns[num_dense:]))
     described = ", ".join(span for span in spans if span) + ", in any order"
     for name in names:
-        if name not in (LABEL, *columns):
+        if name not in (*labels, *columns):
             raise DataError(f"{path}:{line}: the header names a column {name!r}; the model's "
                             f"columns are {described}: name them so, or say --header no if "
                             f"line {line} is a row")
@@ -129,9 +138,9 @@ def _named(path: Path, line: int, names: List[str], num_dense: int, columns: Lis
     if missing:
         raise DataError(f"{path}:{line}: the header has no column {missing[0]}; the model's "
                         f"columns are {described}")
-    labelled = LABEL in names
-    order = [names.index(c) for c in [LABEL] * labelled + columns]
-    return Layout(True, len(names), labelled, None if order == sorted(order) else order)
+    present = [t for t, label in enumerate(labels) if label in names]
+    order = [names.index(c) for c in [labels[t] for t in present] + columns]
+    return Layout(True, len(names), present, None if order == sorted(order) else order)
 
 
 def _span(names: List[str]) -> str:
@@ -158,6 +167,31 @@ def _numbers(row: List[str]) -> bool:
         return False
 
 
+def _labels(path: Path, rows: List[List[str]], lines: List[int], label_tasks: List[int],
+            tasks: Optional[List[str]]) -> np.ndarray:
+    """The label fields: [B] for one label; with `tasks`, [B, T] in the tasks' order, NaN for a
+    task without a column or with an empty field."""
+    if tasks is None:
+        labels = _floats(path, rows, lines, 0, 1, "the label", None)[:, 0]
+        bad = ~np.isin(labels, (0.0, 1.0))
+        if bad.any():
+            i = int(np.argwhere(bad)[0, 0])
+            raise DataError(f"{path}:{lines[i]}: the label is {labels[i]:g}; labels are 0 or 1")
+        return labels
+    given = np.full((len(rows), len(label_tasks)), np.nan, dtype=np.float32)
+    for j, t in enumerate(label_tasks):
+        given[:, j] = _floats(path, rows, lines, j, 1, f"label {tasks[t]}", np.nan)[:, 0]
+    bad = ~(np.isin(given, (0.0, 1.0)) | np.isnan(given))
+    if bad.any():
+        i, j = (int(k) for k in np.argwhere(bad)[0])
+        field = rows[i][j].strip()
+        raise DataError(f"{path}:{lines[i]}: label {tasks[label_tasks[j]]} is {field!r}; labels "
+                        f"are 0 or 1, or empty where missing")
+    labels = np.full((len(rows), len(tasks)), np.nan, dtype=np.float32)
+    labels[:, label_tasks] = given
+    return labels
+
+
 def _floats(path: Path, rows: List[List[str]], lines: List[int], first: int, count: int,
             what: str, missing: Optional[float]) -> np.ndarray:
     """Fields first..first+count-1 of each row as float32; an empty one is `missing`
@@ -175,18 +209,15 @@ def _floats(path: Path, rows: List[List[str]], lines: List[int], first: int, cou
 
 
 def _parse(path: Path, rows: List[List[str]], lines: List[int], num_dense: int,
-           labelled: bool) -> ScoringRows:
+           label_tasks: List[int], tasks: Optional[List[str]]) -> ScoringRows:
     locate = lambda i: f"{path}:{lines[i]}"  # noqa: E731
-    start = 1 if labelled else 0
-    labels = _floats(path, rows, lines, 0, 1, "the label", None)[:, 0] if labelled else None
+    start = len(label_tasks)
+    labels = _labels(path, rows, lines, label_tasks, tasks) if label_tasks else None
     dense = _floats(path, rows, lines, start, num_dense, "dense value", 0.0)
     if not np.isfinite(dense).all():
         bad = int(np.argwhere(~np.isfinite(dense))[0, 0])
         raise DataError(f"{locate(bad)}: a dense value is not finite (nan or inf); give the "
                         f"preprocessed values")
-    if labels is not None and not np.isin(labels, (0.0, 1.0)).all():
-        bad = int(np.argwhere(~np.isin(labels, (0.0, 1.0)))[0, 0])
-        raise DataError(f"{locate(bad)}: the label is {labels[bad]:g}; labels are 0 or 1")
     ids, lengths = [], []
     for f in range(len(rows[0]) - start - num_dense):
         bags = []

@@ -20,7 +20,7 @@ import torch
 from torchrec.models.dlrm import InteractionDCNArch
 from torchrec.modules.crossnet import LowRankMixtureCrossNet
 
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config import load_config, task_names
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.compositional import FeatureLookup, Part
@@ -37,6 +37,9 @@ from dlrm_hybrid.train.inference import read_model_state
 QUANTIZATIONS = ("fp32", "fp16", "int8", "int4")
 DESCRIPTION = "model.json"  # the description's name inside the file and the sidecar's suffix
 FORMAT = "dlrm_hybrid.scoring_model/2"
+# A multi-task model's file: forward gives [B, T], which a reader of FORMAT would misread as one
+# column of click probabilities.
+FORMAT_MULTITASK = "dlrm_hybrid.scoring_model.multitask/1"
 # /1: int8 codes made with an fp32 scale that fp16 then rounded (fbgemm's quantize_embs); rows
 # narrower than ~0.0156 decode with up to 8x the error. Still scored, with a warning.
 FORMAT_FP32_CODED = "dlrm_hybrid.scoring_model/1"
@@ -57,12 +60,21 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
     model = build_model(cfg.model, spec)
     precisions = table_precisions([p.table for p in table_order(model.lookups)], quantize,
                                   table_overrides)
-    scoring = scoring_model(model, weights, precisions)
+    tasks = task_names(cfg.model)
+    scoring = scoring_model(model, weights, precisions, value_weights(tasks, cfg.value_model))
+    outputs = (f"[B, {len(tasks)}] probabilities of the tasks" if cfg.model.tasks
+               else "[B] click probabilities")
     description = {
-        "format": FORMAT,
+        "format": FORMAT_MULTITASK if cfg.model.tasks else FORMAT,
         "load": "import torch, fbgemm_gpu; model = torch.jit.load(path)",
         "inputs": "model(dense [B, num_dense] float32, ids [B, F] or [B, F, H] int64, "
-                  "lengths [B, F] or None) -> [B] click probabilities",
+                  f"lengths [B, F] or None) -> {outputs}",
+        "value": "model.score_with_value(dense, ids, lengths=None, weights=None) -> "
+                 "(probabilities [B, T], value [B] = probabilities @ weights); weights [T] in "
+                 "tasks' order, by default value_model's (unnamed tasks 0); without a "
+                 "value_model, weights must be given",
+        "tasks": tasks,
+        "value_model": dict(cfg.value_model),
         "num_dense": spec.num_dense,
         "features": [{"name": lookup.feature, "cardinality": lookup.rows,
                       "hotness": lookup.hotness, "technique": lookup.technique}
@@ -125,9 +137,16 @@ def table_precisions(tables: List[str], default: str, overrides: Sequence[str]) 
     return precisions
 
 
+def value_weights(tasks: List[str], value_model: Dict[str, float]) -> List[float]:
+    """The value model as one weight per task, in `tasks` order (a task it leaves out: 0);
+    empty without one."""
+    return [float(value_model.get(task, 0.0)) for task in tasks] if value_model else []
+
+
 def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
-                  precisions: Dict[str, str]) -> ScoringModel:
-    """The served form of `model` (built on the meta device) with the checkpoint's `weights`."""
+                  precisions: Dict[str, str], value: Sequence[float] = ()) -> ScoringModel:
+    """The served form of `model` (built on the meta device) with the checkpoint's `weights`
+    and the value model `value` (one weight per task, or none)."""
     parts = table_order(model.lookups)
     load_dense_weights(model, weights)
     tables = quantized_tables(parts, {p.table: weights[f"{TABLE_PREFIX}{p.table}.weight"]
@@ -140,7 +159,8 @@ def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
         [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys], [k[3] for k in keys],
         [lookup.slots if lookup.slots > 1 else 0 for lookup in model.lookups],
         model.embedding_dim, model.dense_arch, _scriptable(model.interaction), model.over_arch,
-        model.combine_parts, isinstance(model.interaction, FactorizationMachine))
+        model.combine_parts, isinstance(model.interaction, FactorizationMachine),
+        model.tasks or ["click"], model.tasks is not None, list(value))
 
 
 def load_dense_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> None:

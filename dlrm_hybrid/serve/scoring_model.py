@@ -1,6 +1,7 @@
 """The served model: a trained DLRM whose embedding tables are fbgemm's inference tables
 (`IntNBitTableBatchedEmbeddingBagsCodegen`: row-wise int8/int4, or fp16/fp32, per table), taking
-plain tensors and returning click probabilities. It is written for `torch.jit.script`, so the
+plain tensors and returning click probabilities (a multi-task model: each task's, and the value
+model's weighted sum of them). It is written for `torch.jit.script`, so the
 exported file runs with torch and fbgemm_gpu only (and without `from __future__ import
 annotations`: TorchScript cannot resolve its class attributes' string annotations).
 
@@ -10,7 +11,7 @@ torchrec to build its input. Here the id transform that training's KJT path does
 (composed_lookup.LookupIds: hashing, QR parts, fm's first-order keys) is done on plain tensors.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -21,21 +22,29 @@ class ScoringModel(nn.Module):
     None) -> [B] click probabilities. ids[b, f] holds sample b's ids of categorical feature f
     (padded to the widest bag H); lengths[b, f] says how many of them it has (None: all H).
     `score_bags` takes the jagged layout instead: ids of feature 0 for every sample, then of
-    feature 1, ... (torchrec's KeyedJaggedTensor order) and their lengths [F, B]."""
+    feature 1, ... (torchrec's KeyedJaggedTensor order) and their lengths [F, B].
+    A multi-task model (model.tasks) returns [B, T], task t's probabilities in column t;
+    `score_with_value` and `score_bags_with_value` return them as [B, T] for any model, with the
+    value model's sum_t w_t p_t [B] (weights [T] in `tasks` order; default: the exported
+    `value_weights`, none where the config had no value_model)."""
 
     cardinalities: torch.Tensor
+    value_weights: torch.Tensor
 
     def __init__(self, embeddings: nn.Module, num_dense: int, feature_names: List[str],
                  cardinalities: List[int], key_feature: List[int], key_transform: List[int],
                  key_modulus: List[int], key_slot: List[int], max_ids: List[int],
                  embedding_dim: int,
                  dense_arch: nn.Module, interaction: nn.Module, over_arch: nn.Module,
-                 combine_parts: Optional[nn.Module], flat_pooled: bool) -> None:
+                 combine_parts: Optional[nn.Module], flat_pooled: bool,
+                 tasks: List[str], multi_task: bool, value_weights: List[float]) -> None:
         """Lookup keys (the embedding table's features, in its output order) each read one
         categorical feature (`key_feature`), transform its ids (0: none, 1: mod m, 2: floor
         division by m, 3: remainder by m; m = `key_modulus`) and keep one id slot of every bag
         (`key_slot` j: the bag's j-th id, -1: all). A feature looked up by id slots takes at
-        most as many ids as it has slots (`max_ids`; 0: any number)."""
+        most as many ids as it has slots (`max_ids`; 0: any number). `tasks` name the outputs
+        (["click"] for a single-task model, whose forward gives [B]); `value_weights` is the
+        default value model, one weight per task, or empty."""
         super().__init__()
         self.embeddings = embeddings
         self.num_dense = num_dense
@@ -52,6 +61,9 @@ class ScoringModel(nn.Module):
         self.over_arch = over_arch
         self.combine_parts = combine_parts
         self.flat_pooled = flat_pooled
+        self.tasks = tasks
+        self.multi_task = multi_task
+        self.register_buffer("value_weights", torch.tensor(value_weights, dtype=torch.float32))
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor,
                 lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -98,7 +110,35 @@ class ScoringModel(nn.Module):
             if combine is not None:
                 pooled = combine(pooled)
         logits = self.over_arch(self.interaction(self.dense_arch(dense.float()), pooled))
-        return torch.sigmoid(logits.squeeze(1))
+        return torch.sigmoid(logits if self.multi_task else logits.squeeze(1))
+
+    @torch.jit.export
+    def score_with_value(self, dense: torch.Tensor, ids: torch.Tensor,
+                         lengths: Optional[torch.Tensor] = None,
+                         weights: Optional[torch.Tensor] = None
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """forward's probabilities as [B, T] and their value [B]."""
+        return self._with_value(self.forward(dense, ids, lengths), weights)
+
+    @torch.jit.export
+    def score_bags_with_value(self, dense: torch.Tensor, values: torch.Tensor,
+                              lengths: torch.Tensor, weights: Optional[torch.Tensor] = None
+                              ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """score_bags' probabilities as [B, T] and their value [B]."""
+        return self._with_value(self.score_bags(dense, values, lengths), weights)
+
+    def _with_value(self, probabilities: torch.Tensor, weights: Optional[torch.Tensor]
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if probabilities.dim() == 1:
+            probabilities = probabilities.unsqueeze(1)
+        w = self.value_weights if weights is None else weights
+        if w.numel() == 0:
+            raise ValueError(f"weights: the model was exported without a value model; give "
+                             f"one weight per task ({', '.join(self.tasks)})")
+        if list(w.shape) != [len(self.tasks)]:
+            raise ValueError(f"weights: expected [{len(self.tasks)}] (one per task: "
+                             f"{', '.join(self.tasks)}), got {list(w.shape)}")
+        return probabilities, torch.mv(probabilities, w.to(probabilities.dtype))
 
     def _check_ids(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
         """An id outside its feature's table would read another row (or memory), and an id
