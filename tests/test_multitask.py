@@ -37,7 +37,7 @@ def losses(run_dir: Path) -> list:
 
 
 def last_eval(run_dir: Path) -> dict:
-    return [e for e in read_metrics(run_dir) if "samples" in e][-1]
+    return [e for e in read_metrics(run_dir) if "eval_s" in e][-1]
 
 
 def assert_close(got: list, want: list, rel: float) -> None:
