@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                       "split the earlier way (in place)"))
     interaction_split.add_arguments(formats.add_parser(
         "interactions", help="interaction logs (MovieLens, CSV/TSV) -> a retrieval dataset "
-                             "(model.kind two_tower)"))
+                             "(model.kind two_tower), or with --labels a ranking dataset"))
     return parser
 
 
@@ -249,7 +249,7 @@ def run_synth(args) -> None:
         write_interactions(data, args.output)
         counts = {split: data.num_samples(split) for split in data.pairs}
     else:
-        counts = write_synthetic(cfg.data, args.output)
+        counts = write_synthetic(cfg.data, args.output, [t.name for t in cfg.model.tasks])
     print(f"wrote {args.output}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()))
 
 

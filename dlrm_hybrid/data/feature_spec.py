@@ -7,13 +7,20 @@ datasets load unchanged: a categorical feature may carry `hotness: h` (h ids per
 row-major), and a split named `validation` besides `train` and `test`. `metadata.true_prob`
 may map a split to a file of float32 true click probabilities (planted synthetic data); other
 `metadata` keys (e.g. `day_23`, how day 23 was split) are kept as `notes`.
+
+Labels: `channel_spec.label` lists one feature (NVIDIA's `label`, read as the one task `click`)
+or several, each a task of that name with its own file per split (`label_<name>.bin`). A label
+is `bool`, or `int8` with `missing: -1` when some samples lack it (1, 0, -1 = missing). With
+several labels, the true probabilities are [N, T] per split, their columns the labels named by
+`metadata.true_prob_labels`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import yaml
@@ -24,6 +31,9 @@ from dlrm_hybrid.data.spec import DataSpec
 
 SPLITS = ("train", "validation", "test")
 LABEL, NUMERICAL_FILE, LABEL_FILE = "label", "numerical.bin", "label.bin"
+SINGLE_TASK = "click"  # the task a one-label dataset's label is
+MISSING = -1  # the int8 value of a missing label
+LABEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
 def categorical_dtype(cardinality: int) -> np.dtype:
@@ -36,9 +46,36 @@ def categorical_dtype(cardinality: int) -> np.dtype:
 
 @dataclass
 class SplitFiles:
-    label: Path
+    labels: List[Path]  # one per label, in channel order (all one byte per sample)
     numerical: Path
     categorical: List[Path]  # in channel order
+
+    @property
+    def label(self) -> Path:
+        """The first label's file: its size is the split's sample count."""
+        return self.labels[0]
+
+
+@dataclass
+class Label:
+    """One label column: its feature name, and the int8 value marking it missing (None: it is
+    never missing, stored bool)."""
+    feature: str
+    missing: Optional[int] = None
+
+
+def label_files(labels: Sequence[str]) -> List[str]:
+    """NVIDIA's `label.bin` for one label; `label_<name>.bin` each for several."""
+    return [LABEL_FILE] if len(labels) == 1 else [f"label_{name}.bin" for name in labels]
+
+
+def check_label_names(labels: Sequence[str], where: str) -> None:
+    """Several labels become task names, metric keys and file names: words, unique."""
+    bad = [n for n in labels if not LABEL_NAME.fullmatch(n) or n.startswith(("cat_", "num_"))]
+    if bad or len(set(labels)) != len(labels) or not labels:
+        what = f"{bad[0]!r} is not a name" if bad else "names must be unique, at least one"
+        raise ConfigError(f"{where}: label {what}; use letters, digits and _ (starting with a "
+                          f"letter, not cat_/num_), e.g. watched,liked")
 
 
 @dataclass
@@ -49,13 +86,26 @@ class FeatureSpec:
     splits: Dict[str, SplitFiles]
     true_prob: Dict[str, Path]
     notes: Dict[str, Any] = field(default_factory=dict)  # metadata besides true_prob
+    labels: List[Label] = field(default_factory=lambda: [Label(LABEL)])
+    true_prob_labels: Tuple[str, ...] = ()  # the true_prob files' columns; empty: label_names
+
+    @property
+    def label_names(self) -> Tuple[str, ...]:
+        """The tasks the labels are: `click` for a one-label dataset, else the labels' names."""
+        return (SINGLE_TASK,) if len(self.labels) == 1 else tuple(l.feature for l in self.labels)
 
     @staticmethod
-    def default(root: Path, spec: DataSpec, splits=SPLITS) -> "FeatureSpec":
+    def default(root: Path, spec: DataSpec, splits=SPLITS,
+                labels: Sequence[str] = (LABEL,)) -> "FeatureSpec":
+        """The layout the writers produce; `labels`: one name (written as NVIDIA's `label`) or
+        several."""
+        labels = [LABEL] if len(labels) == 1 else list(labels)
         names = [f"cat_{i}.bin" for i in range(len(spec.cardinalities))]
-        files = {s: SplitFiles(root / s / LABEL_FILE, root / s / NUMERICAL_FILE,
-                               [root / s / n for n in names]) for s in splits}
-        return FeatureSpec(root, spec, [categorical_dtype(c) for c in spec.cardinalities], files, {})
+        files = {s: SplitFiles([root / s / f for f in label_files(labels)],
+                               root / s / NUMERICAL_FILE, [root / s / n for n in names])
+                 for s in splits}
+        return FeatureSpec(root, spec, [categorical_dtype(c) for c in spec.cardinalities], files,
+                           {}, labels=[Label(n) for n in labels])
 
     def to_yaml(self) -> dict:
         spec = self.spec
@@ -68,18 +118,24 @@ class FeatureSpec:
             if hot != 1:
                 features[name]["hotness"] = int(hot)
         features.update({n: {"dtype": "float16"} for n in nums})
-        features[LABEL] = {"dtype": "bool"}
+        for label in self.labels:
+            features[label.feature] = ({"dtype": "bool"} if label.missing is None else
+                                       {"dtype": "int8", "missing": label.missing})
+        labels = [label.feature for label in self.labels]
         rel = lambda p: str(p.relative_to(self.root))  # noqa: E731
         sources = {}
         for split, f in self.splits.items():
-            sources[split] = [{"type": "split_binary", "features": nums, "files": [rel(f.numerical)]},
-                              {"type": "split_binary", "features": [LABEL], "files": [rel(f.label)]}]
+            sources[split] = [{"type": "split_binary", "features": nums, "files": [rel(f.numerical)]}]
+            sources[split] += [{"type": "split_binary", "features": [n], "files": [rel(p)]}
+                               for n, p in zip(labels, f.labels)]
             sources[split] += [{"type": "split_binary", "features": [c], "files": [rel(p)]}
                                for c, p in zip(cats, f.categorical)]
         metadata = {"true_prob": {s: rel(p) for s, p in self.true_prob.items()}} if self.true_prob else {}
+        if self.true_prob and self.true_prob_labels:
+            metadata["true_prob_labels"] = list(self.true_prob_labels)
         metadata.update(self.notes)
         return {"feature_spec": features, "source_spec": sources,
-                "channel_spec": {"categorical": cats, "numerical": nums, "label": [LABEL]},
+                "channel_spec": {"categorical": cats, "numerical": nums, "label": labels},
                 "metadata": metadata}
 
     def save(self) -> None:
@@ -108,7 +164,10 @@ def load_feature_spec(root: str) -> FeatureSpec:
 
 def _parse(root: Path, path: Path, raw: dict) -> FeatureSpec:
     channels, features = raw["channel_spec"], raw["feature_spec"]
-    cats, nums, (label,) = channels["categorical"], channels["numerical"], channels["label"]
+    cats, nums = channels["categorical"], channels["numerical"]
+    labels = [_label(features, name) for name in channels["label"]]
+    if not labels:
+        raise ValueError("channel_spec.label lists no label")
     cardinalities = [int(features[c]["cardinality"]) for c in cats]
     hotness = [int(features[c].get("hotness", 1)) for c in cats]
     dtypes = [np.dtype(features[c]["dtype"]) for c in cats]
@@ -126,13 +185,26 @@ def _parse(root: Path, path: Path, raw: dict) -> FeatureSpec:
                 files[chunk["features"][0]] = file
             else:
                 raise ValueError(f"source_spec.{split}: chunk {chunk['features']} mixes features")
-        missing = [f for f in [label, *cats] if f not in files] + ([] if numerical or not nums else ["numerical"])
+        names = [label.feature for label in labels]
+        missing = [f for f in [*names, *cats] if f not in files] + ([] if numerical or not nums else ["numerical"])
         if missing:
             raise ValueError(f"source_spec.{split} has no file for {missing[0]}")
-        splits[split] = SplitFiles(files[label], numerical, [files[c] for c in cats])
+        splits[split] = SplitFiles([files[n] for n in names], numerical, [files[c] for c in cats])
     if "train" not in splits:
         raise ValueError("source_spec has no train split")
     metadata = dict(raw.get("metadata") or {})
     true_prob = {s: root / p for s, p in metadata.pop("true_prob", {}).items()}
+    true_prob_labels = tuple(metadata.pop("true_prob_labels", ()))
     return FeatureSpec(root, DataSpec(len(nums), cardinalities, hotness), dtypes, splits, true_prob,
-                       metadata)
+                       metadata, labels, true_prob_labels)
+
+
+def _label(features: dict, name: str) -> Label:
+    """A label feature: bool (NVIDIA's; its dtype may be left out), or int8 with a `missing`
+    value."""
+    feature = features.get(name) or {}
+    dtype = feature.get("dtype", "bool")
+    if dtype not in ("bool", "int8"):
+        raise ValueError(f"feature_spec.{name}.dtype: {dtype!r}; a label is bool, or int8 with "
+                         f"missing: {MISSING}")
+    return Label(name, int(feature["missing"]) if dtype == "int8" and "missing" in feature else None)

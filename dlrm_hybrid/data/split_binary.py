@@ -1,6 +1,7 @@
 """Reading split-binary datasets: one folder per split, one headerless file per column group.
 
-`label.bin` (bool, 1 byte/sample), `numerical.bin` (float16, num_dense per sample, row-major),
+`label.bin` (bool, 1 byte/sample; several labels: `label_<name>.bin`, int8 where -1 marks a
+missing label), `numerical.bin` (float16, num_dense per sample, row-major),
 `cat_<i>.bin` (hotness ids per sample in the smallest int type that holds the cardinality).
 Sample counts come from file sizes. The files are memory-mapped, so a rank touches only the rows
 of its own slices.
@@ -9,7 +10,7 @@ of its own slices.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -29,6 +30,7 @@ class SplitBinaryDataset(ClickDataset):
         require_no_interrupted_upgrade(path)  # else validation and test could overlap
         self.fspec = load_feature_spec(path)
         self.spec = self.fspec.spec
+        self.label_names = self.fspec.label_names
         self._maps: Dict[str, dict] = {}
         self.sizes = {ours: self._open(folder) for ours, folder in SPLIT_NAMES.items()
                       if folder in self.fspec.splits}
@@ -43,14 +45,15 @@ class SplitBinaryDataset(ClickDataset):
 
     def _open(self, folder: str) -> int:
         files, spec = self.fspec.splits[folder], self.spec
-        label = _memmap(files.label, np.bool_, 1)
-        n = len(label)
-        maps = {"label": label,
+        n = len(_memmap(files.label, np.int8, 1))
+        maps = {"labels": [_memmap(p, np.bool_ if label.missing is None else np.int8, 1, n)
+                           for p, label in zip(files.labels, self.fspec.labels)],
                 "dense": _memmap(files.numerical, np.float16, spec.num_dense, n),
                 "cats": [_memmap(p, d, h, n) for p, d, h in
                          zip(files.categorical, self.fspec.categorical_dtypes, spec.hotness)]}
         if folder in self.fspec.true_prob:
-            maps["true_prob"] = _memmap(self.fspec.true_prob[folder], np.float32, 1, n)
+            width = len(self.fspec.true_prob_labels) or len(self.label_names)
+            maps["true_prob"] = _memmap(self.fspec.true_prob[folder], np.float32, width, n)
         for path, ids, rows in zip(files.categorical, maps["cats"], spec.cardinalities):
             if len(ids) and (ids[:1024].min() < 0 or ids[:1024].max() >= rows):
                 raise DataError(f"{path}: ids outside [0, {rows}) of its cardinality in "
@@ -65,10 +68,26 @@ class SplitBinaryDataset(ClickDataset):
         index = np.minimum(np.arange(first, first + count), max(n - 1, 0))
         lo, hi = int(index[0]), int(index[-1]) + 1  # contiguous: one slice read per file
         take = lambda m, dtype: m[lo:hi][index - lo].astype(dtype)  # noqa: E731
-        true_prob = take(maps["true_prob"], np.float32).reshape(-1) if "true_prob" in maps else None
-        return Columns(take(maps["dense"], np.float32), take(maps["label"], np.float32).reshape(-1),
-                       np.arange(first, first + count) < n,
+        tasks = self.tasks or list(self.label_names)
+        labels = np.concatenate([self._label(take(maps["labels"][self.label_names.index(t)],
+                                                  np.float32), t) for t in tasks], axis=1)
+        true_prob = (self._true_prob(take(maps["true_prob"], np.float32), tasks)
+                     if "true_prob" in maps else None)
+        if self.tasks is None and len(tasks) == 1:  # the one click label: [B]
+            labels, true_prob = labels.reshape(-1), None if true_prob is None else true_prob.reshape(-1)
+        return Columns(take(maps["dense"], np.float32), labels, np.arange(first, first + count) < n,
                        [take(m, np.int64) for m in maps["cats"]], true_prob)
+
+    def _label(self, values: np.ndarray, task: str) -> np.ndarray:
+        """A label column [B, 1] as float32, NaN where the file marks it missing."""
+        missing = self.fspec.labels[self.label_names.index(task)].missing
+        return values if missing is None else np.where(values == missing, np.nan, values)
+
+    def _true_prob(self, table: np.ndarray, tasks: List[str]) -> np.ndarray:
+        """[B, T]: each task's true probability, -1 (no oracle) for a task the file lacks."""
+        order = list(self.fspec.true_prob_labels or self.label_names)
+        return np.stack([table[:, order.index(t)] if t in order else np.full(len(table), -1.0,
+                         np.float32) for t in tasks], axis=1)
 
 
 def _memmap(path: Path, dtype, width: int, expected: Optional[int] = None) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.data.feature_spec import SPLITS, FeatureSpec
+from dlrm_hybrid.data.feature_spec import LABEL, MISSING, SPLITS, FeatureSpec, check_label_names
 from dlrm_hybrid.data.spec import DataSpec
 
 REPORT = "preprocess_report.json"  # what the preprocess commands say about a dataset, beside it
@@ -28,15 +28,21 @@ def check_new_output(output) -> None:
 class SplitBinaryWriter:
     """Appends samples to a dataset being built in a temporary folder next to `output`, and
     moves it into place only in `finish()` (or at the end of a `with` block that raised
-    nothing): an interrupted run leaves no half dataset."""
+    nothing): an interrupted run leaves no half dataset. `labels`: the label names (one: NVIDIA's
+    single `label`, read as the task click); a label with a missing value (NaN) anywhere is
+    declared int8 with missing -1 (its bytes are those of a bool label otherwise)."""
 
-    def __init__(self, output: str, spec: DataSpec, splits: Sequence[str] = SPLITS) -> None:
+    def __init__(self, output: str, spec: DataSpec, splits: Sequence[str] = SPLITS,
+                 labels: Sequence[str] = (LABEL,)) -> None:
         self.output = Path(output)
+        check_label_names(labels, "--output")
         check_new_output(output)
         remove_stale_partials(self.output)
         self.tmp = self.output.with_name(partial_name(self.output.name))
         shutil.rmtree(self.tmp, ignore_errors=True)
-        self.fspec = FeatureSpec.default(self.tmp, spec, splits)
+        self.fspec = FeatureSpec.default(self.tmp, spec, splits, labels)
+        if len(labels) > 1:
+            self.fspec.true_prob_labels = tuple(labels)
         self.counts = {s: 0 for s in splits}
         self._files: Dict[Path, object] = {}
         for split in splits:
@@ -44,9 +50,19 @@ class SplitBinaryWriter:
 
     def write(self, split: str, labels: np.ndarray, dense: np.ndarray,
               categorical: List[np.ndarray], true_prob: Optional[np.ndarray] = None) -> None:
-        """`labels` [N], `dense` [N, num_dense], `categorical[i]` [N, hotness_i] (ids < rows_i)."""
+        """`labels` [N] (one label) or [N, labels] (NaN: missing), `dense` [N, num_dense],
+        `categorical[i]` [N, hotness_i] (ids < rows_i), `true_prob` [N] or [N, labels]."""
         files = self.fspec.splits[split]
-        self._append(files.label, labels.astype(np.bool_))
+        labels = np.asarray(labels, dtype=np.float32)
+        labels = labels[:, None] if labels.ndim == 1 else labels
+        if labels.shape[1] != len(files.labels):
+            raise ValueError(f"{labels.shape[1]} label columns for {len(files.labels)} labels")
+        missing = np.isnan(labels)
+        for column, (path, label) in enumerate(zip(files.labels, self.fspec.labels)):
+            if missing[:, column].any():
+                label.missing = MISSING
+            self._append(path, np.where(missing[:, column], MISSING, labels[:, column] != 0
+                                        ).astype(np.int8))
         self._append(files.numerical, dense.astype(np.float16))
         for path, ids, dtype in zip(files.categorical, categorical, self.fspec.categorical_dtypes):
             self._append(path, ids.astype(dtype))
@@ -83,7 +99,7 @@ class SplitBinaryWriter:
         for f in self._files.values():
             f.close()
         for split in self.fspec.splits:  # splits never written still get their (empty) files
-            for path in [self.fspec.splits[split].label, self.fspec.splits[split].numerical,
+            for path in [*self.fspec.splits[split].labels, self.fspec.splits[split].numerical,
                          *self.fspec.splits[split].categorical]:
                 path.touch()
         self.fspec.save()

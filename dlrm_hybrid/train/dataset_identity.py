@@ -1,7 +1,7 @@
 """What makes a split-binary dataset (or an interaction log's folder) the same dataset wherever its folder lies: its feature spec,
-the samples of each split, and a digest of every file's size and first bytes. A checkpoint
-records it, so that a resume compares datasets, not the spelling of `data.path` (relative or
-absolute, a trailing slash, a copy staged into a job's own folder).
+its labels, the samples of each split, and a digest of every file's size and first bytes (every
+label's file too). A checkpoint records it, so that a resume compares datasets, not the spelling
+of `data.path` (relative or absolute, a trailing slash, a copy staged into a job's own folder).
 
 The digest reads 64 KiB of each file: enough to tell a dataset preprocessed otherwise (another
 shuffle, other days) with the same shape, without reading terabytes at each checkpoint.
@@ -13,7 +13,7 @@ import hashlib
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.data.feature_spec import SINGLE_TASK, load_feature_spec
 from dlrm_hybrid.data.interaction_meta import is_interaction_folder, read_meta
 from dlrm_hybrid.errors import UserError
 
@@ -29,14 +29,15 @@ def dataset_identity(path: str) -> dict:
     samples = {}
     for split, files in sorted(fspec.splits.items()):
         samples[split] = files.label.stat().st_size  # one byte per sample
-        for file in [files.label, files.numerical, *files.categorical]:
+        for file in [*files.labels, files.numerical, *files.categorical]:
             if file is None:  # no dense features
                 continue
             with open(file, "rb") as f:
                 heads.update(f"{file.name} {file.stat().st_size}\n".encode())
                 heads.update(f.read(HEAD_BYTES))
     return {"num_dense": spec.num_dense, "cardinalities": list(spec.cardinalities),
-            "hotness": list(spec.hotness), "samples": samples, "files_sha256": heads.hexdigest()}
+            "hotness": list(spec.hotness), "labels": list(fspec.label_names),
+            "samples": samples, "files_sha256": heads.hexdigest()}
 
 
 def _interaction_identity(path: str) -> dict:
@@ -64,7 +65,9 @@ def readable_identity(path: str) -> Optional[dict]:
 def identity_changes(there: dict, here: dict) -> List[str]:
     """What differs between two identities, in words (empty: the same dataset)."""
     names: Dict[str, str] = {"num_dense": "dense features", "cardinalities": "cardinalities",
-                             "hotness": "hotness", "samples": "samples per split"}
+                             "hotness": "hotness", "labels": "labels", "samples": "samples per split"}
+    there = {"labels": [SINGLE_TASK], **there}  # recorded before datasets had several labels
+    here = {"labels": [SINGLE_TASK], **here}  # an interaction log's
     changes = [f"{words} {there.get(key)} there, {here[key]} here"
                for key, words in names.items() if there.get(key) != here[key]]
     if not changes and there.get("files_sha256") != here["files_sha256"]:
