@@ -193,16 +193,21 @@ def _by_value(rows: np.ndarray, value: np.ndarray) -> list:
     (["--top-k-label", "2", "--label-out", "top.txt", "--request-feature", "user"],
      "--request-feature: 'user' is not a feature of the model; its features are cat_0, cat_1, "
      "cat_2"),
+    (["--top-k-label", "2", "--label-out", "{data}", "--request-feature", "cat_0"],
+     "predict: --label-out {data} is --data {data}, an input; write it elsewhere"),
+    (["--top-k-label", "2", "--request-feature", "cat_0"],
+     "--top-k-label K and --label-out FILE go together: the labels of each request's top K "
+     "rows are written to FILE"),
 ])
 def test_bad_value_or_top_k_arguments_are_one_line_errors(served, tmp_path, args, message):
     root = served["root"]
     (tmp_path / "p.csv").write_text("an earlier result\n")
-    result = run_cli(["predict", "--model", str(root / "fp32.pt"), "--data",
-                      str(root / "val.csv"), "--out", str(tmp_path / "p.csv"), *args],
-                     cwd=tmp_path)
+    data = root / "val.csv"
+    result = run_cli(["predict", "--model", str(root / "fp32.pt"), "--data", str(data), "--out",
+                      str(tmp_path / "p.csv"), *(a.format(data=data) for a in args)], cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: " + message.format(data=root / "val.csv")]
+        "error: " + message.format(data=data)]
     assert (tmp_path / "p.csv").read_text() == "an earlier result\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.csv"]
 
