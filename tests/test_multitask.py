@@ -304,12 +304,14 @@ def test_planted_tasks_have_their_own_rates_oracles_and_missing_labels():
     assert all(a > 0.65 for a in oracles) and len(set(oracles)) == 3, oracles
 
 
-@pytest.mark.parametrize("rho, within", [(0.0, 0.05), (0.5, 0.1), (1.0, 1e-4)])
+@pytest.mark.parametrize("rho, within", [(0.0, 0.05), (0.5, 0.05), (1.0, 1e-4)])
 def test_planted_tasks_true_logits_correlate_as_data_task_correlation_says(rho, within):
     """Shared and own latent factors in the proportion rho: corr(logit_s, logit_t) ~ rho on
-    8192 samples of seed 1234 (a correlation's sampling error is ~1/sqrt(n) = 0.011). Between 0
-    and 1 each fixed teacher's logit variance is only near teacher_scale^2 (0.53-0.56 here)."""
-    prob = planted(["a", "b", "c"], task_correlation=rho, val_samples=8192).true_prob
+    8192 samples of seed 1234. A correlation's sampling error is ~1/sqrt(n) = 0.011; on top, a
+    fixed teacher's shared and own factors correlate a little over a table's few frequent ids
+    (up to 0.034 here; 0.039 with the default tables of 1000, 100, 10 rows)."""
+    prob = planted(["a", "b", "c"], task_correlation=rho, val_samples=8192,
+                   cardinalities="[5000,2000,1000]").true_prob
     logits = np.log(prob.astype(np.float64)) - np.log1p(-prob.astype(np.float64))
     corr = np.corrcoef(logits.T)
     assert all(abs(corr[s, t] - rho) < within for s in range(3) for t in range(s)), corr
