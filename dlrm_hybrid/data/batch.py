@@ -66,7 +66,7 @@ class Batch(Pipelineable):
     sparse: KeyedJaggedTensor  # one key per categorical feature, B bags each
     labels: torch.Tensor  # [B] float32 in {0, 1}; with tasks [B, T], NaN: missing
     valid: torch.Tensor  # [B] bool; False marks padding of the last evaluation batch
-    true_prob: Optional[torch.Tensor] = None  # [B] the planted click probability (synthetic data)
+    true_prob: Optional[torch.Tensor] = None  # [B] (tasks: [B, T]) the planted probability
 
     @staticmethod
     def from_columns(c: Columns, feature_names: List[str]) -> "Batch":

@@ -18,7 +18,8 @@ def evaluate(model, batches: Iterable, env, prefix: str = "val_",
     """`<prefix>auc` and `<prefix>logloss` over one pass of `batches` (this rank's slices of a
     split) on rank 0 (None elsewhere); `oracle_auc` too when the data knows the true click
     probabilities. With `tasks` (multi-task), each task's: `<prefix>auc_<task>`,
-    `<prefix>logloss_<task>`, `oracle_auc_<task>`, over the samples that have its label."""
+    `<prefix>logloss_<task>`, `oracle_auc_<task>` over the `samples_<task>` that have its
+    label (`samples`: all of them)."""
     model.eval()
     columns = []  # per batch: [logits, labels, valid, true_prob] x local batch, T rows each
     for batch in batches:
