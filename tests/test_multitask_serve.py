@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from conftest import failure, run_cli
-from dlrm_hybrid.config import load_config
-from dlrm_hybrid.data.synthetic import SyntheticClicks
+from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.serve.predict import load_scoring_model, predict, top_k_labels
 
@@ -56,21 +56,29 @@ def _fields(line: str) -> dict:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A 3-task model trained 24 steps, its `eval` on the validation split, its fp32 export
-    (with the value model) and int8 export (without one), the validation rows as a CSV whose
-    empty label fields are the missing labels, and what `predict` of the fp32 file said."""
+    """A split-binary dataset of 3 planted tasks (two with missing labels), a model trained 24
+    steps on it, its `eval` on the validation split, its fp32 export (with the value model)
+    and int8 export (without one), what `predict` of the fp32 file said of that split, and the
+    split's rows as a CSV whose empty label fields are the missing labels."""
     root = tmp_path_factory.mktemp("multitask_serve")
     (root / "mt.yaml").write_text(CONFIG)
-    _cli(["train", "--config", str(root / "mt.yaml"), "--set", f"train.run_dir={root / 'run'}"])
+    data = root / "data"
+    _cli(["synth", "--config", str(root / "mt.yaml"), "--output", str(data)])
+    spec = yaml.safe_load((data / "feature_spec.yaml").read_text())  # as a ranking log's
+    spec["metadata"].update(request_feature="user", categorical_features=["user", "item", "hour"])
+    (data / "feature_spec.yaml").write_text(yaml.safe_dump(spec))
+    _cli(["train", "--config", str(root / "mt.yaml"), "--set", f"data.path={data}",
+          "--set", f"train.run_dir={root / 'run'}"])
     checkpoint = root / "run" / "checkpoints" / "step_24"
     evaluated = _fields(_cli(["eval", "--checkpoint", str(checkpoint), "--split", "val"]))
     _cli(["export", "--checkpoint", str(checkpoint), "--out", str(root / "fp32.pt")])
     _cli(["export", "--checkpoint", str(checkpoint), "--out", str(root / "int8.pt"),
           "--quantize", "int8", "--set", "value_model={}"])
-    cfg = load_config(str(checkpoint / "config.yaml"))
-    data = SyntheticClicks(cfg.data, TASKS)
-    data.use_tasks(TASKS, "planted")
-    columns = data.columns("val", 0, cfg.data.val_samples)
+    said = _fields(_cli(["predict", "--model", str(root / "fp32.pt"), "--data", str(data),
+                         "--split", "val", "--out", str(root / "p.csv")]))
+    dataset = SplitBinaryDataset(str(data))
+    dataset.use_tasks(TASKS, "data")
+    columns = dataset.columns("val", 0, dataset.num_samples("val"))
     assert np.isnan(columns.labels).any(axis=0).tolist() == [False, True, True]
     names = [*TASKS, *(f"num_{i}" for i in range(columns.dense.shape[1])),
              *(f"cat_{f}" for f in range(len(columns.ids)))]
@@ -80,8 +88,6 @@ def served(tmp_path_factory):
                                *(repr(float(v)) for v in columns.dense[i]),
                                *(str(ids[i, 0]) for ids in columns.ids)]))
     (root / "val.csv").write_text("\n".join(lines) + "\n")
-    said = _fields(_cli(["predict", "--model", str(root / "fp32.pt"), "--data",
-                         str(root / "val.csv"), "--out", str(root / "p.csv")]))
     return {"root": root, "eval": evaluated, "columns": columns, "lines": lines,
             "predicted": said}
 
@@ -114,7 +120,7 @@ def test_predict_reproduces_each_tasks_eval_auc_and_writes_the_value(served):
         assert abs(float(said[f"auc_{task}"]) - float(evaluated[f"val_auc_{task}"])) < 2e-3
 
 
-def test_other_value_weights_need_no_re_export(served):
+def test_csv_rows_score_as_the_dataset_and_other_value_weights_need_no_re_export(served):
     root = served["root"]
     before = (root / "fp32.pt").read_bytes()
     said = _fields(_cli(["predict", "--model", str(root / "fp32.pt"), "--data",
@@ -124,6 +130,10 @@ def test_other_value_weights_need_no_re_export(served):
     assert header == [*TASKS, "value"] and said["value_model"] == "click:1,like:0.5,see_less:0"
     np.testing.assert_allclose(table[:, 3], table[:, 0] + 0.5 * table[:, 1], rtol=0, atol=1e-6)
     assert (root / "fp32.pt").read_bytes() == before
+    # the CSV's named label columns, empty where missing, read as the dataset's labels
+    np.testing.assert_allclose(table[:, :3], _table(root / "p.csv")[1][:, :3], rtol=0, atol=1e-6)
+    for key in (f"{metric}_{task}" for metric in ("auc", "logloss") for task in TASKS):
+        assert said[key] == served["predicted"][key]
 
     # the file itself: the exported weights by default, others on request, none without them
     columns = served["columns"]
@@ -173,6 +183,23 @@ def test_predict_writes_a_top_k_label_per_row_for_a_hand_built_request_log(serve
     predict(str(root / "fp32.pt"), str(tmp_path / "log.csv"), str(tmp_path / "p.csv"),
             top_k_label=2, label_out=str(tmp_path / "top.txt"), request_feature="cat_0")
     assert (tmp_path / "top.txt").read_text().split() == ["1", "1", "0", "1", "1", "1"]
+
+
+def test_a_datasets_recorded_request_feature_groups_its_rows(served, tmp_path):
+    """The dataset's metadata names `user` (its own name of cat_0) the request feature: each
+    run of rows with one cat_0 id gets one 1, on its row of highest value."""
+    root, columns = served["root"], served["columns"]
+    said = _cli(["predict", "--model", str(root / "fp32.pt"), "--data", str(root / "data"),
+                 "--split", "val", "--out", str(tmp_path / "p.csv"), "--top-k-label", "1",
+                 "--label-out", str(tmp_path / "top.txt")])
+    assert "samples=2048 " in said
+    labels = np.loadtxt(tmp_path / "top.txt", dtype=np.int64)
+    value, user = _table(tmp_path / "p.csv")[1][:, 3], columns.ids[0][:, 0]
+    starts = np.flatnonzero(np.r_[True, user[1:] != user[:-1], True])
+    assert len(labels) == len(user) and len(starts) - 1 < len(user)  # some runs of several rows
+    for first, end in zip(starts[:-1], starts[1:]):
+        assert labels[first:end].sum() == 1
+        assert value[first + labels[first:end].argmax()] == value[first:end].max()
 
 
 def _by_value(rows: np.ndarray, value: np.ndarray) -> list:

@@ -193,18 +193,22 @@ def parse_value(text: str, tasks: List[str]) -> torch.Tensor:
 
 def _request_index(data: Path, flag: str, features: List[str]) -> int:
     """The feature whose id names a row's request: --request-feature, else the one a
-    split-binary dataset's feature_spec.yaml records (metadata.request_feature)."""
-    recorded = load_feature_spec(str(data)).notes.get("request_feature") if data.is_dir() else None
-    name = flag or recorded
+    split-binary dataset's feature_spec.yaml records (metadata.request_feature). A name is the
+    model's (cat_<i>) or the dataset's own (metadata.categorical_features, in cat_<i> order)."""
+    notes = load_feature_spec(str(data)).notes if data.is_dir() else {}
+    name = flag or notes.get("request_feature")
     if not name:
         raise UserError(f"--top-k-label: which feature names a row's request? {data} records "
                         f"none (metadata.request_feature); give --request-feature NAME, one of "
                         f"{', '.join(features)}")
-    if name not in features:
-        source = "--request-feature" if flag else f"{data}: metadata.request_feature"
-        raise UserError(f"{source}: {name!r} is not a feature of the model; its features are "
-                        f"{', '.join(features)}")
-    return features.index(name)
+    own = list(notes.get("categorical_features") or [])
+    if name in features:
+        return features.index(name)
+    if name in own and len(own) == len(features):
+        return own.index(name)
+    source = "--request-feature" if flag else f"{data}: metadata.request_feature"
+    raise UserError(f"{source}: {name!r} is not a feature of the model; its features are "
+                    f"{', '.join(features)}")
 
 
 def _request_ids(rows: ScoringRows, f: int, name: str) -> np.ndarray:
