@@ -49,6 +49,34 @@ def test_a_run_works_in_its_own_folder(tmp_path):
     assert (tmp_path / "plan.json").exists()
 
 
+EXITS = {  # a run's last statement: how a forked run must end as the interpreter ends it
+    "returns": "pass",
+    "exits with a message": "sys.exit('stopped: no data')",
+    "exits with a code": "sys.exit(3)",
+    "raises": "raise ValueError('bad row')",
+}
+
+
+@pytest.mark.parametrize("ending", EXITS)
+def test_a_forked_run_ends_as_the_interpreter_ends_it(tmp_path, ending):
+    """Exit code, output left in the buffers, a non-daemon thread still running, atexit
+    functions: the same from the zygote (which leaves without tearing the modules down) as from
+    a fresh interpreter."""
+    script = tmp_path / "job.py"
+    script.write_text("import atexit, sys, threading, time\n"
+                      "atexit.register(print, 'atexit')\n"
+                      "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n"
+                      "print('unflushed', end='')\n"
+                      f"{EXITS[ending]}\n")
+    forked, fresh = (run_cli([], script=script, fresh=f) for f in (False, True))
+    assert forked.stdout == fresh.stdout == "unflushedthread\natexit\n"
+    assert forked.returncode == fresh.returncode == {"returns": 0, "exits with a code": 3}.get(
+        ending, 1)
+    assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:]
+    if ending == "raises":
+        assert fresh.stderr.splitlines()[-1] == "ValueError: bad row"
+
+
 def test_runs_whose_environment_libraries_read_when_loaded_start_fresh():
     zygote = {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
     assert not needs_fresh({**zygote, "WORLD_SIZE": "2", "PATH": "/usr/bin"}, zygote)
