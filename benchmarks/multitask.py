@@ -1,8 +1,8 @@
 """Multi-task ranking: one model for every task against one single-task model per task at the
 same training budget, MMoE against the shared trunk, and what each extra task costs per step.
 
-    .venv/bin/python benchmarks/multitask.py [--steps 1500] [--data ml-100k/u.data |
-        --dataset DIR] [--log-steps 3000] [--quick]
+    .venv/bin/python benchmarks/multitask.py [--steps 1500] [--seeds 2] [--data
+        ml-100k/u.data | --dataset DIR] [--log-steps 3000] [--quick]
 
 1. Planted teacher: configs/demo.yaml's model and data with the tasks click, like, see_less
    (data/synthetic.py: correlated tasks, data.task_correlation 0.5; like's and see_less's label
@@ -13,10 +13,12 @@ same training budget, MMoE against the shared trunk, and what each extra task co
    the same network with only its task's weight non-zero (the other heads get no gradient,
    so the trunk learns that task alone): the planted teacher is defined by the task list, so
    this keeps every model's data identical. Per-task val AUC over 65,536 samples (the samples
-   whose label is missing left out) beside each task's oracle AUC.
+   whose label is missing left out) beside each task's oracle AUC; every model trained with
+   train.seed 0..seeds-1 (its initialisation; the data fixed), the AUC the mean.
 2. Step cost: steps of T = 1, 2, 4, 8 tasks (shared trunk and MMoE) and of the legacy single
-   click logit on the same batch, the models alternating in rounds in one process (batches
-   generated before timing); ms/step of the fastest round, samples/s, ratio to T = 1.
+   click logit on the same batch, the models alternating in rounds in one process, each
+   round starting one model later (batches generated before timing); ms/step of each model's
+   fastest round (other load on the machine only adds time), samples/s, ratio to T = 1.
 3. With --data (an interaction log, e.g. MovieLens' u.data) or --dataset (a folder made from
    one): the log made into a ranking dataset by `preprocess interactions --labels LOG_LABELS
    --ranking-negatives LOG_NEGATIVES`, and the same multi vs single comparison on its labels
@@ -39,7 +41,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -55,6 +59,7 @@ LOG_NEGATIVES = 4
 BATCH = 1024
 COST_COUNTS = (1, 2, 4, 8)
 COST_BATCHES = 8  # distinct batches cycled by the step-cost runs
+COST_ROUNDS = 10
 
 
 def tasks_set(tasks: Sequence[str], only: Optional[str] = None) -> str:
@@ -88,50 +93,71 @@ def train_run(data: List[str], steps: int, run_dir: str, env) -> Tuple[Dict[str,
     return metrics, time.perf_counter() - start
 
 
-def compare(data: List[str], tasks: Sequence[str], steps: int, scratch: str, env,
-            scale: bool) -> Dict[str, Tuple[List[float], float, int]]:
-    """Every model of the comparison on `data`: {row name: (val AUC per task, seconds, steps
-    per model)}, and "oracle" where the data know the true probabilities."""
-    per_task = max(1, steps // len(tasks))
-    rows: Dict[str, Tuple[List[float], float, int]] = {}
-    models = {"multi-task, shared trunk": [tasks_set(tasks)],
-              f"multi-task, MMoE ({EXPERTS} experts)": [tasks_set(tasks),
-                                                        f"model.mmoe.experts={EXPERTS}"]}
-    for name, sets in models.items():
-        m, seconds = train_run(data + sets, steps, f"{scratch}/{len(rows)}", env)
-        rows[name] = ([m[f"val_auc_{t}"] for t in tasks], seconds, steps)
-        if "oracle_auc_" + tasks[0] in m:
-            rows["oracle"] = ([m[f"oracle_auc_{t}"] for t in tasks], 0.0, 0)
-        print(f"  {name}: {steps} steps, {seconds:.0f} s", flush=True)
-    singles = [("single-task, one per task", per_task)]
-    singles += [("single-task, one per task, T x the budget", steps)] if scale else []
-    for name, n in singles:
-        aucs, seconds = [], 0.0
-        for task in tasks:
-            m, s = train_run(data + [tasks_set(tasks, only=task)], n, f"{scratch}/{len(rows)}"
-                             f"_{task}", env)
-            aucs.append(m[f"val_auc_{task}"])
-            seconds += s
-        rows[name] = (aucs, seconds, n)
-        print(f"  {name}: {n} steps each, {seconds:.0f} s", flush=True)
-    return rows
+@dataclass
+class Row:
+    """One row of a comparison: `models` models (one, or one per task) of `steps` steps each;
+    val AUC per task for each training seed."""
+
+    models: int
+    steps: int
+    seeds: List[List[float]] = field(default_factory=list)
+    seconds: float = 0.0  # training, all seeds
+
+    def auc(self) -> List[float]:
+        """Per task, the mean over the seeds."""
+        return [statistics.fmean(values) for values in zip(*self.seeds)]
+
+    def cells(self) -> List[str]:
+        """Per task, the mean and (more than one seed) half the range over the seeds."""
+        spread = [(max(v) - min(v)) / 2 for v in zip(*self.seeds)]
+        return [f"{a:.4f}" + (f" ±{s:.4f}" if len(self.seeds) > 1 else "")
+                for a, s in zip(self.auc(), spread)]
 
 
-def comparison_table(title: str, tasks: Sequence[str],
-                     rows: Dict[str, Tuple[List[float], float, int]]) -> str:
-    oracle = rows.get("oracle", ([],))[0]
-    lines = [title, "| model | models x steps x batch | training samples | "
+def compare(data: List[str], tasks: Sequence[str], steps: int, seeds: int, scratch: str, env,
+            scale: bool) -> Tuple[Dict[str, Row], List[float]]:
+    """Every model of the comparison on `data` for train.seed 0..seeds-1: ({row name: Row},
+    the oracle AUC per task where the data know the true probabilities, else [])."""
+    singles = [(task, [tasks_set(tasks, only=task)]) for task in tasks]
+    models = {  # row name: (steps per model, [(the task it is scored on or None: all, settings)])
+        "multi-task, shared trunk": (steps, [(None, [tasks_set(tasks)])]),
+        f"multi-task, MMoE ({EXPERTS} experts)":
+            (steps, [(None, [tasks_set(tasks), f"model.mmoe.experts={EXPERTS}"])]),
+        "single-task, one per task": (max(1, steps // len(tasks)), singles)}
+    if scale:
+        models["single-task, one per task, T x the budget"] = (steps, singles)
+    rows: Dict[str, Row] = {}
+    oracle: List[float] = []
+    for name, (n, runs) in models.items():
+        row = rows[name] = Row(len(runs), n)
+        for seed in range(seeds):
+            aucs = []
+            for only, sets in runs:
+                m, seconds = train_run(data + sets + [f"train.seed={seed}"], n,
+                                       f"{scratch}/{len(rows)}_{seed}_{only}", env)
+                aucs += [m[f"val_auc_{t}"] for t in tasks if only in (None, t)]
+                oracle = [m[f"oracle_auc_{t}"] for t in tasks if f"oracle_auc_{t}" in m]
+                row.seconds += seconds
+            row.seeds.append(aucs)
+        print(f"  {name}: {n} steps per model, {seeds} seed(s), {row.seconds:.0f} s", flush=True)
+    return rows, oracle
+
+
+def comparison_table(title: str, tasks: Sequence[str], rows: Dict[str, Row],
+                     oracle: List[float]) -> str:
+    seeds = len(next(iter(rows.values())).seeds)
+    lines = [title + (f"; val AUC the mean of train.seed 0..{seeds - 1} (the data fixed), ± half "
+                      f"their range" if seeds > 1 else ""),
+             "| model | models x steps x batch | training samples | "
              + " | ".join(f"val AUC {t}" for t in tasks)
-             + (" | mean AUC - oracle" if oracle else "") + " | train s |",
+             + (" | mean AUC - oracle" if oracle else "") + " | train s per seed |",
              "|---|---|---:|" + "---:|" * len(tasks) + ("---:|" if oracle else "") + "---:|"]
-    for name, (aucs, seconds, steps) in rows.items():
-        if name == "oracle":
-            continue
-        models = len(tasks) if name.startswith("single") else 1
-        gap = (f" {sum(a - o for a, o in zip(aucs, oracle)) / len(tasks):+.4f} |"
+    for name, row in rows.items():
+        gap = (f" {statistics.fmean(a - o for a, o in zip(row.auc(), oracle)):+.4f} |"
                if oracle else "")
-        lines.append(f"| {name} | {models} x {steps:,} x {BATCH:,} | {models * steps * BATCH:,} "
-                     f"| " + " | ".join(f"{a:.4f}" for a in aucs) + f" |{gap} {seconds:.0f} |")
+        lines.append(f"| {name} | {row.models} x {row.steps:,} x {BATCH:,} | "
+                     f"{row.models * row.steps * BATCH:,} | " + " | ".join(row.cells())
+                     + f" |{gap} {row.seconds / seeds:.0f} |")
     if oracle:
         lines.append("| oracle (the teacher's probabilities) | | | "
                      + " | ".join(f"{a:.4f}" for a in oracle) + " | | |")
@@ -177,8 +203,10 @@ def step_cost(steps: int, rounds: int, env) -> str:
             runs[case] = (TrainStep(dmp, *build_optimizer(dmp, cfg.optim), cfg.train,
                                     env.device), batches)
     best = {case: float("inf") for case in cases}
-    for _ in range(rounds + 1):  # the first round warms up
-        for case, (train_step, batches) in runs.items():
+    order = list(runs)
+    for r in range(rounds + 1):  # the first round warms up; each round starts one case later
+        for case in order[r % len(order):] + order[:r % len(order)]:
+            train_step, batches = runs[case]
             cycle = iter(batches * (steps // COST_BATCHES + 1))
             start = time.perf_counter()
             for _ in range(steps):
@@ -225,11 +253,12 @@ def log_comparison(args, scratch: str, env) -> str:
     splits = {s: dataset.num_samples(s) for s in ("train", "val")}
     print(f"{name}: {splits['train']:,} training / {splits['val']:,} validation samples, "
           f"labels {', '.join(tasks)}; training {args.log_steps} steps", flush=True)
-    rows = compare(data, tasks, args.log_steps, f"{scratch}/log_runs", env, scale=True)
+    rows, _ = compare(data, tasks, args.log_steps, args.seeds, f"{scratch}/log_runs", env,
+                      scale=True)
     return comparison_table(
         f"{name} (`preprocess interactions --labels \"{LOG_LABELS}\" --ranking-negatives "
         f"{LOG_NEGATIVES}`): {splits['train']:,} training samples ({splits['train'] / BATCH:.0f} "
-        f"steps an epoch), {splits['val']:,} validation", tasks, rows)
+        f"steps an epoch), {splits['val']:,} validation", tasks, rows, [])
 
 
 def main() -> None:
@@ -242,12 +271,14 @@ def main() -> None:
                         "--labels ... --ranking-negatives N` wrote, for part 3")
     parser.add_argument("--name", help="the log's name in its table (default: its folder's)")
     parser.add_argument("--log-steps", type=int, default=3000, help="S on the log")
-    parser.add_argument("--cost-steps", type=int, default=40, help="steps per step-cost round")
+    parser.add_argument("--seeds", type=int, default=2, help="train.seed values per model "
+                        "(the AUCs: their mean)")
+    parser.add_argument("--cost-steps", type=int, default=20, help="steps per step-cost round")
     parser.add_argument("--quick", action="store_true", help="a check that it runs: 60 steps "
-                        "(30 on the log), 2 step-cost rounds of 8 steps")
+                        "(30 on the log), one seed, 2 step-cost rounds of 8 steps")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.log_steps, args.cost_steps = 60, 30, 8
+        args.steps, args.log_steps, args.cost_steps, args.seeds = 60, 30, 8, 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(ROOT))
     import logging
@@ -265,20 +296,20 @@ def main() -> None:
     planted = ["data.val_samples=65536", f"data.label_missing={LABEL_MISSING}"]
     with tempfile.TemporaryDirectory() as scratch:
         print(f"planted teacher, budget {args.steps} x {BATCH:,} samples:", flush=True)
-        rows = compare(planted, PLANTED_TASKS, args.steps, f"{scratch}/planted", env,
-                       scale=True)
-        cost = step_cost(args.cost_steps, 2 if args.quick else 5, env)
+        rows, oracle = compare(planted, PLANTED_TASKS, args.steps, args.seeds,
+                               f"{scratch}/planted", env, scale=True)
+        cost = step_cost(args.cost_steps, 2 if args.quick else COST_ROUNDS, env)
         log = log_comparison(args, scratch, env) if args.data or args.dataset else ""
     print(f"\n{cpu}\n")
     print(comparison_table(
         f"Planted teacher (configs/demo.yaml, tasks {', '.join(PLANTED_TASKS)}; task_correlation "
         f"0.5, label_missing {LABEL_MISSING}; head {HEAD} per task), budget {args.steps:,} x "
-        f"{BATCH:,} = {args.steps * BATCH:,} samples", PLANTED_TASKS, rows))
+        f"{BATCH:,} = {args.steps * BATCH:,} samples", PLANTED_TASKS, rows, oracle))
     print(f"\n{cost}\n")
     if log:
         print(f"{log}\n")
-    print(summary_line(PLANTED_TASKS, rows["multi-task, shared trunk"][0],
-                       rows["single-task, one per task"][0], rows["oracle"][0]))
+    print(summary_line(PLANTED_TASKS, rows["multi-task, shared trunk"].auc(),
+                       rows["single-task, one per task"].auc(), oracle))
 
 
 if __name__ == "__main__":
