@@ -146,6 +146,9 @@ class DataConfig:
     # variance with the other tasks' (the rest is its own latent factors)
     task_correlation: float = 0.5
     label_missing: float = 0.0  # each task's label but the first is missing with this chance
+    # the planted data's labels, each with its own teacher (by position); empty: model.tasks'
+    # names. A model may train some of them: a single-task `like` model then learns like's.
+    labels: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -571,10 +574,18 @@ def _validate_tasks(cfg: Config) -> None:
         raise ConfigError(f"data.task_correlation: {d.task_correlation} is not in [0, 1]")
     if not 0 <= d.label_missing < 1:
         raise ConfigError(f"data.label_missing: {d.label_missing} is not in [0, 1)")
-    if d.label_missing and len(m.tasks) < 2:
+    for i, name in enumerate(d.labels):
+        if not TASK_NAME.fullmatch(name) or d.labels.index(name) != i:
+            raise ConfigError(f"data.labels[{i}]: {name!r} is not a new name (a letter, then "
+                              f"letters, digits or _; each once)")
+    if d.labels and not d.path and set(names) - set(d.labels):
+        missing = sorted(set(names) - set(d.labels))[0]
+        raise ConfigError(f"model.tasks: {missing} is not one of data.labels "
+                          f"({', '.join(d.labels)}), the planted labels; add it there")
+    if d.label_missing and len(d.labels or m.tasks) < 2:
         raise ConfigError(f"data.label_missing: {d.label_missing} leaves out the planted labels "
-                          f"of the tasks after the first, and model.tasks names "
-                          f"{len(m.tasks)}; name two or more tasks, or leave it at 0")
+                          f"after the first, and there is {len(d.labels or m.tasks)}; plant two "
+                          f"or more (data.labels or model.tasks), or leave it at 0")
     unknown = [k for k in cfg.value_model if k not in task_names(m)]
     if unknown:
         raise ConfigError(f"value_model.{unknown[0]}: no such task; the model's tasks are "

@@ -181,7 +181,7 @@ def test_the_value_model_may_change_on_resume(jobs, tmp_path):
     (["model.mmoe.experts=2"], "model.mmoe.experts: gates one mix of experts per task"),
     (["value_model={like: 1}"], "value_model.like: no such task; the model's tasks are click"),
     (["data.label_missing=0.2", "model.tasks=[{name: click}]"],
-     "data.label_missing: 0.2 leaves out the planted labels of the tasks after the first"),
+     "data.label_missing: 0.2 leaves out the planted labels after the first"),
     (["model.tasks=[{name: a}, {name: b}]", "train.target_auc=0.8"],
      "train.target_auc: 0.8 works with one click label"),
 ])

@@ -61,3 +61,23 @@ def test_bench_refuses_a_multi_task_config_in_one_line():
     assert result.stderr.strip().splitlines() == [
         "error: bench: its baseline is a one-logit DLRM, and model.tasks names 3 tasks; "
         "benchmarks/multitask.py measures the cost of each task per step"]
+
+
+def test_a_model_of_some_planted_labels_learns_their_own_teachers():
+    """data.labels plants click, like, see_less; a model of `like` alone reads like's labels and
+    true probabilities, not the first teacher's."""
+    import numpy as np
+
+    from dlrm_hybrid.data.source import open_dataset
+    from dlrm_hybrid.data.synthetic import SyntheticClicks
+
+    planted = ["data.labels=[click,like,see_less]", "data.cardinalities=[50,40]"]
+    cfg = load_config(None, planted + ["model.tasks=[{name: like}]"])
+    like = open_dataset(cfg.data, cfg.model).columns("val", 0, 512)
+    every = SyntheticClicks(cfg.data, ["click", "like", "see_less"])
+    every.use_tasks(["click", "like", "see_less"], "planted")
+    columns = every.columns("val", 0, 512)
+    assert np.array_equal(like.true_prob[:, 0], columns.true_prob[:, 1])
+    assert np.array_equal(like.labels[:, 0], columns.labels[:, 1])
+    with pytest.raises(ValueError, match=r"^model.tasks: share is not one of data.labels "):
+        load_config(None, planted + ["model.tasks=[{name: share}]"])

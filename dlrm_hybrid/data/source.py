@@ -30,7 +30,7 @@ def open_dataset(data_cfg, model_cfg=None, retrieval_cfg=None):
                         f"it with model.kind=two_tower, or give the ranker a click-log dataset")
     tasks = [t.name for t in model_cfg.tasks] if model_cfg is not None else []
     dataset = (SplitBinaryDataset(data_cfg.path) if data_cfg.path
-               else SyntheticClicks(data_cfg, tasks))
+               else SyntheticClicks(data_cfg, data_cfg.labels or tasks))
     dataset.use_tasks(tasks, data_cfg.path or "the planted synthetic data")
     return dataset
 

@@ -17,8 +17,9 @@ CHUNK = 65536
 
 
 def write_synthetic(data_cfg, output: str, tasks: Sequence[str] = ()) -> dict:
-    """Write train, validation and test splits (the labels of `tasks`, model.tasks' names; none:
-    one click label); returns the sample count of each."""
+    """Write train, validation and test splits (the labels data.labels plants, else those of
+    `tasks`, model.tasks' names; none: one click label); returns the sample count of each."""
+    tasks = list(data_cfg.labels) or list(tasks)
     if data_cfg.hotness_distribution != "fixed":
         raise ConfigError(f"data.hotness_distribution: {data_cfg.hotness_distribution!r} cannot be "
                           f"written (split-binary files hold fixed hotness); use fixed for synth "

@@ -28,7 +28,7 @@ SYNTHETIC_ONLY = ("data.seed", "data.num_dense", "data.cardinalities", "data.hot
                   "data.hotness_distribution", "data.train_samples", "data.val_samples",
                   "data.zipf_exponent", "data.id_order", "data.teacher_dim", "data.teacher_scale",
                   "data.teacher_order", "data.users", "data.items", "data.interactions_per_user",
-                  "data.task_correlation", "data.label_missing")
+                  "data.task_correlation", "data.label_missing", "data.labels")
 
 
 def check_same_experiment(path: Path, cfg: Config) -> None:
