@@ -13,7 +13,8 @@ import pytest
 
 from cli_zygote import Zygote, needs_fresh
 
-pytest_plugins = ["suite_timing", "shared_runs"]  # the timing notice; the runs tests share
+# the timing notice; the runs tests share; the slowest test files first under xdist
+pytest_plugins = ["suite_timing", "shared_runs", "file_order"]
 
 ROOT = Path(__file__).resolve().parents[1]
 # torchrun as a module of this interpreter: in a venv that sees a system torch (TORCH=system), the
