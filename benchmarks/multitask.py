@@ -2,7 +2,7 @@
 same training budget, MMoE against the shared trunk, and what each extra task costs per step.
 
     .venv/bin/python benchmarks/multitask.py [--steps 1500] [--seeds 2] [--data
-        ml-100k/u.data | --dataset DIR] [--log-steps 3000] [--quick]
+        ml-100k/u.data | --dataset DIR] [--log-steps 1500] [--quick]
 
 1. Planted teacher: configs/demo.yaml's model and data with the tasks click, like, see_less
    (data/synthetic.py: correlated tasks, data.task_correlation 0.5; like's and see_less's label
@@ -40,8 +40,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,23 +80,30 @@ def budget(steps: int, run_dir: str) -> List[str]:
             "checkpoint.resume=none", f"train.run_dir={run_dir}"]
 
 
-def train_run(data: List[str], steps: int, run_dir: str, env) -> Tuple[Dict[str, float], float]:
-    """(final validation metrics, seconds) of one run of configs/demo.yaml with `data` (the
-    data and model.tasks settings) at `steps` steps; the run's own lines are not printed."""
+def train_run(data: List[str], steps: int, run_dir: str, env, test: bool
+              ) -> Tuple[Dict[str, float], float]:
+    """(final validation metrics, and with `test` the test split's, training seconds) of one
+    run of configs/demo.yaml with `data` (the data and model.tasks settings) at `steps` steps;
+    the run's own lines are not printed."""
     from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.train.inference import evaluate_checkpoint
     from dlrm_hybrid.train.loop import train
 
     cfg = load_config(DEMO, data + budget(steps, run_dir))
-    start = time.perf_counter()
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        start = time.perf_counter()
         metrics = train(cfg, env).metrics
-    return metrics, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if test:
+            metrics.update(evaluate_checkpoint(f"{run_dir}/checkpoints/step_{steps}", None, [],
+                                               env, "test"))
+    return metrics, seconds
 
 
 @dataclass
 class Row:
     """One row of a comparison: `models` models (one, or one per task) of `steps` steps each;
-    val AUC per task for each training seed."""
+    per training seed, the AUC of each split and task (split-major)."""
 
     models: int
     steps: int
@@ -104,54 +111,58 @@ class Row:
     seconds: float = 0.0  # training, all seeds
 
     def auc(self) -> List[float]:
-        """Per task, the mean over the seeds."""
+        """Per split and task, the mean over the seeds."""
         return [statistics.fmean(values) for values in zip(*self.seeds)]
 
     def cells(self) -> List[str]:
-        """Per task, the mean and (more than one seed) half the range over the seeds."""
+        """Per split and task, the mean and (more than one seed) half the range over the
+        seeds."""
         spread = [(max(v) - min(v)) / 2 for v in zip(*self.seeds)]
         return [f"{a:.4f}" + (f" ±{s:.4f}" if len(self.seeds) > 1 else "")
                 for a, s in zip(self.auc(), spread)]
 
 
 def compare(data: List[str], tasks: Sequence[str], steps: int, seeds: int, scratch: str, env,
-            scale: bool) -> Tuple[Dict[str, Row], List[float]]:
-    """Every model of the comparison on `data` for train.seed 0..seeds-1: ({row name: Row},
-    the oracle AUC per task where the data know the true probabilities, else [])."""
+            splits: Sequence[str] = ("val",)) -> Tuple[Dict[str, Row], List[float]]:
+    """Every model of the comparison on `data` for train.seed 0..seeds-1, scored on `splits`
+    (val, or val and test): ({row name: Row}, the oracle val AUC per task where the data know
+    the true probabilities, else [])."""
     singles = [(task, [tasks_set(tasks, only=task)]) for task in tasks]
     models = {  # row name: (steps per model, [(the task it is scored on or None: all, settings)])
         "multi-task, shared trunk": (steps, [(None, [tasks_set(tasks)])]),
         f"multi-task, MMoE ({EXPERTS} experts)":
             (steps, [(None, [tasks_set(tasks), f"model.mmoe.experts={EXPERTS}"])]),
-        "single-task, one per task": (max(1, steps // len(tasks)), singles)}
-    if scale:
-        models["single-task, one per task, T x the budget"] = (steps, singles)
+        "single-task, one per task": (max(1, steps // len(tasks)), singles),
+        "single-task, one per task, T x the budget": (steps, singles)}
     rows: Dict[str, Row] = {}
     oracle: List[float] = []
     for name, (n, runs) in models.items():
         row = rows[name] = Row(len(runs), n)
         for seed in range(seeds):
-            aucs = []
+            aucs: Dict[str, float] = {}
             for only, sets in runs:
                 m, seconds = train_run(data + sets + [f"train.seed={seed}"], n,
-                                       f"{scratch}/{len(rows)}_{seed}_{only}", env)
-                aucs += [m[f"val_auc_{t}"] for t in tasks if only in (None, t)]
+                                       f"{scratch}/{len(rows)}_{seed}_{only}", env,
+                                       "test" in splits)
+                aucs.update({f"{s}_auc_{t}": m[f"{s}_auc_{t}"] for s in splits for t in tasks
+                             if only in (None, t)})
                 oracle = [m[f"oracle_auc_{t}"] for t in tasks if f"oracle_auc_{t}" in m]
                 row.seconds += seconds
-            row.seeds.append(aucs)
+            row.seeds.append([aucs[f"{s}_auc_{t}"] for s in splits for t in tasks])
         print(f"  {name}: {n} steps per model, {seeds} seed(s), {row.seconds:.0f} s", flush=True)
     return rows, oracle
 
 
 def comparison_table(title: str, tasks: Sequence[str], rows: Dict[str, Row],
-                     oracle: List[float]) -> str:
+                     oracle: List[float], splits: Sequence[str] = ("val",)) -> str:
     seeds = len(next(iter(rows.values())).seeds)
+    columns = [f"{s} AUC {t}" for s in splits for t in tasks]
     lines = [title + (f"; val AUC the mean of train.seed 0..{seeds - 1} (the data fixed), ± half "
                       f"their range" if seeds > 1 else ""),
              "| model | models x steps x batch | training samples | "
-             + " | ".join(f"val AUC {t}" for t in tasks)
+             + " | ".join(columns)
              + (" | mean AUC - oracle" if oracle else "") + " | train s per seed |",
-             "|---|---|---:|" + "---:|" * len(tasks) + ("---:|" if oracle else "") + "---:|"]
+             "|---|---|---:|" + "---:|" * len(columns) + ("---:|" if oracle else "") + "---:|"]
     for name, row in rows.items():
         gap = (f" {statistics.fmean(a - o for a, o in zip(row.auc(), oracle)):+.4f} |"
                if oracle else "")
@@ -212,7 +223,8 @@ def step_cost(steps: int, rounds: int, env) -> str:
             for _ in range(steps):
                 loss = train_step(cycle)
             loss.item()
-            best[case] = min(best[case], (time.perf_counter() - start) / steps)
+            if r:
+                best[case] = min(best[case], (time.perf_counter() - start) / steps)
     base = {trunk: best[trunk, 1] for trunk, count in cases if count == 1}
     lines = [f"Step cost: batch {BATCH:,}, configs/demo.yaml's model, head {HEAD} per task, "
              f"{torch.get_num_threads()} thread(s); fastest of {rounds} rounds of {steps} steps",
@@ -238,8 +250,7 @@ def cli(args: List[str]) -> None:
 
 def log_comparison(args, scratch: str, env) -> str:
     """Part 3: the interaction log as a ranking dataset, multi vs single on its labels."""
-    from dlrm_hybrid.data.source import open_dataset
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 
     folder = args.dataset
     if not folder:
@@ -248,17 +259,19 @@ def log_comparison(args, scratch: str, env) -> str:
              "--labels", LOG_LABELS, "--ranking-negatives", str(LOG_NEGATIVES)])
     name = args.name or Path(args.data or folder).resolve().parent.name
     data = [f"data.path={folder}"]
-    dataset = open_dataset(load_config(None, data).data)  # all its labels, for their names
+    dataset = SplitBinaryDataset(folder)
     tasks = dataset.label_names
-    splits = {s: dataset.num_samples(s) for s in ("train", "val")}
-    print(f"{name}: {splits['train']:,} training / {splits['val']:,} validation samples, "
-          f"labels {', '.join(tasks)}; training {args.log_steps} steps", flush=True)
+    size = {s: dataset.num_samples(s) for s in ("train", "val", "test")}
+    print(f"{name}: {size['train']:,} training samples, labels {', '.join(tasks)}; budget "
+          f"{args.log_steps} x {BATCH:,} samples:", flush=True)
     rows, _ = compare(data, tasks, args.log_steps, args.seeds, f"{scratch}/log_runs", env,
-                      scale=True)
+                      ("val", "test"))
     return comparison_table(
         f"{name} (`preprocess interactions --labels \"{LOG_LABELS}\" --ranking-negatives "
-        f"{LOG_NEGATIVES}`): {splits['train']:,} training samples ({splits['train'] / BATCH:.0f} "
-        f"steps an epoch), {splits['val']:,} validation", tasks, rows, [])
+        f"{LOG_NEGATIVES}`): {size['train']:,} training samples ({size['train'] / BATCH:.0f} "
+        f"steps an epoch), {size['val']:,} validation, {size['test']:,} test; budget "
+        f"{args.log_steps:,} x {BATCH:,} = {args.log_steps * BATCH:,} samples", tasks, rows, [],
+        ("val", "test"))
 
 
 def main() -> None:
@@ -270,7 +283,7 @@ def main() -> None:
     source.add_argument("--dataset", help="a ranking dataset `preprocess interactions "
                         "--labels ... --ranking-negatives N` wrote, for part 3")
     parser.add_argument("--name", help="the log's name in its table (default: its folder's)")
-    parser.add_argument("--log-steps", type=int, default=3000, help="S on the log")
+    parser.add_argument("--log-steps", type=int, default=1500, help="S on the log")
     parser.add_argument("--seeds", type=int, default=2, help="train.seed values per model "
                         "(the AUCs: their mean)")
     parser.add_argument("--cost-steps", type=int, default=20, help="steps per step-cost round")
@@ -297,7 +310,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         print(f"planted teacher, budget {args.steps} x {BATCH:,} samples:", flush=True)
         rows, oracle = compare(planted, PLANTED_TASKS, args.steps, args.seeds,
-                               f"{scratch}/planted", env, scale=True)
+                               f"{scratch}/planted", env)
         cost = step_cost(args.cost_steps, 2 if args.quick else COST_ROUNDS, env)
         log = log_comparison(args, scratch, env) if args.data or args.dataset else ""
     print(f"\n{cpu}\n")
