@@ -15,8 +15,13 @@ import torch
 import yaml
 
 from conftest import failure, run_cli
+from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.model.dlrm import build_model
+from dlrm_hybrid.model.embeddings import table_order
+from dlrm_hybrid.serve.export import scoring_model, table_precisions
 from dlrm_hybrid.serve.predict import load_scoring_model, predict, top_k_labels
 
 TASKS = ["click", "like", "see_less"]
@@ -256,3 +261,27 @@ def test_top_k_without_a_value_model_and_bad_task_labels_are_refused(served, tmp
         predict(str(root / "fp32.pt"), str(tmp_path / "bad.csv"), str(tmp_path / "p.csv"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csv"]
     assert json.loads((root / "fp32.json").read_text())["format"].endswith("multitask/1")
+
+
+@pytest.mark.parametrize("variant", [
+    ["model.mmoe.experts=2", "model.mmoe.expert_mlp=[8]"],
+    ["model.interaction=dcn", "model.dcn.rank=4", "model.dcn.structure=parallel"],
+])
+def test_heads_behind_experts_or_a_parallel_cross_network_are_served_exactly(tmp_path, variant):
+    """The served heads (after MMoE's gates, or reading dcn parallel's cross network beside the
+    trunk) give the trained model's probabilities, task by task."""
+    (tmp_path / "mt.yaml").write_text(CONFIG)
+    cfg = load_config(str(tmp_path / "mt.yaml"), variant)
+    data = SyntheticClicks(cfg.data, TASKS)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu")).eval()
+    batch, columns = data.batch("val", 0, 256), data.columns("val", 0, 256)
+    with torch.no_grad():
+        expected = torch.sigmoid(model(batch.dense, batch.sparse))
+    unsharded = build_model(cfg.model, data.spec)
+    precisions = table_precisions([p.table for p in table_order(unsharded.lookups)], "fp32", [])
+    served = torch.jit.script(scoring_model(unsharded, model.state_dict(), precisions, VALUE))
+    probabilities, value = served.score_with_value(torch.from_numpy(columns.dense),
+                                                   torch.from_numpy(np.concatenate(columns.ids, 1)))
+    assert probabilities.shape == (256, 3) and torch.allclose(probabilities, expected, atol=1e-6)
+    assert torch.allclose(value, expected @ torch.tensor(VALUE), atol=1e-6)
