@@ -120,3 +120,81 @@ def test_synth_with_tasks_then_train_reports_each_oracle(planted, tmp_path):
         seen = labels >= 0
         assert done[f"oracle_auc_{task}"] == pytest.approx(auc(truth[seen, t], labels[seen]),
                                                            abs=1e-4)
+
+
+# user, item, rating, timestamp: every user engages with 4 of the 8 items i1..i8 (one of them
+# twice), so 2 negatives per engagement can always be drawn; x9 is engaged once (--min-count 2).
+LOG = [(u, f"i{(3 * k + 2 * n) % 8 + 1}", 1 + (k * 7 + n * 3) % 5, 100 * n + k)
+       for n, u in enumerate(("ann", "bob", "cy", "dee")) for k in range(4)]
+LOG += [("ann", "i1", 5, 50), ("bob", "x9", 3, 7)]
+
+
+@pytest.fixture(scope="module")
+def ranking(tmp_path_factory):
+    """`preprocess interactions --labels` of LOG (a BOM, a header, CRLF, one bad line)."""
+    root = tmp_path_factory.mktemp("ranking")
+    lines = ["user,item,rating,timestamp", *[",".join(map(str, row)) for row in LOG]]
+    lines.insert(5, "bob,i3,4")  # a field short
+    (root / "log.csv").write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    result = run_cli(["preprocess", "interactions", "--input", str(root / "log.csv"),
+                      "--columns", "user,item,rating,timestamp", "--min-count", "2",
+                      "--labels", "watched,liked:rating>=4,disliked:rating<=2",
+                      "--ranking-negatives", "2", "--skip-bad-rows", "--output",
+                      str(root / "out")])
+    assert result.returncode == 0, failure(result)
+    return root / "out", result.stdout
+
+
+def test_ranking_dataset_labels_negatives_requests_and_rows(ranking):
+    from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+
+    out, stdout = ranking
+    meta = yaml.safe_load((out / "feature_spec.yaml").read_text())["metadata"]
+    assert meta["ranking_negatives"] == 2 and meta["request_feature"] == "user_id"
+    assert meta["labels"] == {"watched": "every engagement", "liked": "rating >= 4",
+                              "disliked": "rating <= 2"}
+    assert meta["categorical_features"][:2] == ["user_id", "item_id"]
+    users = (out / "users.txt").read_text().split()
+    items = (out / "items.txt").read_text().split()
+    data = SplitBinaryDataset(str(out))
+    assert data.label_names == ("watched", "liked", "disliked")
+    data.use_tasks(list(data.label_names), str(out))
+    engaged = {(u, i) for u, i, _, _ in LOG if i != "x9"}
+    seen, labelled = {}, []
+    for split in ("train", "val", "test"):
+        c = data.columns(split, 0, data.num_samples(split))
+        pairs = [(users[u], items[i]) for u, i in zip(c.ids[0][:, 0], c.ids[1][:, 0])]
+        positive = c.labels[:, 0] == 1
+        for (user, item), labels, pos in zip(pairs, c.labels, positive):
+            if pos:
+                labelled.append((user, item, *labels.tolist()))
+            else:  # a negative: never engaged, every label 0
+                assert (user, item) not in engaged and labels.tolist() == [0, 0, 0]
+        for user in set(users):
+            rows = [k for k, (u, _) in enumerate(pairs) if u == user]
+            assert len(rows) == 3 * sum(positive[rows])  # 2 negatives per engagement
+            if split != "train" and rows:  # a request: the user's rows are consecutive
+                assert rows == list(range(rows[0], rows[0] + len(rows)))
+        seen[split] = [p for p, pos in zip(pairs, positive) if pos]
+        train_count = {u: sum(1 for v, _ in seen["train"] if v == u) for u in users}
+        np.testing.assert_allclose(c.dense[:, 0], [np.log1p(train_count[u]) for u, _ in pairs],
+                                   rtol=1e-3)  # train engagements only (no leakage)
+    latest = {u: max(t for v, i, _, t in LOG if v == u and i != "x9") for u in users}
+    assert len(seen["test"]) == 4 and all(  # each user's last engagement
+        max(t for v, j, _, t in LOG if (v, j) == (u, i)) == latest[u] for u, i in seen["test"])
+    assert sorted(labelled) == sorted((u, i, 1, r >= 4, r <= 2) for u, i, r, _ in LOG
+                                      if i != "x9")  # each engagement once, labels by the rules
+    done = done_fields(stdout)  # every row read is kept, skipped or below --min-count
+    assert (done["rows"], done["kept"], done["skipped"], done["below_min_count"]) == (19, 17, 1, 1)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--labels", "watched,liked:rating>>4"], "--labels: 'liked:rating>>4' is not a label"),
+    (["--ranking-negatives", "3"], "--ranking-negatives: for a ranking dataset; give --labels")])
+def test_bad_ranking_request_is_one_line(tmp_path, args, says):
+    log = tmp_path / "u.data"
+    log.write_text("".join(f"{u}\t{i}\t4\t{u * i}\n" for u in range(3) for i in range(4)))
+    result = run_cli(["preprocess", "interactions", "--input", str(log), *args,
+                      "--output", str(tmp_path / "out")])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: {says}") and not (tmp_path / "out").exists()

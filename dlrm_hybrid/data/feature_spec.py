@@ -72,10 +72,12 @@ def label_files(labels: Sequence[str]) -> List[str]:
 def check_label_names(labels: Sequence[str], where: str) -> None:
     """Several labels become task names, metric keys and file names: words, unique."""
     bad = [n for n in labels if not LABEL_NAME.fullmatch(n) or n.startswith(("cat_", "num_"))]
-    if bad or len(set(labels)) != len(labels) or not labels:
-        what = f"{bad[0]!r} is not a name" if bad else "names must be unique, at least one"
-        raise ConfigError(f"{where}: label {what}; use letters, digits and _ (starting with a "
-                          f"letter, not cat_/num_), e.g. watched,liked")
+    if bad or not labels:
+        raise ConfigError(f"{where}: {bad[0] if bad else ''!r} is not a label name; use letters, "
+                          f"digits and _ (starting with a letter, not cat_/num_), e.g. watched")
+    twice = [n for n in labels if list(labels).count(n) > 1]
+    if twice:
+        raise ConfigError(f"{where}: the label {twice[0]} is named twice; give each label once")
 
 
 @dataclass

@@ -145,6 +145,7 @@ class Prepared:
     data: "InteractionData"
     raw_users: np.ndarray
     raw_items: np.ndarray
+    rows: Dict[str, np.ndarray]  # per split, the log rows of its pairs, in their order
 
 
 def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leave-last-out",
@@ -178,7 +179,7 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
         which, short = leave_last_out(u, chronology)
         rule = (f"leave-last-out by {'timestamp (ties: file order)' if times is not None else 'file order'}"
                 f"; users with < {SHORT} positives: all in train")
-    pairs = {}
+    pairs, split_rows = {}, {}
     for code, name in enumerate(SPLITS):
         chosen = chronology[which[chronology] == code]
         if code == TRAIN:
@@ -189,6 +190,7 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
             raise DataError(f"the {name} split is empty ({rule}, {int(kept.sum())} positives "
                             f"kept); {_empty_hint(split)}")
         pairs[name] = (u[chosen].astype(np.int32), i[chosen].astype(np.int32))
+        split_rows[name] = chosen
     extra = {"rows": log.rows, **log.bad, "not_positive": int((~is_positive).sum()),
              "below_min_count": int((is_positive & ~kept).sum()), "min_count": min_count,
              "dropped_users": int((user_counts > 0).sum()) - len(users.raw),
@@ -197,7 +199,8 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
     meta = InteractionMeta(len(users.raw), len(items.raw), user_cards, item_cards,
                            split_rule=rule, positive=str(positive), source=list(log.sources),
                            extra=extra)
-    return Prepared(InteractionData(meta, pairs, user_side, item_side), users.raw, items.raw)
+    return Prepared(InteractionData(meta, pairs, user_side, item_side), users.raw, items.raw,
+                    split_rows)
 
 
 def _empty_hint(split: str) -> str:
@@ -236,11 +239,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-bad-rows", action="store_true",
                         help="leave out malformed lines, counted, instead of stopping at the "
                              "first (FILE:LINE)")
+    parser.add_argument("--labels", metavar="LABELS",
+                        help="write a ranking dataset (split-binary, for the DLRM) with these "
+                             "labels, e.g. watched,liked:rating>=4,disliked:rating<=2 (NAME "
+                             "alone: 1 on every row; every row of the log is an engagement)")
+    parser.add_argument("--ranking-negatives", type=int, default=0, metavar="N",
+                        help="--labels: N sampled negatives per engagement, items the user "
+                             "never engaged with, every label 0 (default 0)")
 
 
 def run(args) -> None:
     from dlrm_hybrid.data.interaction_data import write_interactions
 
+    if args.labels:
+        from dlrm_hybrid.data.ranking_log import run as run_ranking
+
+        return run_ranking(args)
+    if args.ranking_negatives:
+        raise UserError("--ranking-negatives: for a ranking dataset; give --labels too")
     start = time.perf_counter()
     if Path(args.output).exists():
         raise DataError(f"{args.output}: already exists; choose another --output or remove it")

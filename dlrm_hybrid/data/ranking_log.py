@@ -1,0 +1,229 @@
+"""`preprocess interactions --labels ...`: an interaction log -> a ranking dataset (split-binary,
+several labels) for the DLRM, beside the retrieval dataset the same command makes without them.
+
+- Engagements: every row of the log is one (someone watched, rated, clicked); reading, ids,
+  side features, --min-count and the splits are interaction_split.py's (`prepare`, every row
+  a positive), so a user's last engagement is test, the one before validation (or a time cut).
+- Labels (`--labels watched,liked:rating>=4,disliked:rating<=2`): NAME alone is 1 on every
+  engagement; NAME:COLUMN<op>NUMBER (COLUMN rating or label; >=, <=, >, <, ==, !=) is 1 where
+  the row's value passes. Each engagement row is one sample.
+- Sampled negatives (`--ranking-negatives N`): per engagement row, N items the user never engaged
+  with anywhere in the log, uniform over the items, seeded (--seed); every label 0. They join
+  their engagement's split (and request). A user who engaged with every item gets none (counted).
+- Features: categorical user_id, item_id and the side features (user_<name>, item_<name>);
+  dense log1p of the user's and of the item's count of train engagements (the train split only:
+  nothing from validation or test leaks in).
+- Order: train rows shuffled (seeded); in validation and test a user's rows are consecutive (one
+  request: `request_feature: user_id` in feature_spec.yaml's metadata), each engagement followed
+  by its negatives.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from dlrm_hybrid.data.feature_spec import check_label_names
+from dlrm_hybrid.data.interaction_log import OPS, Log, Positive, parse_columns, read_log
+from dlrm_hybrid.data.interaction_split import Prepared, parse_cut, prepare
+from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.errors import DataError, UserError
+
+SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}  # interaction -> folder
+REQUEST_FEATURE = "user_id"
+CHUNK = 1 << 20  # rows written at a time
+DENSE = ("log1p_user_train_engagements", "log1p_item_train_engagements")
+LABEL_RULE = re.compile(r"\s*([^:\s]+)\s*(?::\s*(rating|label)\s*(>=|<=|==|!=|>|<)\s*"
+                        r"(-?[0-9]+(?:\.[0-9]*)?)\s*)?")
+
+
+@dataclass(frozen=True)
+class LabelRule:
+    """One label: 1 on every engagement (no column), or where `column op value` holds."""
+
+    name: str
+    column: str = ""
+    op: str = ""
+    value: float = 0.0
+
+    def __str__(self) -> str:
+        return f"{self.column} {self.op} {self.value:g}" if self.column else "every engagement"
+
+    def values(self, log: Log, rows: np.ndarray) -> np.ndarray:
+        """The label (0/1) of the log's `rows`."""
+        if not self.column:
+            return np.ones(len(rows), np.float32)
+        return OPS[self.op](log.columns[self.column][rows], self.value).astype(np.float32)
+
+
+def parse_labels(text: str, layout: Sequence[str]) -> List[LabelRule]:
+    """--labels: comma-separated NAME or NAME:rating>=4 (rating or label, the log's column)."""
+    rules = []
+    for part in text.split(","):
+        match = LABEL_RULE.fullmatch(part)
+        if not match:
+            raise UserError(f"--labels: {part.strip()!r} is not a label; write NAME (1 on every "
+                            f"engagement) or NAME:rating>=4 (operators: {' '.join(OPS)}), "
+                            f"comma-separated")
+        name, column, op, value = match.groups()
+        if column and column not in layout:
+            raise UserError(f"--labels: {name} reads the log's {column} column, which it has not "
+                            f"(its columns: {','.join(layout)}); name it in --columns")
+        rules.append(LabelRule(name, column or "", op or "", float(value or 0)))
+    check_label_names([r.name for r in rules], "--labels")
+    return rules
+
+
+def sample_negatives(users: np.ndarray, engaged: np.ndarray, items: int, per_row: int,
+                     rng: np.random.Generator) -> np.ndarray:
+    """[len(users), per_row] items drawn uniformly among those the row's user never engaged
+    with; `engaged`: sorted keys user * items + item of every engagement. Rows of a user who
+    engaged with every item must be left out by the caller."""
+    drawn = rng.integers(0, items, (len(users), per_row))
+    redo = np.ones(drawn.shape, bool)
+    while redo.any():  # rejection: a redraw hits an engaged item with chance < its share
+        keys = users[:, None].astype(np.int64) * items + drawn
+        pos = np.minimum(np.searchsorted(engaged, keys), len(engaged) - 1)
+        redo = engaged[pos] == keys
+        drawn[redo] = rng.integers(0, items, int(redo.sum()))
+    return drawn
+
+
+@dataclass
+class Split:
+    """One split's samples: user and item ids, labels [N, T]; its engagements, and how many
+    of them got no negatives (their user engaged with every item)."""
+
+    users: np.ndarray
+    items: np.ndarray
+    labels: np.ndarray
+    engagements: int
+    without_negatives: int
+
+
+def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], negatives: int,
+                   seed: int) -> Dict[str, Split]:
+    """Each split's engagements, each followed by its sampled negatives; train shuffled."""
+    data, rng = prepared.data, np.random.default_rng(seed)
+    engaged = np.unique(np.concatenate([u.astype(np.int64) * data.items + i
+                                        for u, i in data.pairs.values()]))
+    full = np.bincount(engaged // data.items, minlength=data.users) >= data.items
+    out = {}
+    for split, (users, items) in data.pairs.items():
+        labels = np.stack([r.values(log, prepared.rows[split]) for r in rules], axis=1)
+        sampled = ~full[users]
+        blocks_u = np.repeat(users[:, None], 1 + negatives, axis=1)
+        blocks_i = np.concatenate([items[:, None], np.zeros((len(users), negatives), items.dtype)],
+                                  axis=1)
+        blocks_i[sampled, 1:] = sample_negatives(users[sampled], engaged, data.items, negatives,
+                                                 rng)
+        blocks_labels = np.zeros((len(users), 1 + negatives, len(rules)), np.float32)
+        blocks_labels[:, 0] = labels
+        keep = np.ones(blocks_u.shape, bool)
+        keep[~sampled, 1:] = False  # no item left to sample for such a user
+        order = np.arange(int(keep.sum()))
+        if split == "train":
+            order = rng.permutation(order)
+        out[split] = Split(blocks_u[keep][order], blocks_i[keep][order],
+                           blocks_labels[keep][order], len(users),
+                           int((~sampled).sum()) if negatives else 0)
+    return out
+
+
+def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelRule],
+                  negatives: int, seed: int, output: str) -> None:
+    """The split-binary dataset, its labels, features and how it was made in feature_spec.yaml."""
+    from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
+
+    data, meta = prepared.data, prepared.data.meta
+    user_count = np.bincount(data.pairs["train"][0], minlength=data.users)
+    item_count = np.bincount(data.pairs["train"][1], minlength=data.items)
+    names = ["user_id", "item_id", *[f"user_{n}" for n in meta.user_side],
+             *[f"item_{n}" for n in meta.item_side]]
+    spec = DataSpec(len(DENSE), [data.users, data.items, *meta.user_side.values(),
+                                 *meta.item_side.values()], [1] * len(names))
+    with SplitBinaryWriter(output, spec, labels=[r.name for r in rules]) as writer:
+        for split, s in splits.items():
+            for lo in range(0, len(s.users), CHUNK):
+                u, i = s.users[lo:lo + CHUNK], s.items[lo:lo + CHUNK]
+                dense = np.log1p(np.stack([user_count[u], item_count[i]], axis=1))
+                cats = [u, i, *data.user_side[u].T, *data.item_side[i].T]
+                writer.write(SPLIT_FOLDERS[split], s.labels[lo:lo + CHUNK], dense,
+                             [c[:, None] for c in cats])
+        for key, value in {
+                "source": list(meta.source),
+                "labels": {r.name: str(r) for r in rules},
+                "engagement": "every row of the log",
+                "ranking_negatives": negatives,
+                "negatives": f"{negatives} per engagement: items the user never engaged with in "
+                             f"the log, uniform, seed {seed}; every label 0",
+                "split_rule": meta.split_rule,
+                "request_feature": REQUEST_FEATURE,
+                "categorical_features": names,
+                "numerical_features": list(DENSE),
+                "rows": {"read": meta.extra["rows"],
+                         "kept": sum(v.engagements for v in splits.values()),
+                         **{k: meta.extra[k] for k in ("wrong_field_count", "empty_id",
+                                                       "bad_number", "below_min_count")}},
+                "engagements": {SPLIT_FOLDERS[s]: v.engagements for s, v in splits.items()},
+                "engagements_without_negatives": sum(v.without_negatives for v in splits.values()),
+                "min_count": meta.extra["min_count"]}.items():
+            writer.note(key, value)
+        for name, raw in (("users.txt", prepared.raw_users), ("items.txt", prepared.raw_items)):
+            writer.add_file(name, "".join(f"{v.decode('utf-8', 'replace')}\n" for v in raw))
+
+
+def run(args) -> None:
+    """`preprocess interactions --labels`: read, prepare, sample, write; one summary."""
+    start = time.perf_counter()
+    if args.positive:
+        raise UserError("--positive: with --labels every row of the log is an engagement; say "
+                        "what each label is in --labels (e.g. liked:rating>=4)")
+    if args.ranking_negatives < 0:
+        raise UserError(f"--ranking-negatives: must be 0 or more, got {args.ranking_negatives}")
+    if args.min_count < 1:
+        raise UserError(f"--min-count: must be at least 1, got {args.min_count}")
+    if Path(args.output).exists():
+        raise DataError(f"{args.output}: already exists; choose another --output or remove it")
+    columns = parse_columns(args.columns) if args.columns else None
+    cut = parse_cut(args.cut, args.split)
+    delimiter = "\t" if args.delimiter in ("tab", "\\t") else args.delimiter
+    log = read_log(args.input, columns, delimiter, args.header, args.skip_bad_rows)
+    rules = parse_labels(args.labels, log.layout)
+    prepared = prepare(log, Positive(), args.min_count, args.split, cut, args.seed)
+    splits = ranking_splits(prepared, log, rules, args.ranking_negatives, args.seed)
+    write_ranking(prepared, splits, rules, args.ranking_negatives, args.seed, args.output)
+    print(summary(prepared, splits, rules, args.ranking_negatives, args.output,
+                  time.perf_counter() - start))
+
+
+def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelRule],
+            negatives: int, output: str, seconds: float) -> str:
+    """What was read, kept and left out, each split's rows and label rates; a `done:` line."""
+    e, meta = prepared.data.meta.extra, prepared.data.meta
+    unsampled = sum(s.without_negatives for s in splits.values())
+    bad = sum(e[k] for k in ("wrong_field_count", "empty_id", "bad_number"))
+    kept = sum(s.engagements for s in splits.values())
+    lines = [f"wrote {output} in {seconds:.1f} s (a ranking dataset: split-binary)",
+             f"  read       {e['rows']:,} rows = {kept:,} engagements kept + {bad:,} bad rows "
+             f"skipped + {e['below_min_count']:,} below --min-count {e['min_count']}",
+             f"  kept       {meta.users:,} users, {meta.items:,} items; split {meta.split_rule}",
+             f"  negatives  {negatives} per engagement ({unsampled:,} engagements without: their "
+             f"user engaged with every item)",
+             "  labels     " + ", ".join(f"{r.name}: {r}" for r in rules)]
+    for split, s in splits.items():
+        rates = ", ".join(f"{r.name} {s.labels[:, t].mean():.3f}" for t, r in enumerate(rules))
+        lines.append(f"  {SPLIT_FOLDERS[split]:<10} {len(s.users):,} rows ({s.engagements:,} "
+                     f"engagements + {len(s.users) - s.engagements:,} negatives); rates {rates}")
+    train = splits["train"]
+    lines.append(f"done: rows={e['rows']} kept={kept} skipped={bad} "
+                 f"below_min_count={e['below_min_count']} "
+                 + " ".join(f"{SPLIT_FOLDERS[s]}={len(v.users)}" for s, v in splits.items()) + " "
+                 + " ".join(f"rate_{r.name}={train.labels[:, t].mean():.4f}"
+                            for t, r in enumerate(rules)) + f" seconds={seconds:.2f}")
+    return "\n".join(lines)
