@@ -63,7 +63,8 @@ class SplitBinaryDataset(ClickDataset):
 
     def columns(self, split: str, first: int, count: int) -> Columns:
         """Samples [first, first + count) of `split`; indices past its end are padding (the
-        last sample repeated, marked invalid)."""
+        last sample repeated, marked invalid). Labels [B] (one label, no tasks chosen) or
+        [B, T] (the tasks `use_tasks` chose; else every label), NaN where missing."""
         maps, n = self._maps[split], self.sizes[split]
         index = np.minimum(np.arange(first, first + count), max(n - 1, 0))
         lo, hi = int(index[0]), int(index[-1]) + 1  # contiguous: one slice read per file
