@@ -81,3 +81,25 @@ def test_a_model_of_some_planted_labels_learns_their_own_teachers():
     assert np.array_equal(like.labels[:, 0], columns.labels[:, 1])
     with pytest.raises(ValueError, match=r"^model.tasks: share is not one of data.labels "):
         load_config(None, planted + ["model.tasks=[{name: share}]"])
+
+
+def test_multihot_keeps_every_label_of_a_multi_label_dataset(tmp_path):
+    import numpy as np
+
+    from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+
+    one_hot, multi_hot = tmp_path / "one_hot", tmp_path / "multi_hot"
+    synth = run_cli(["synth", "--output", str(one_hot), "--set", "data.cardinalities=[30,20]",
+                     "--set", "data.train_samples=300", "--set", "data.val_samples=100",
+                     "--set", "model.tasks=[{name: click}, {name: like}]",
+                     "--set", "data.label_missing=0.4"])
+    assert synth.returncode == 0, synth.stderr
+    result = run_cli(["preprocess", "multihot", "--input", str(one_hot), "--output",
+                      str(multi_hot), "--hotness", "3,2"])
+    assert result.returncode == 0, result.stderr
+    before, after = SplitBinaryDataset(str(one_hot)), SplitBinaryDataset(str(multi_hot))
+    assert after.label_names == ("click", "like")
+    for split in ("train", "val"):
+        a, b = (d.columns(split, 0, d.num_samples(split)) for d in (before, after))
+        assert np.isnan(a.labels[:, 1]).any()
+        np.testing.assert_array_equal(a.labels, b.labels)  # NaN where missing, in both

@@ -23,6 +23,7 @@ import numpy as np
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.day23 import RULE_KEY, UNRECORDED, recorded_rule
+from dlrm_hybrid.data.feature_spec import LABEL
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
 
@@ -100,7 +101,8 @@ def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = 
     ours = {folder: name for name, folder in SPLIT_NAMES.items()}
     folders = list(source.fspec.splits)  # as the input has them (NVIDIA's: train and test)
     day_23 = recorded_rule(Path(input_dir), source.fspec)
-    with SplitBinaryWriter(output, out_spec, folders) as writer, tempfile.TemporaryDirectory(
+    labels = source.label_names if len(source.label_names) > 1 else (LABEL,)  # kept as named
+    with SplitBinaryWriter(output, out_spec, folders, labels) as writer, tempfile.TemporaryDirectory(
             dir=writer.tmp.parent, prefix=".multi_hot_tables-") as scratch:
         if day_23 != UNRECORDED:
             writer.note(RULE_KEY, day_23)
