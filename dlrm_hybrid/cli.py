@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--label-out", default="", metavar="FILE", help="--top-k-label's file, "
                          "one 0/1 per row in row order")
     predict.add_argument("--request-feature", default="", metavar="NAME", help="the categorical "
-                         "feature whose id names a row's request (consecutive rows); default: "
+                         "feature whose id names a row's request (all its rows); default: "
                          "the dataset's metadata.request_feature")
     retrieve.add_arguments(commands.add_parser(
         "retrieve", help="top-K items for a user (or a history) from an `export --retrieval` "

@@ -97,7 +97,7 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
     `header` (CSV/TSV): whether the first line is a header, "yes", "no" or "auto".
     `raw_criteo`: `data` is raw Criteo TSV, mapped to ids by this dataset's vocabulary.
     `value`: "task=weight,..." in place of the file's value model. `top_k_label` K > 0: write
-    to `label_out` 1 for each row among the K of highest value of its request (consecutive
+    to `label_out` 1 for each row among the K of highest value of its request (the
     rows with one id of `request_feature`, or of the feature the dataset records), else 0.
     Ids are checked here as well as in the model: here the error can name the row."""
     targets = _targets(out, label_out, data, top_k_label)
@@ -220,14 +220,16 @@ def _request_ids(rows: ScoringRows, f: int, name: str) -> np.ndarray:
 
 
 def top_k_labels(requests: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:
-    """1 for each row among the `k` of highest value in its request (a run of consecutive
-    rows with one request id; ties: the earlier row first), else 0."""
-    first = np.ones(len(requests), bool)  # a request's first row
-    first[1:] = requests[1:] != requests[:-1]
-    run, starts = np.cumsum(first) - 1, np.flatnonzero(first)
-    order = np.lexsort((-values, run))  # stable: equal values keep row order
+    """1 for each row among the `k` of highest value in its request (every row with its
+    request id, wherever it is: a ranking log's shuffled train split too; ties: the earlier
+    row first), else 0."""
+    order = np.lexsort((-values, requests))  # by request, then value; stable: ties in row order
+    grouped = requests[order]
+    first = np.ones(len(order), bool)  # a request's first row in `order`
+    first[1:] = grouped[1:] != grouped[:-1]
+    starts = np.flatnonzero(first)
     labels = np.zeros(len(values), np.int8)
-    labels[order] = (np.arange(len(order)) - starts[run[order]]) < k
+    labels[order] = (np.arange(len(order)) - starts[np.cumsum(first) - 1]) < k
     return labels
 
 
