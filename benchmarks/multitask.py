@@ -43,6 +43,7 @@ import sys
 import statistics
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -303,6 +304,7 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", "Please use DTensor", FutureWarning)  # checkpoint loads
     env = init_distributed("gloo")
     cpu = f"{os.cpu_count()} cores ({cpu_description()}), {torch.get_num_threads()} thread(s)"
     print(f"multitask benchmark on {cpu}", flush=True)
