@@ -258,6 +258,17 @@ def run(args) -> None:
     if args.ranking_negatives:
         raise UserError("--ranking-negatives: for a ranking dataset; give --labels too")
     start = time.perf_counter()
+    log, cut = read_checked_log(args)
+    positive = parse_positive(args.positive, log.layout)
+    prepared = prepare(log, positive, args.min_count, args.split, cut, args.seed)
+    write_interactions(prepared.data, args.output, _text(prepared.raw_users),
+                       _text(prepared.raw_items))
+    print(summary(prepared.data.meta, args.output, time.perf_counter() - start))
+
+
+def read_checked_log(args):
+    """The log `preprocess interactions` reads, and the split's time cuts, after the checks
+    that need no reading (a free --output, --min-count)."""
     if Path(args.output).exists():
         raise DataError(f"{args.output}: already exists; choose another --output or remove it")
     if args.min_count < 1:
@@ -265,12 +276,7 @@ def run(args) -> None:
     columns = parse_columns(args.columns) if args.columns else None
     cut = parse_cut(args.cut, args.split)
     delimiter = "\t" if args.delimiter in ("tab", "\\t") else args.delimiter
-    log = read_log(args.input, columns, delimiter, args.header, args.skip_bad_rows)
-    positive = parse_positive(args.positive, log.layout)
-    prepared = prepare(log, positive, args.min_count, args.split, cut, args.seed)
-    write_interactions(prepared.data, args.output, _text(prepared.raw_users),
-                       _text(prepared.raw_items))
-    print(summary(prepared.data.meta, args.output, time.perf_counter() - start))
+    return read_log(args.input, columns, delimiter, args.header, args.skip_bad_rows), cut
 
 
 def _text(raw: np.ndarray) -> List[str]:

@@ -23,16 +23,15 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Sequence
 
 import numpy as np
 
 from dlrm_hybrid.data.feature_spec import check_label_names
-from dlrm_hybrid.data.interaction_log import OPS, Log, Positive, parse_columns, read_log
-from dlrm_hybrid.data.interaction_split import Prepared, parse_cut, prepare
+from dlrm_hybrid.data.interaction_log import OPS, Log, Positive
+from dlrm_hybrid.data.interaction_split import Prepared, prepare, read_checked_log
 from dlrm_hybrid.data.spec import DataSpec
-from dlrm_hybrid.errors import DataError, UserError
+from dlrm_hybrid.errors import UserError
 
 SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}  # interaction -> folder
 REQUEST_FEATURE = "user_id"
@@ -186,14 +185,7 @@ def run(args) -> None:
                         "what each label is in --labels (e.g. liked:rating>=4)")
     if args.ranking_negatives < 0:
         raise UserError(f"--ranking-negatives: must be 0 or more, got {args.ranking_negatives}")
-    if args.min_count < 1:
-        raise UserError(f"--min-count: must be at least 1, got {args.min_count}")
-    if Path(args.output).exists():
-        raise DataError(f"{args.output}: already exists; choose another --output or remove it")
-    columns = parse_columns(args.columns) if args.columns else None
-    cut = parse_cut(args.cut, args.split)
-    delimiter = "\t" if args.delimiter in ("tab", "\\t") else args.delimiter
-    log = read_log(args.input, columns, delimiter, args.header, args.skip_bad_rows)
+    log, cut = read_checked_log(args)
     rules = parse_labels(args.labels, log.layout)
     prepared = prepare(log, Positive(), args.min_count, args.split, cut, args.seed)
     splits = ranking_splits(prepared, log, rules, args.ranking_negatives, args.seed)
