@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import pytest
 
-from cli_zygote import Zygote, needs_fresh
+from cli_zygote import FRESH_ENV_PREFIXES, Zygote, needs_fresh
 
 # the timing notice; the runs tests share; the slowest test files first under xdist
 pytest_plugins = ["suite_timing", "shared_runs", "file_order"]
@@ -62,6 +62,18 @@ def _cli_env(base, extra_env: Optional[dict] = None) -> dict:
 def pytest_configure(config):
     global _fresh_cli
     _fresh_cli = config.getoption("--fresh-cli")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def load_time_environment_kept(request):
+    """A test module leaves the variables libraries read when they load as it found them: one
+    left set (threadpoolctl's import sets KMP_DUPLICATE_LIB_OK) would make every later run_cli
+    of this worker start a fresh interpreter instead of forking the zygote."""
+    def load_time(env) -> dict:
+        return {k: v for k, v in env.items() if k.startswith(FRESH_ENV_PREFIXES)}
+    before = load_time(os.environ)
+    yield
+    assert load_time(os.environ) == before, f"{request.module.__name__} changed os.environ"
 
 
 @pytest.fixture(scope="session", autouse=True)

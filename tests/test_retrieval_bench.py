@@ -80,7 +80,10 @@ def test_popularity_breaks_equal_counts_by_lower_item_id():
 
 
 @pytest.mark.parametrize("fit", [peers.als, peers.bpr], ids=["als", "bpr"])
-def test_implicit_peers_learn_the_training_split_user_by_item(fit):
+def test_implicit_peers_learn_the_training_split_user_by_item(fit, monkeypatch):
+    # threadpoolctl, which `implicit` imports, sets this in os.environ; set here, it goes again
+    # at the end (tests/conftest.py: later runs would not fork from the zygote)
+    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")
     # two communities of 6 users x 4 items; each user engaged with 3 of their community's items
     # in training; the 4th is their test item, which only the other members' training shows
     users, items, block = 12, 8, 4
