@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, done_fields, failure, read_metrics, run_cli
+from variant_job import assert_close, launch, losses
 
 JOB = ROOT / "tests/multitask_job.py"
 TWO_RANKS = ("three", "mmoe")  # trained on 1 and 2 ranks; mmoe's step 5 resumed on 1
@@ -22,28 +23,12 @@ VAL_SAMPLES = 2048  # multitask_job.py's
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """{"two": OUT of the 2-rank launch (TWO_RANKS), "one": OUT of the 1-rank launch (every
-    variant, and mmoe's 2-rank step 5 resumed), "stdout": the 2-rank launch's}."""
-    root = tmp_path_factory.mktemp("multitask")
-    two = run_cli([str(root / "two"), *TWO_RANKS], nproc=2, script=JOB)
-    assert two.returncode == 0, failure(two)
-    one = run_cli([str(root / "one"), "--resume", str(root / "two")], script=JOB)
-    assert one.returncode == 0, failure(one)
-    return {"two": root / "two", "one": root / "one", "stdout": two.stdout}
-
-
-def losses(run_dir: Path) -> list:
-    return [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
+    """variant_job.launch's runs of JOB, TWO_RANKS on 2 ranks."""
+    return launch(tmp_path_factory.mktemp("multitask"), JOB, TWO_RANKS)
 
 
 def last_eval(run_dir: Path) -> dict:
     return [e for e in read_metrics(run_dir) if "eval_s" in e][-1]
-
-
-def assert_close(got: list, want: list, rel: float) -> None:
-    assert len(got) == len(want) and got, (got, want)
-    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
-    assert worst < rel, (worst, got, want)
 
 
 def final_state(run_dir: Path, step: int = 10) -> dict:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, done_fields, failure, read_metrics, run_cli
+from variant_job import assert_close, launch, losses
 from test_start import HEAVY
 
 JOB = ROOT / "tests/two_tower_job.py"
@@ -25,24 +26,8 @@ METRICS = [f"val_{m}@{k}" for k in KS for m in ("recall", "hr", "ndcg")] + ["val
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """{"two": OUT of the 2-rank launch (TRAINED), "one": OUT of the 1-rank launch (every
-    variant, and the 2-rank runs' step 5 resumed), "stdout": the 2-rank launch's}."""
-    root = tmp_path_factory.mktemp("two_tower")
-    two = run_cli([str(root / "two"), *TRAINED], nproc=2, script=JOB)
-    assert two.returncode == 0, failure(two)
-    one = run_cli([str(root / "one"), "--resume", str(root / "two")], script=JOB)
-    assert one.returncode == 0, failure(one)
-    return {"two": root / "two", "one": root / "one", "stdout": two.stdout}
-
-
-def losses(run_dir: Path) -> list:
-    return [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
-
-
-def assert_close(got: list, want: list, rel: float) -> None:
-    assert len(got) == len(want) and got, (got, want)
-    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
-    assert worst < rel, (worst, got, want)
+    """variant_job.launch's runs of JOB, TRAINED on 2 ranks."""
+    return launch(tmp_path_factory.mktemp("two_tower"), JOB, TRAINED)
 
 
 def final_state(run_dir: Path) -> dict:

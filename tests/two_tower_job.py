@@ -2,21 +2,13 @@
 10 steps on the planted log with each variant of VARIANTS on this world size, a checkpoint at
 step 5 and at the end. Each run's record is OUT/<variant>/ (metrics.jsonl, checkpoints/).
 
-usage: two_tower_job.py OUT [VARIANT ...] [--resume DIR]
+usage: two_tower_job.py OUT [VARIANT ...] [--resume DIR] (tests/variant_job.py)
   VARIANT: those to train fresh (default: all)
   --resume DIR: then each of those variants that DIR (another launch's OUT) has, resumed from
                 its step 5 on this world size, into OUT/resumed_<variant>/
 """
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from dlrm_hybrid.config import load_config  # noqa: E402
-from dlrm_hybrid.parallel.process_group import init_distributed, shutdown  # noqa: E402
-from dlrm_hybrid.train.loop import train  # noqa: E402
+from variant_job import run_variants
 
 # Dense SGD: Adagrad's and Adam's first steps move each weight by about +-lr whatever its
 # gradient's size, so rounding of another reduction order would decide them. Tables sharded
@@ -35,27 +27,5 @@ VARIANTS = {
 }
 
 
-def config(run_dir: Path, variant: str, env, extra=()):
-    return load_config(None, [*COMMON, *VARIANTS[variant], f"train.run_dir={run_dir}", *extra],
-                       env.world_size)
-
-
-def main() -> None:
-    out = Path(sys.argv[1])
-    args = sys.argv[2:]
-    resume = Path(args.pop(args.index("--resume") + 1)) if "--resume" in args else None
-    args = [a for a in args if a != "--resume"]
-    env = init_distributed("gloo")
-    variants = args or list(VARIANTS)
-    for variant in variants:
-        train(config(out / variant, variant, env), env)
-    if resume is not None:
-        for variant in [v for v in variants if (resume / v).is_dir()]:
-            checkpoint = resume / variant / "checkpoints" / "step_5"
-            train(config(out / f"resumed_{variant}", variant, env,
-                         [f"checkpoint.resume={checkpoint}"]), env)
-    shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    run_variants(COMMON, VARIANTS)
