@@ -16,9 +16,10 @@ from dlrm_hybrid.config import load_config, world_size_from_env
 from dlrm_hybrid.data import day23, interaction_split, multi_hot, npy_days
 from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
 from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.graph import commands as pixie_commands
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
-from dlrm_hybrid.serve import retrieve
+from dlrm_hybrid.serve import recommend, retrieve
 from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 
 FOLLOWER_ERROR_DELAY_S = 3.0
@@ -29,7 +30,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     _quiet_library_noise()
     commands = {"train": run_train, "plan": dry_run.run, "synth": run_synth, "eval": run_eval,
                 "export": run_export, "predict": run_predict, "preprocess": run_preprocess,
-                "bench": run_bench, "plot": curves.run, "retrieve": retrieve.run}
+                "bench": run_bench, "plot": curves.run, "retrieve": retrieve.run,
+                "pixie": pixie_commands.run, "recommend": recommend.run}
     try:
         commands[args.command](args)
     except UserError as e:
@@ -112,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     retrieve.add_arguments(commands.add_parser(
         "retrieve", help="top-K items for a user (or a history) from an `export --retrieval` "
                          "folder"))
+    pixie_commands.add_arguments(commands.add_parser(
+        "pixie", help="Pixie random walks: build the item-user graph of an interaction dataset, "
+                      "query it"))
+    recommend.add_arguments(commands.add_parser(
+        "recommend", help="a user's top K: candidates (two-tower, history, Pixie), ranked by a "
+                          "multi-task model and its value model, filtered by rules"))
     bench = _config_arguments(commands.add_parser(
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
