@@ -246,6 +246,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ranking-negatives", type=int, default=0, metavar="N",
                         help="--labels: N sampled negatives per engagement, items the user "
                              "never engaged with, every label 0 (default 0)")
+    parser.add_argument("--holdout", metavar="DIR",
+                        help="--labels: leave out the validation and test pairs of DIR, the "
+                             "retrieval dataset of the same log (from every split and from the "
+                             "negatives), so a funnel scored on DIR's test never trained on them")
 
 
 def run(args) -> None:
@@ -255,8 +259,9 @@ def run(args) -> None:
         from dlrm_hybrid.data.ranking_log import run as run_ranking
 
         return run_ranking(args)
-    if args.ranking_negatives:
-        raise UserError("--ranking-negatives: for a ranking dataset; give --labels too")
+    if args.ranking_negatives or args.holdout:
+        raise UserError(f"{'--ranking-negatives' if args.ranking_negatives else '--holdout'}: "
+                        f"for a ranking dataset; give --labels too")
     start = time.perf_counter()
     log, cut = read_checked_log(args)
     positive = parse_positive(args.positive, log.layout)

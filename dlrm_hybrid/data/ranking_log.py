@@ -16,6 +16,10 @@ several labels) for the DLRM, beside the retrieval dataset the same command make
 - Order: train rows shuffled (seeded); in validation and test a user's rows are consecutive (one
   request: `request_feature: user_id` in feature_spec.yaml's metadata), each engagement followed
   by its negatives.
+- Held out (`--holdout DIR`, DIR the retrieval dataset of the same log): DIR's validation and
+  test (user, item) pairs, matched by raw id, are left out of every split and never sampled as
+  negatives, so a funnel evaluated on DIR's test items never trained its ranker on them. Ids
+  stay the whole log's (every item keeps its id); leave-last-out splits the rows left.
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Sequence
 
 import numpy as np
 
 from dlrm_hybrid.data.feature_spec import check_label_names
 from dlrm_hybrid.data.interaction_log import OPS, Log, Positive
-from dlrm_hybrid.data.interaction_split import Prepared, prepare, read_checked_log
+from dlrm_hybrid.data.interaction_meta import SPLITS
+from dlrm_hybrid.data.interaction_split import (Prepared, leave_last_out, prepare,
+                                                read_checked_log)
 from dlrm_hybrid.data.spec import DataSpec
-from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.errors import DataError, UserError
 
 SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}  # interaction -> folder
 REQUEST_FEATURE = "user_id"
@@ -106,11 +113,12 @@ class Split:
 
 
 def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], negatives: int,
-                   seed: int) -> Dict[str, Split]:
-    """Each split's engagements, each followed by its sampled negatives; train shuffled."""
+                   seed: int, held: np.ndarray = np.zeros(0, np.int64)) -> Dict[str, Split]:
+    """Each split's engagements, each followed by its sampled negatives (never an engagement,
+    nor a `held` key user * items + item); train shuffled."""
     data, rng = prepared.data, np.random.default_rng(seed)
     engaged = np.unique(np.concatenate([u.astype(np.int64) * data.items + i
-                                        for u, i in data.pairs.values()]))
+                                        for u, i in data.pairs.values()] + [held]))
     full = np.bincount(engaged // data.items, minlength=data.users) >= data.items
     out = {}
     for split, (users, items) in data.pairs.items():
@@ -132,6 +140,76 @@ def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], neg
                            blocks_labels[keep][order], len(users),
                            int((~sampled).sum()) if negatives else 0)
     return out
+
+
+def holdout_keys(folder: str, prepared: Prepared) -> np.ndarray:
+    """user * items + item, in `prepared`'s ids, of the validation and test pairs of `folder`,
+    a retrieval dataset of the same log, matched by the raw ids of its users.txt/items.txt."""
+    from dlrm_hybrid.data.interaction_meta import is_interaction_folder
+
+    root = Path(folder)
+    hint = "give the retrieval dataset `preprocess interactions` (without --labels) made of this log"
+    if not is_interaction_folder(folder):
+        what = "not a retrieval dataset (no interactions.yaml)" if root.is_dir() else "not found"
+        raise UserError(f"--holdout {folder}: {what}; {hint}")
+    ids = []
+    for side, known in (("user", prepared.raw_users), ("item", prepared.raw_items)):
+        try:
+            raw = (root / f"{side}s.txt").read_text(encoding="utf-8").splitlines()
+            dense = np.concatenate([np.load(root / f"{s}_{side}.npy") for s in ("val", "test")])
+        except (OSError, ValueError) as e:
+            raise DataError(f"--holdout {folder}: cannot read its {side}s ({e}); {hint}")
+        if len(dense) and (dense.min() < 0 or dense.max() >= len(raw)):
+            raise DataError(f"--holdout {folder}: {side} ids beyond its {side}s.txt; {hint}")
+        names = np.array([n.encode("utf-8") for n in raw] or [b""])[dense]
+        order = np.argsort(known)
+        at = order[np.minimum(np.searchsorted(known[order], names), len(known) - 1)]
+        if not (known[at] == names).all():
+            first = names[known[at] != names][0].decode("utf-8", "replace")
+            raise UserError(f"--holdout {folder}: {side} {first!r} of its validation/test pairs "
+                            f"is not in this log; {hint}")
+        ids.append(at.astype(np.int64))
+    return np.unique(ids[0] * prepared.data.items + ids[1])
+
+
+def hold_out(prepared: Prepared, log: Log, keys: np.ndarray, folder: str, seed: int
+             ) -> Prepared:
+    """`prepared` without the engagements whose user * items + item is in `keys`, split again
+    as `prepare` splits (leave-last-out over the rest: each user's last remaining engagement is
+    test; a time cut keeps its splits). Ids stay the whole log's: every item keeps its id.
+    meta.extra: the rows held out, and the users all in train now."""
+    from dlrm_hybrid.data.interaction_data import InteractionData
+
+    data, extra = prepared.data, prepared.data.meta.extra
+    split_of, user_of, item_of = (np.full(len(log), -1, t) for t in (np.int8, np.int64, np.int64))
+    for code, split in enumerate(SPLITS):
+        rows = prepared.rows[split]
+        split_of[rows], (user_of[rows], item_of[rows]) = code, data.pairs[split]
+    kept = np.flatnonzero(split_of >= 0)
+    key = user_of[kept] * data.items + item_of[kept]
+    held = np.isin(key, keys)
+    missing = len(keys) - len(np.unique(key[held]))
+    if missing:
+        raise UserError(f"--holdout {folder}: {missing} of its {len(keys)} validation/test pairs "
+                        f"are not rows of this log; make it from the same log")
+    chronology, times = kept[~held], log.columns.get("timestamp")
+    if times is not None:
+        chronology = chronology[np.lexsort((chronology, times[chronology]))]
+    if "leave-last-out" in data.meta.split_rule:
+        split_of, extra["users_all_in_train"] = leave_last_out(user_of, chronology)
+    pairs, rows = {}, {}
+    for code, split in enumerate(SPLITS):
+        chosen = chronology[split_of[chronology] == code]
+        if not len(chosen):
+            raise DataError(f"--holdout {folder}: the {SPLIT_FOLDERS[split]} split is empty without "
+                            f"its pairs; a ranking dataset needs more of the log")
+        chosen = (np.random.default_rng(seed).permutation(chosen) if split == "train"
+                  else chosen[np.argsort(user_of[chosen], kind="stable")])
+        pairs[split] = (user_of[chosen].astype(np.int32), item_of[chosen].astype(np.int32))
+        rows[split] = chosen
+    extra.update(held_out=int(held.sum()), holdout=folder)
+    return Prepared(InteractionData(data.meta, pairs, data.user_side, data.item_side),
+                    prepared.raw_users, prepared.raw_items, rows)
 
 
 def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelRule],
@@ -161,6 +239,9 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                 "ranking_negatives": negatives,
                 "negatives": f"{negatives} per engagement: items the user never engaged with in "
                              f"the log, uniform, seed {seed}; every label 0",
+                "holdout": {"dataset": meta.extra["holdout"], "rows": meta.extra["held_out"],
+                            "rule": "its validation and test pairs (raw ids): in no split, never "
+                                    "a negative"} if meta.extra["holdout"] else None,
                 "split_rule": meta.split_rule,
                 "request_feature": REQUEST_FEATURE,
                 "categorical_features": names,
@@ -168,7 +249,8 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                 "rows": {"read": meta.extra["rows"],
                          "kept": sum(v.engagements for v in splits.values()),
                          **{k: meta.extra[k] for k in ("wrong_field_count", "empty_id",
-                                                       "bad_number", "below_min_count")}},
+                                                       "bad_number", "below_min_count",
+                                                       "held_out")}},
                 "engagements": {SPLIT_FOLDERS[s]: v.engagements for s, v in splits.items()},
                 "engagements_without_negatives": sum(v.without_negatives for v in splits.values()),
                 "min_count": meta.extra["min_count"]}.items():
@@ -188,7 +270,12 @@ def run(args) -> None:
     log, cut = read_checked_log(args)
     rules = parse_labels(args.labels, log.layout)
     prepared = prepare(log, Positive(), args.min_count, args.split, cut, args.seed)
-    splits = ranking_splits(prepared, log, rules, args.ranking_negatives, args.seed)
+    held = np.zeros(0, np.int64)
+    prepared.data.meta.extra.update(held_out=0, holdout="")
+    if args.holdout:
+        held = holdout_keys(args.holdout, prepared)
+        prepared = hold_out(prepared, log, held, args.holdout, args.seed)
+    splits = ranking_splits(prepared, log, rules, args.ranking_negatives, args.seed, held)
     write_ranking(prepared, splits, rules, args.ranking_negatives, args.seed, args.output)
     print(summary(prepared, splits, rules, args.ranking_negatives, args.output,
                   time.perf_counter() - start))
@@ -203,7 +290,9 @@ def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelR
     kept = sum(s.engagements for s in splits.values())
     lines = [f"wrote {output} in {seconds:.1f} s (a ranking dataset: split-binary)",
              f"  read       {e['rows']:,} rows = {kept:,} engagements kept + {bad:,} bad rows "
-             f"skipped + {e['below_min_count']:,} below --min-count {e['min_count']}",
+             f"skipped + {e['below_min_count']:,} below --min-count {e['min_count']}"
+             + (f" + {e['held_out']:,} held out (--holdout {e['holdout']}: its validation and "
+                f"test pairs, in no split and never a negative)" if e["holdout"] else ""),
              f"  kept       {meta.users:,} users, {meta.items:,} items; split {meta.split_rule}",
              f"  negatives  {negatives} per engagement ({unsampled:,} engagements without: their "
              f"user engaged with every item)",
@@ -214,7 +303,7 @@ def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelR
                      f"engagements + {len(s.users) - s.engagements:,} negatives); rates {rates}")
     train = splits["train"]
     lines.append(f"done: rows={e['rows']} kept={kept} skipped={bad} "
-                 f"below_min_count={e['below_min_count']} "
+                 f"below_min_count={e['below_min_count']} held_out={e['held_out']} "
                  + " ".join(f"{SPLIT_FOLDERS[s]}={len(v.users)}" for s, v in splits.items()) + " "
                  + " ".join(f"rate_{r.name}={train.labels[:, t].mean():.4f}"
                             for t, r in enumerate(rules)) + f" seconds={seconds:.2f}")
