@@ -83,7 +83,7 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
         "quantization": {"default": quantize, "tables": precisions},
         "tables": table_sizes(scoring.embeddings, precisions),
         "source": {"checkpoint": str(path.resolve()), "step": read_meta(path)["step"],
-                   "model": dataclasses.asdict(cfg.model)},
+                   "data": cfg.data.path, "model": dataclasses.asdict(cfg.model)},
         "torch": torch.__version__,
     }
     text = json.dumps(description, indent=1)

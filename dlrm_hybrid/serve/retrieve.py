@@ -83,17 +83,21 @@ class Retriever:
         return self.seen_items[self.seen_indptr[user]:self.seen_indptr[user + 1]]
 
     def for_users(self, users: np.ndarray, k: int, exact: bool = False,
-                  keep_seen: bool = False) -> List[Ranked]:
-        """Each user's top `k` items by the user tower."""
-        excluded = [np.zeros(0, np.int64) if keep_seen else self.seen(u) for u in users]
+                  keep_seen: bool = False,
+                  exclude: Optional[Sequence[np.ndarray]] = None) -> List[Ranked]:
+        """Each user's top `k` items by the user tower; `exclude` (one array per user) in place
+        of their training items."""
+        excluded = exclude if exclude is not None else [
+            np.zeros(0, np.int64) if keep_seen else self.seen(u) for u in users]
         return self._top(self.user_vectors(users), k, exact, excluded)
 
     def from_history(self, history: np.ndarray, k: int, user: Optional[int] = None,
-                     exact: bool = False, keep_seen: bool = False) -> Ranked:
+                     exact: bool = False, keep_seen: bool = False,
+                     exclude: Optional[np.ndarray] = None) -> Ranked:
         """The top `k` items near the `history` items, merged by MERGE; the history items (and
-        `user`'s training items) left out unless `keep_seen`."""
-        excluded = np.zeros(0, np.int64)
-        if not keep_seen:
+        `user`'s training items) left out unless `keep_seen`, or `exclude` in their place."""
+        excluded = np.zeros(0, np.int64) if exclude is None else exclude
+        if not keep_seen and exclude is None:
             excluded = np.union1d(history, self.seen(user) if user is not None else excluded)
         lists = self._top(self.item_vectors[history], k, exact, [excluded] * len(history))
         items = np.concatenate([found for found, _ in lists])

@@ -1,0 +1,68 @@
+"""The features a multi-task ranker trained on a `preprocess interactions --labels` dataset reads,
+by user and by item: every row of that dataset is (user_id, item_id, user_<side>..., item_<side>...;
+log1p of the user's and of the item's train engagements), so a user's side ids and count, and an
+item's, are the same on each of its rows. Read once (numpy over the split files), they give the
+rows for any (user, candidate items) pair a request scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Tuple
+
+import numpy as np
+
+from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.errors import UserError
+
+
+class RankingFeatures:
+    """Per-user and per-item feature tables of a ranking dataset, with its raw ids."""
+
+    def __init__(self, path: str) -> None:
+        root = Path(path)
+        if not (root / "feature_spec.yaml").is_file():
+            raise UserError(f"--ranker-data: {path} has no feature_spec.yaml; give the folder "
+                            f"`preprocess interactions --labels` wrote")
+        fspec = load_feature_spec(path)
+        names = list(fspec.notes.get("categorical_features") or [])
+        if names[:2] != ["user_id", "item_id"] or fspec.spec.num_dense != 2 or not all(
+                (root / f).is_file() for f in ("users.txt", "items.txt")):
+            raise UserError(f"--ranker-data: {path} is not a ranking dataset (`preprocess "
+                            f"interactions --labels` writes user_id, item_id first, two counts "
+                            f"and users.txt/items.txt)")
+        self.path, self.names = path, names
+        self.spec = fspec.spec
+        self.user_names = (root / "users.txt").read_text().splitlines()
+        self.item_names = (root / "items.txt").read_text().splitlines()
+        self.user_of = {name: i for i, name in enumerate(self.user_names)}
+        self.item_of = {name: i for i, name in enumerate(self.item_names)}
+        user_cols = [f for f, n in enumerate(names) if n.startswith("user_") and f > 1]
+        item_cols = [f for f, n in enumerate(names) if n.startswith("item_") and f > 1]
+        self.order = [0, 1, *user_cols, *item_cols]  # the rows' columns, from the tables
+        users, items = len(self.user_names), len(self.item_names)
+        self.user_side = np.zeros((users, len(user_cols)), np.int64)
+        self.item_side = np.zeros((items, len(item_cols)), np.int64)
+        self.user_dense = np.zeros(users, np.float32)
+        self.item_dense = np.zeros(items, np.float32)
+        for files in fspec.splits.values():
+            cats = [np.fromfile(p, d) for p, d in zip(files.categorical, fspec.categorical_dtypes)]
+            dense = np.fromfile(files.numerical, np.float16).reshape(-1, 2).astype(np.float32)
+            u, i = cats[0].astype(np.int64), cats[1].astype(np.int64)
+            self.user_side[u] = np.column_stack([cats[f] for f in user_cols] or
+                                                [np.zeros((len(u), 0))])
+            self.item_side[i] = np.column_stack([cats[f] for f in item_cols] or
+                                                [np.zeros((len(i), 0))])
+            self.user_dense[u], self.item_dense[i] = dense[:, 0], dense[:, 1]
+
+    def rows(self, user: int, items: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(dense [N, 2] float32, ids [N, F] int64 in the dataset's feature order) of `user`
+        with each of `items` (the dataset's dense ids)."""
+        n = len(items)
+        columns: List[np.ndarray] = [np.full(n, user), items,
+                                     *np.repeat(self.user_side[user][None], n, 0).T,
+                                     *self.item_side[items].T]
+        ids = np.empty((n, len(self.order)), np.int64)
+        for column, f in zip(columns, self.order):
+            ids[:, f] = column
+        dense = np.column_stack([np.full(n, self.user_dense[user]), self.item_dense[items]])
+        return dense.astype(np.float32), ids
