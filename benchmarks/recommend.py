@@ -1,0 +1,227 @@
+"""The whole funnel on one interaction log: each candidate source alone, the merged candidates and
+the ranked list, against the retrieval peers, on the same leave-last-out test items; and what a
+request costs.
+
+    .venv/bin/python benchmarks/recommend.py --data ml-100k/u.data [--name NAME] [--quick]
+
+1. Data: the log's retrieval dataset (`preprocess interactions`, positive = rating >= 4,
+   leave-last-out per user) and its ranking dataset (`--labels LABELS --ranking-negatives
+   NEGATIVES --holdout` the retrieval dataset: the retrieval test and validation pairs are in
+   none of the ranker's splits, nor among its negatives).
+2. Models: the two-tower model with benchmarks/retrieval.py's BASE and the settings its grid
+   chose on ml-100k (TOWER: the default loss, temperature 0.2, table learning rate 0.05, 29
+   epochs), `export --retrieval` (exact index); the multi-task ranker of
+   configs/multitask_demo.yaml on the ranking dataset (tasks watched, liked, disliked as the
+   README trains them), `export`; `pixie build` of the retrieval dataset's training split.
+3. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
+   recommend.py) with history = the user's training items and validation item, every one of
+   them excluded; sources PER_SOURCE candidates each, the ranker scoring the RANK_TOP best
+   merged, value model VALUE. HR@10 and recall@50 (one relevant item per user: recall@50 =
+   HR@50) of each source's list, of the merged list and of the ranked list. Latency: one
+   request at a time, 1 thread, after WARMUP requests; p50/p99 of the whole request and of
+   each stage.
+4. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
+   training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
+   same exclusions (training and validation items).
+
+Prints the CPU, a markdown table and last the summary line:
+
+    recommend: data=NAME hr@10_pixie=X hr@10_two_tower=X hr@10_history=X hr@10_merged=X
+        hr@10_ranked=X p50_ms=X p99_ms=X
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+import retrieval as retrieval_bench  # noqa: E402  (its BASE, cli, peers' grids)
+
+LABELS = "watched,liked:rating>=4,disliked:rating<=2"
+NEGATIVES = 4
+TASKS = "[{name: watched}, {name: liked, head: [16]}, {name: disliked, head: [16]}]"
+VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}
+TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
+EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
+RANKER_STEPS = 2000  # configs/multitask_demo.yaml's
+PER_SOURCE, RANK_TOP = 200, 300
+STAGES = ("pixie", "two_tower", "history", "merged", "ranked")
+CUTS = (10, 50)
+WARMUP = 20
+
+
+def build(args, scratch: Path) -> Dict[str, str]:
+    """The datasets, both models exported and the graph: {what: path}."""
+    cli, out = retrieval_bench.cli, {k: str(scratch / k) for k in
+                                     ("retrieval", "ranking", "tower", "ranker.pt", "graph")}
+    cli(["preprocess", "interactions", "--input", args.data, "--output", out["retrieval"],
+         "--positive", "rating>=4"])
+    cli(["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
+         "--labels", LABELS, "--ranking-negatives", str(NEGATIVES), "--holdout", out["retrieval"]])
+    train = len(np.load(Path(out["retrieval"]) / "train_user.npy"))
+    per_epoch = retrieval_bench.write_config(scratch / "tower.yaml", {"path": out["retrieval"]},
+                                             args.epochs, train, TOWER)
+    start = time.perf_counter()
+    cli(["train", "--config", str(scratch / "tower.yaml"), "--set",
+         f"train.run_dir={scratch / 'tower_run'}"])
+    steps = max(1, args.epochs * per_epoch)
+    print(f"  two-tower: {args.epochs} epochs ({steps} steps) in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    cli(["export", "--retrieval", "--checkpoint", str(scratch / "tower_run/checkpoints" /
+                                                       f"step_{steps}"), "--out", out["tower"]])
+    start = time.perf_counter()
+    half = args.ranker_steps // 2
+    sets = [f"data.path={out['ranking']}", f"model.tasks={TASKS}", "data.label_missing=0",
+            "value_model={" + ", ".join(f"{t}: {w}" for t, w in VALUE.items()) + "}",
+            f"train.max_steps={args.ranker_steps}", "train.eval_every=0",
+            f"train.log_every={args.ranker_steps}", f"optim.warmup_steps={min(20, half)}",
+            f"optim.decay_start_step={half}", f"optim.decay_steps={args.ranker_steps - half}",
+            "train.progress_bar=false", "train.tensorboard=false",
+            f"train.run_dir={scratch / 'ranker_run'}"]
+    cli(["train", "--config", str(ROOT / "configs/multitask_demo.yaml"),
+         *[a for s in sets for a in ("--set", s)]])
+    print(f"  ranker: {args.ranker_steps} steps in {time.perf_counter() - start:.0f} s",
+          flush=True)
+    cli(["export", "--checkpoint", str(scratch / "ranker_run/checkpoints" /
+                                       f"step_{args.ranker_steps}"), "--out", out["ranker.pt"]])
+    cli(["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]])
+    return out
+
+
+def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
+             ) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
+    """Each user's stages, the ms of each request and of each stage (after WARMUP requests)."""
+    import torch
+
+    from dlrm_hybrid.graph.pixie import PixieParams
+    from dlrm_hybrid.serve.recommend import Recommender, RecommendSettings
+
+    torch.set_num_threads(1)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
+                                 pixie=PixieParams(steps=args.pixie_steps))
+    rec = Recommender(paths["tower"], paths["graph"], paths["ranker.pt"], paths["ranking"],
+                      settings)
+
+    def ask(user: int):
+        seen = rec.retriever.seen(user)
+        history = np.concatenate([[val[user]] if user in val else [], seen]).astype(np.int64)
+        return rec.recommend_dense(user, history, np.unique(history))
+
+    for user in users[:WARMUP]:
+        ask(int(user))
+    stages, total, per_stage = [], [], {}
+    for user in users:
+        start = time.perf_counter()
+        answer = ask(int(user))
+        total.append((time.perf_counter() - start) * 1e3)
+        stages.append(answer.stages)
+        for stage, ms in answer.ms.items():
+            per_stage.setdefault(stage, []).append(ms)
+    return stages, total, per_stage
+
+
+def hit_rates(stages: List[Dict[str, np.ndarray]], wanted: np.ndarray) -> Dict[str, float]:
+    """hr@K of each stage: the share of users whose test item is in the stage's first K."""
+    return {f"{stage}_hr@{k}": float(np.mean([item in s[stage][:k]
+                                              for s, item in zip(stages, wanted)]))
+            for stage in STAGES for k in CUTS}
+
+
+def peers(retrieval: str, quick: bool) -> Dict[str, Dict[str, float]]:
+    """Popularity, ALS and BPR (each setting chosen on validation): their test metrics."""
+    from dlrm_hybrid.config import RetrievalConfig
+    from dlrm_hybrid.data.interaction_data import open_interactions
+    from dlrm_hybrid.retrieval import peers as peer_models
+
+    data, cfg = open_interactions(retrieval), RetrievalConfig(eval_k=list(CUTS))
+    found = {"popularity": peer_models.evaluate_peer(peer_models.popularity(data), data, cfg)}
+    if quick:
+        retrieval_bench.PEER_GRIDS = {k: v[:1] for k, v in retrieval_bench.PEER_GRIDS.items()}
+    for name in retrieval_bench.PEER_GRIDS:
+        setting, metrics, _ = retrieval_bench.tune_peer(name, data, cfg)
+        found[f"implicit {name} ({', '.join(f'{k} {v}' for k, v in setting.items())})"] = metrics
+    return found
+
+
+def value_text(value: Dict[str, float]) -> str:
+    """E.g. 0.5 P(watched) + 1 P(liked) - 2 P(disliked)."""
+    text = " ".join(f"{'-' if w < 0 else '+'} {abs(w):g} P({t})" for t, w in value.items())
+    return text[2:] if text.startswith("+ ") else text
+
+
+def percentile(values: List[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="an interaction log with ratings and "
+                        "timestamps, e.g. ml-100k/u.data")
+    parser.add_argument("--name", help="the data's name in the summary (default: the log's "
+                        "folder, e.g. ml-100k)")
+    parser.add_argument("--epochs", type=int, default=EPOCHS, help="two-tower training epochs")
+    parser.add_argument("--ranker-steps", type=int, default=RANKER_STEPS,
+                        help="multi-task ranker steps of 1,024 samples")
+    parser.add_argument("--pixie-steps", type=int, default=100_000, help="walk steps a request")
+    parser.add_argument("--users", type=int, default=0, help="test users to ask (0: all)")
+    parser.add_argument("--quick", action="store_true", help="a check that it runs: 1 epoch, "
+                        "30 ranker steps, 10,000 walk steps, 40 users, one peer setting each")
+    args = parser.parse_args()
+    if args.quick:
+        args.epochs, args.ranker_steps, args.pixie_steps = 1, 30, 10_000
+        args.users = args.users or 40
+    name = args.name or Path(args.data).resolve().parent.name
+    cpu = retrieval_bench.cpu_name()
+    print(f"recommend benchmark on {cpu}; training OMP_NUM_THREADS=1, requests 1 thread",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = build(args, Path(tmp))
+        root = Path(paths["retrieval"])
+        users, wanted = np.load(root / "test_user.npy"), np.load(root / "test_item.npy")
+        val = dict(zip(np.load(root / "val_user.npy").tolist(),
+                       np.load(root / "val_item.npy").tolist()))
+        if args.users:
+            users, wanted = users[:args.users], wanted[:args.users]
+        stages, total, per_stage = requests(paths, users, val, args)
+        found = peers(paths["retrieval"], args.quick)
+    hr = hit_rates(stages, wanted)
+    mean = {stage: np.mean([len(s[stage]) for s in stages]) for stage in STAGES}
+    stage_ms = {"pixie": "pixie", "two_tower": "two_tower", "history": "history",
+                "merged": "merge", "ranked": "rank"}
+    what = {"pixie": f"Pixie walk from the history ({args.pixie_steps:,} steps)",
+            "two_tower": "two-tower user tower, exact search", "history":
+            "history: item-to-item neighbours (max)", "merged": "merged (reciprocal-rank fusion)",
+            "ranked": f"ranked: multi-task ranker on the top {RANK_TOP}, value model"}
+    print(f"\n{name}: {len(users)} test users (each user's last positive, rating >= 4); history "
+          f"and exclusions: training + validation items; value = "
+          + value_text(VALUE) + f"; {cpu}")
+    print("| candidates | HR@10 | recall@50 | items per request | ms p50 | ms p99 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for stage in STAGES:
+        times = per_stage.get(stage_ms[stage], [])
+        print(f"| {what[stage]} | {hr[f'{stage}_hr@10']:.4f} | {hr[f'{stage}_hr@50']:.4f} | "
+              f"{mean[stage]:.0f} | {percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
+    for peer, m in found.items():
+        print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
+    print(f"| whole request (one at a time, after {WARMUP} warm-up) | | | | "
+          f"{percentile(total, 50):.2f} | {percentile(total, 99):.2f} |")
+    print(f"recommend: data={name} "
+          + " ".join(f"hr@10_{stage}={hr[f'{stage}_hr@10']:.4f}" for stage in STAGES)
+          + f" p50_ms={percentile(total, 50):.2f} p99_ms={percentile(total, 99):.2f}")
+
+
+if __name__ == "__main__":
+    main()
