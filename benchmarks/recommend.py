@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -162,6 +161,13 @@ def value_text(value: Dict[str, float]) -> str:
     return text[2:] if text.startswith("+ ") else text
 
 
+def summary_line(name: str, hr: Dict[str, float], total_ms: List[float]) -> str:
+    """The benchmark's last line, for scripts."""
+    return (f"recommend: data={name} "
+            + " ".join(f"hr@10_{stage}={hr[f'{stage}_hr@10']:.4f}" for stage in STAGES)
+            + f" p50_ms={percentile(total_ms, 50):.2f} p99_ms={percentile(total_ms, 99):.2f}")
+
+
 def percentile(values: List[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -180,6 +186,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a check that it runs: 1 epoch, "
                         "30 ranker steps, 10,000 walk steps, 40 users, one peer setting each")
     args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and faiss load
     if args.quick:
         args.epochs, args.ranker_steps, args.pixie_steps = 1, 30, 10_000
         args.users = args.users or 40
@@ -218,9 +225,7 @@ def main() -> None:
         print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
     print(f"| whole request (one at a time, after {WARMUP} warm-up) | | | | "
           f"{percentile(total, 50):.2f} | {percentile(total, 99):.2f} |")
-    print(f"recommend: data={name} "
-          + " ".join(f"hr@10_{stage}={hr[f'{stage}_hr@10']:.4f}" for stage in STAGES)
-          + f" p50_ms={percentile(total, 50):.2f} p99_ms={percentile(total, 99):.2f}")
+    print(summary_line(name, hr, total))
 
 
 if __name__ == "__main__":

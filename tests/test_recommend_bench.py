@@ -1,0 +1,42 @@
+"""benchmarks/recommend.py: its hit rates count a user's test item only among a stage's first K,
+and its last line is the one scripts read."""
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/recommend.py, loaded from its file (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("recommend_bench",
+                                                  ROOT / "benchmarks" / "recommend.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hit_rates_count_the_test_item_among_each_stages_first_k(bench):
+    ranked = np.arange(100, 400)  # the test item 7 at place 30 (0-based) of `merged`
+    merged = np.concatenate([np.arange(1000, 1030), [7], np.arange(2000, 2100)])
+    stages = [{"pixie": np.array([7, 1]), "two_tower": np.arange(20, 40),
+               "history": np.zeros(0, np.int64), "merged": merged, "ranked": ranked},
+              {"pixie": np.arange(50), "two_tower": np.array([9] + list(range(10, 60))),
+               "history": np.array([3, 4]), "merged": np.array([5, 9]),
+               "ranked": np.array([*range(200, 209), 9])}]
+    hr = bench.hit_rates(stages, np.array([7, 9]))  # user 1's test item is 9
+    assert hr == {"pixie_hr@10": 1.0, "pixie_hr@50": 1.0, "two_tower_hr@10": 0.5,
+                  "two_tower_hr@50": 0.5, "history_hr@10": 0.0, "history_hr@50": 0.0,
+                  "merged_hr@10": 0.5, "merged_hr@50": 1.0, "ranked_hr@10": 0.5,
+                  "ranked_hr@50": 0.5}
+    line = bench.summary_line("ml-100k", hr, [float(ms) for ms in range(1, 101)])
+    assert line == ("recommend: data=ml-100k hr@10_pixie=1.0000 hr@10_two_tower=0.5000 "
+                    "hr@10_history=0.0000 hr@10_merged=0.5000 hr@10_ranked=0.5000 "
+                    "p50_ms=50.50 p99_ms=99.01")
+    assert bench.value_text({"watched": 0.5, "liked": 1.0, "disliked": -2.0}) == \
+        "0.5 P(watched) + 1 P(liked) - 2 P(disliked)"
