@@ -1,0 +1,267 @@
+"""`recommend` end to end on a planted log: a two-tower model, a Pixie graph and a multi-task ranker
+made from the same log put each target user's planted items first; the value model, the rules
+(seen items, blocklist, diversity) each change the list as they must; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import failure, run_cli
+
+USERS, ITEMS, CLUSTERS = 300, 120, 4
+PER = ITEMS // CLUSTERS
+TARGETS = [f"u{u}" for u in range(CLUSTERS)]  # one per cluster: has seen none of its planted items
+LIKED = {f"u{c}": {f"i{c * PER + k}" for k in range(3)} for c in range(CLUSTERS)}
+DISLIKED = {f"u{c}": {f"i{c * PER + 3 + k}" for k in range(3)} for c in range(CLUSTERS)}
+TWO_TOWER = """
+model:
+  kind: two_tower
+  embedding_dim: 16
+  user_tower: {mlp: [32, 16]}
+  item_tower: {mlp: [32, 16]}
+  temperature: 0.1
+data: {global_batch_size: 128}
+optim: {embedding: rowwise_adagrad, embedding_lr: 0.1, dense: adagrad, dense_lr: 0.05}
+train: {max_steps: 150, log_every: 150, eval_every: 0, progress_bar: false}
+checkpoint: {resume: none}
+"""
+RANKER = """
+model:
+  embedding_dim: 8
+  bottom_mlp: [16, 8]
+  top_mlp: [16, 1]
+  tasks: [{name: watched}, {name: liked}, {name: disliked}]
+data: {global_batch_size: 256}
+optim: {embedding: rowwise_adagrad, embedding_lr: 0.1, dense: adagrad, dense_lr: 0.05}
+train: {max_steps: 200, log_every: 200, eval_every: 0, progress_bar: false}
+checkpoint: {resume: none}
+value_model: {watched: 0.1, liked: 1.0, disliked: -1.0}
+"""
+FUNNEL = ["--per-source", "10", "--rank-top", "20"]
+
+
+def planted_log() -> list:
+    """(user, item, rating, timestamp, category) rows: each user engages with 8 random items of
+    its cluster (rating 3) and, but for the targets, with the cluster's 3 liked (5) and 3
+    disliked (1) items; an item's category is its place in the cluster mod 3."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for u in range(USERS):
+        base = (u % CLUSTERS) * PER
+        events = [(i, 3) for i in base + 6 + rng.choice(PER - 6, 8, replace=False)]
+        if f"u{u}" not in TARGETS:
+            events += [(base + k, 5) for k in range(3)] + [(base + 3 + k, 1) for k in range(3)]
+        rng.shuffle(events)
+        rows += [(f"u{u}", f"i{i}", r, len(rows) + n, f"c{(i - base) % 3}")
+                 for n, (i, r) in enumerate(events)]
+    return rows
+
+
+def cli(*args: str):
+    result = run_cli(list(args))
+    assert result.returncode == 0, failure(result)
+    return result
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The log's retrieval and ranking datasets, a tiny two-tower model and multi-task ranker
+    trained on them and exported, and the Pixie graph of the retrieval dataset."""
+    root = tmp_path_factory.mktemp("recommend")
+    rows = planted_log()
+    (root / "log.csv").write_text("".join(",".join(map(str, r)) + "\n" for r in rows))
+    read = ["preprocess", "interactions", "--input", str(root / "log.csv"),
+            "--columns", "user,item,rating,timestamp,item:category"]
+    cli(*read, "--positive", "rating>=1", "--output", str(root / "ret"))
+    cli(*read, "--labels", "watched,liked:rating>=4,disliked:rating<=2",
+        "--ranking-negatives", "2", "--output", str(root / "rank"))
+    for name, config, data in (("tt", TWO_TOWER, "ret"), ("rk", RANKER, "rank")):
+        (root / f"{name}.yaml").write_text(config)
+        cli("train", "--config", str(root / f"{name}.yaml"), "--set", f"data.path={root / data}",
+            "--set", f"train.run_dir={root / name}")
+    cli("export", "--checkpoint", str(root / "tt/checkpoints/step_150"), "--out",
+        str(root / "R"), "--retrieval")
+    cli("export", "--checkpoint", str(root / "rk/checkpoints/step_200"), "--out",
+        str(root / "M.pt"))
+    cli("pixie", "build", "--data", str(root / "ret"), "--out", str(root / "G"))
+    by_user = {}
+    for user, item, _, _, _ in rows:  # in time order: the last two are validation and test
+        by_user.setdefault(user, []).append(item)
+    return SimpleNamespace(root=root, category={i: c for _, i, _, _, c in rows},
+                           seen={u: set(items[:-2]) for u, items in by_user.items()},
+                           inputs=["--retrieval", str(root / "R"), "--pixie", str(root / "G"),
+                                   "--ranker", str(root / "M.pt")])
+
+
+def recommend(served, *args: str) -> dict:
+    """One user's answer (--json)."""
+    return json.loads(cli("recommend", *served.inputs, *args, "--json").stdout)
+
+
+def batch(served, name: str, *args: str) -> list:
+    """A batch over the targets (a byte-order mark, blank lines), the JSON lines read back."""
+    users = served.root / "users.txt"
+    users.write_bytes(b"\xef\xbb\xbf" + "\n\n".join(TARGETS).encode() + b"\n\n")
+    out = served.root / name
+    result = cli("recommend", *served.inputs, "--users", str(users), "--out", str(out), *args)
+    assert f"users={len(TARGETS)}" in result.stdout and not Path(f"{out}.partial").exists()
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_planted_items_first_by_the_value_model_and_same_seed_same_lists(served):
+    answers = batch(served, "liked.jsonl", *FUNNEL)
+    assert [a["user"] for a in answers] == TARGETS
+    for a in answers:  # the ranker's value (liked - disliked) puts the unseen liked items first
+        assert set(a["items"][:3]) == LIKED[a["user"]], a
+        counts = a["candidates"]
+        assert len(a["items"]) == counts["ranked"] == min(counts["merged"], 20)
+        assert all(a["sources"]) and max(counts["two_tower"], counts["pixie"]) <= 10
+    for a in batch(served, "disliked.jsonl", *FUNNEL, "--value", "disliked=1"):
+        assert set(a["items"][:3]) == DISLIKED[a["user"]], a  # other weights: other items
+    again = batch(served, "again.jsonl", *FUNNEL)
+    for a in (*answers, *again):
+        del a["ms"]
+    assert again == answers
+
+
+def test_one_user_lines_and_summary(served):
+    lines = cli("recommend", *served.inputs, "--user", "u1", "--k", "3",
+                *FUNNEL).stdout.splitlines()
+    assert {line.split("\t")[0] for line in lines[:3]} == LIKED["u1"]
+    name, value, probabilities, sources = lines[0].split("\t")
+    assert [p.split("=")[0] for p in probabilities.split()] == ["watched", "liked", "disliked"]
+    assert set(sources.split(",")) <= {"two_tower", "history", "pixie"}
+    summary = dict(f.split("=") for f in lines[3].split()[1:])
+    assert lines[3].startswith("recommend: user=u1") and summary["returned"] == "3"
+    assert {"ms_two_tower", "ms_pixie", "ms_rank", "ms_rules"} <= set(summary)
+
+
+def test_seen_items_dropped_unless_kept(served):
+    wide = ["--per-source", "200", "--rank-top", "300", "--k", "120", "--diversity", "off"]
+    dropped = recommend(served, "--user", "u0", *wide)
+    kept = recommend(served, "--user", "u0", *wide, "--keep-seen")
+    seen = served.seen["u0"]
+    assert not seen & set(dropped["items"]) and len(dropped["items"]) == ITEMS - len(seen)
+    assert seen <= set(kept["items"]) and len(kept["items"]) == ITEMS
+
+
+def test_blocklist_and_an_unknown_blocked_item_warns(served):
+    blocked = served.root / "blocked.txt"
+    blocked.write_text("i0\nnot_an_item\n\n")
+    result = cli("recommend", *served.inputs, "--user", "u0", *FUNNEL, "--blocklist",
+                 str(blocked), "--json")
+    items = json.loads(result.stdout)["items"]
+    assert "i0" not in items and set(items[:2]) == LIKED["u0"] - {"i0"}
+    assert result.stderr.startswith("warning: --blocklist: 1 items") and "'not_an_item'" in \
+        result.stderr
+
+
+def test_diversity_no_two_of_a_category_in_a_row(served):
+    ranked = recommend(served, "--user", "u2", *FUNNEL, "--k", "20", "--diversity", "off")
+    diverse = recommend(served, "--user", "u2", *FUNNEL, "--k", "8")["items"]
+    categories = [served.category[i] for i in ranked["items"]]
+    assert any(a == b for a, b in zip(categories[:8], categories[1:8]))  # off: repeats
+    values = ranked["values"]
+    assert values == sorted(values, reverse=True)
+    left, want = list(ranked["items"]), []  # greedily the best of another category
+    while len(want) < 8:
+        pick = next(i for i in left if not want or served.category[i] != served.category[want[-1]])
+        want.append(pick)
+        left.remove(pick)
+    assert diverse == want
+
+
+@pytest.fixture(scope="module")
+def broken(served):
+    """Inputs that do not fit: ranking datasets with a user or item renamed or a feature's size
+    changed, a graph without categories, a graph of another dataset, a single-task ranker."""
+    root = served.root
+    (root / "users.txt").write_text("\n".join(TARGETS) + "\n")
+    for name, path, old, new in (("user", "users.txt", "u5\n", "v5\n"),
+                                 ("item", "items.txt", "i7\n", "j7\n"),
+                                 ("size", "feature_spec.yaml", "cardinality: 120",
+                                  "cardinality: 121")):
+        shutil.copytree(root / "rank", root / f"rank_{name}")
+        text = (root / f"rank_{name}" / path).read_text()
+        assert old in text
+        (root / f"rank_{name}" / path).write_text(text.replace(old, new, 1))
+    shutil.copytree(root / "G", root / "G_plain")
+    (root / "G_plain" / "item_category.npy").unlink()
+    cli("preprocess", "interactions", "--input", str(root / "log.csv"), "--columns",
+        "user,item,rating,timestamp,item:category", "--positive", "rating>=3", "--output",
+        str(root / "ret3"))
+    cli("pixie", "build", "--data", str(root / "ret3"), "--out", str(root / "G3"))
+    cli("train", "--config", "configs/demo.yaml", "--set", "train.max_steps=1", "--set",
+        "data.val_samples=256", "--set", "train.progress_bar=false", "--set",
+        "checkpoint.resume=none", "--set", f"train.run_dir={root / 'demo'}")
+    cli("export", "--checkpoint", str(root / "demo/checkpoints/step_1"), "--out",
+        str(root / "demo.pt"))
+    return root
+
+
+def test_a_ranker_description_without_its_data_asks_for_ranker_data(served):
+    """An older export's description (stored in the file) does not name the ranker's dataset."""
+    with zipfile.ZipFile(served.root / "M.pt") as source, \
+            zipfile.ZipFile(served.root / "old.pt", "w") as old:
+        for entry in source.infolist():
+            text = source.read(entry)
+            if entry.filename.endswith("/extra/model.json"):
+                description = json.loads(text)
+                assert description["source"].pop("data") == str(served.root / "rank")
+                text = json.dumps(description).encode()
+            old.writestr(entry, text)
+    args = ["--retrieval", str(served.root / "R"), "--pixie", str(served.root / "G"),
+            "--user", "u0"]
+    result = run_cli(["recommend", *args, "--ranker", str(served.root / "old.pt")])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: --ranker-data: ")
+    result = run_cli(["recommend", *args, "--ranker", str(served.root / "old.pt"),
+                      "--ranker-data", str(served.root / "rank"), *FUNNEL, "--k", "3"])
+    assert result.returncode == 0, failure(result)
+    assert {line.split("\t")[0] for line in result.stdout.splitlines()[:3]} == LIKED["u0"]
+
+
+BAD = [
+    (["--user", "nobody"], "--user: unknown user 'nobody': not in the retrieval model's"),
+    (["--user", "u5", "--ranker-data", "{root}/rank_user"],
+     "--user: 'u5' is not in {root}/rank_user/users.txt"),
+    (["--user", "u0", "--history", "i1,nope"], "--history: unknown item 'nope'"),
+    (["--user", "u0", "--pixie", "{root}/G3"], "--pixie: {root}/G3 was built from another"),
+    (["--user", "u0", "--ranker-data", "{root}/rank_size"],
+     "--ranker: {root}/M.pt was trained on other data than {root}/rank_size"),
+    (["--user", "u0", "--ranker-data", "{root}/rank_item"],
+     "--ranker: 1 of the retrieval model's items are not in {root}/rank_item/items.txt"),
+    (["--user", "u0", "--ranker", "{root}/demo.pt"], "--ranker: {root}/demo.pt is not a multi"),
+    (["--user", "u0", "--retrieval", "{root}/ret"], "--retrieval: {root}/ret has no retrieval"),
+    (["--user", "u0", "--pixie", "{root}/G_plain", "--diversity", "on"],
+     "--diversity on: {root}/G_plain has no item categories"),
+    (["--user", "u0", "--value", "loved=1"], "--value: no task 'loved'"),
+    (["--user", "u0", "--k", "0"], "--k: must be at least 1"),
+    (["--user", "u0", "--sources", "two_tower,graph"], "--sources: 'two_tower,graph'; give"),
+    (["--user", "u0", "--k", "30", "--rank-top", "20"], "--rank-top: 20 is less than --k 30"),
+    (["--users", "{root}/users.txt"], "recommend: --users needs --out"),
+    (["--users", "{root}/users.txt", "--out", "{root}/R/users.txt"],
+     "recommend: --out {root}/R/users.txt"),
+]
+
+
+@pytest.mark.parametrize("args, says", BAD, ids=[b[1].split(":")[0] + str(n)
+                                                 for n, b in enumerate(BAD)])
+def test_bad_input_is_one_line(served, broken, args, says):
+    root = str(served.root)
+    args = [a.format(root=root) for a in args]
+    flags = {a for a in args if a.startswith("--")}
+    inputs = [a for pair in zip(served.inputs[::2], served.inputs[1::2]) if pair[0] not in flags
+              for a in pair]
+    before = sorted(p.name for p in served.root.iterdir())
+    result = run_cli(["recommend", *inputs, *args])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)
+    assert result.stderr.startswith(f"error: {says.format(root=root)}"), result.stderr
+    assert sorted(p.name for p in served.root.iterdir()) == before  # nothing written
