@@ -11,7 +11,8 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from dlrm_hybrid.errors import UserError
-from dlrm_hybrid.graph.bipartite import Pruning, graph_from_dataset, read_graph, write_graph
+from dlrm_hybrid.graph.bipartite import (Pruning, check_out, graph_from_dataset, read_graph,
+                                        write_graph)
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 
 
@@ -88,8 +89,7 @@ def run(args: argparse.Namespace) -> None:
 
 def run_build(args: argparse.Namespace) -> None:
     refuse_overwriting_inputs([("--out", args.out)], [("--data", args.data)], "pixie build")
-    if Path(args.out).exists():
-        raise UserError(f"--out: {args.out} already exists; give a new folder")
+    check_out(args.out, args.data)
     splits = tuple(s.strip() for s in args.splits.split(",") if s.strip())
     pruning = Pruning(args.max_item_degree, args.max_user_degree, args.min_item_degree,
                       args.min_user_degree, args.max_user_entropy, args.seed)
