@@ -124,17 +124,19 @@ class PixieWalker:
             part = slice(first, first + group)
             counts, walked[part] = self._walk_group(
                 queries[part], budget[part], params, generator)
-            counts = counts.double()
-            score += counts.sqrt().sum(0) if params.boost else counts.sum(0)
-        if params.boost:
-            score = score.square()
+            at = counts.nonzero().squeeze(1)  # the visited (query, item) pairs only
+            visits = counts.index_select(0, at).double()
+            score.index_add_(0, at % self.graph.items, visits.sqrt() if params.boost else visits)
         if not keep_queries:
             score[torch.from_numpy(queries).to(self.device)] = 0
-        return self._ranked(score.cpu().numpy(), k, budget, walked, walked < budget)
+        items = score.nonzero().squeeze(1)
+        values = score.index_select(0, items)
+        values = values.square() if params.boost else values
+        return self._ranked(items.cpu().numpy(), values.cpu().numpy(), k, budget, walked)
 
     def _walk_group(self, queries: np.ndarray, budget: np.ndarray, params: PixieParams,
                     generator: torch.Generator):
-        """([queries, items] int32 visit counts, steps walked) of one group of queries."""
+        """(flat [queries * items] int32 visit counts, steps walked) of one group of queries."""
         device, items = self.device, self.graph.items
         counts = torch.zeros(len(queries) * items, dtype=torch.int32, device=device)
         remaining = torch.from_numpy(budget.copy()).to(device)
@@ -142,7 +144,7 @@ class PixieWalker:
         slots = torch.from_numpy(-(-budget // rounds)).to(device)  # walkers per query
         owner = torch.repeat_interleave(torch.arange(len(queries), device=device), slots)
         rank = torch.arange(len(owner), device=device) - (torch.cumsum(slots, 0) - slots)[owner]
-        start = torch.from_numpy(queries).to(device)[owner]
+        start = torch.from_numpy(queries).to(device, self.user_items.dtype)[owner]  # as ids
         here, row = start.clone(), owner * items  # row: the walker's query's counts
         ones = torch.ones(len(owner), dtype=torch.int32, device=device)
         reached = torch.zeros(len(queries), dtype=torch.float64, device=device)
@@ -174,7 +176,7 @@ class PixieWalker:
                 remaining.masked_fill_(reached >= params.early_stop_candidates - 0.5, 0)
             restart = torch.rand(len(here), generator=generator, device=device) < params.alpha
             here = torch.where(restart, start, there)
-        return counts.view(len(queries), items), walked.cpu().numpy()
+        return counts, walked.cpu().numpy()
 
     def _step(self, here: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """item -> a random user of it -> a random item of that user, for every walker."""
@@ -203,9 +205,9 @@ class PixieWalker:
             raise UserError("pixie: query weights must be finite, 0 or more, and not all 0")
 
     @staticmethod
-    def _ranked(score: np.ndarray, k: int, budget, walked, stopped) -> PixieResult:
-        visited = np.flatnonzero(score > 0)
-        order = visited[np.lexsort((visited, -score[visited]))]  # ties: the lower id first
+    def _ranked(items: np.ndarray, scores: np.ndarray, k: int, budget: np.ndarray,
+                walked: np.ndarray) -> PixieResult:
+        order = np.lexsort((items, -scores))  # ties: the lower id first
         if k:
             order = order[:k]
-        return PixieResult(order, score[order], budget, walked, stopped)
+        return PixieResult(items[order], scores[order], budget, walked, walked < budget)
