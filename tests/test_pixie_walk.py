@@ -269,6 +269,8 @@ def test_pixie_query_bad_inputs_are_one_line_errors(graph_folder, tmp_path):
         (["--items", "a0", "--steps", "0"], "--steps: must be at least 1"),
         (["--items", "a0", "--walkers", "0"], "--walkers: must be at least 1"),
         (["--items", "a0", "--k", "0"], "--k must be at least 1"),
+        (["--items", "a0", "--device", "gpu0"], "--device: 'gpu0' is not a device"),
+        (["--items", "a0", "--device", "meta"], "--device: meta is not available here"),
         (["--items", "a0", "--graph", str(tmp_path / "empty")], "give a folder `pixie build`")]
     for args, expected in cases:
         result = query(graph_folder, *args)

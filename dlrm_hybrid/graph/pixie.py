@@ -91,11 +91,24 @@ def allocate_steps(degrees: np.ndarray, weights: np.ndarray, total: int,
     return steps
 
 
+def walk_device(name: str) -> torch.device:
+    """cpu or an available CUDA device; a one-line error otherwise."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device: {name!r} is not a device; give cpu or cuda") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and
+                                               not torch.cuda.is_available()):
+        raise UserError(f"--device: {name} is not available here; give cpu"
+                        + (" or cuda" if torch.cuda.is_available() else ""))
+    return device
+
+
 class PixieWalker:
     """A graph's CSR arrays on `device`, and walks on them."""
 
     def __init__(self, graph: Graph, device: str = "cpu") -> None:
-        self.graph, self.device = graph, torch.device(device)
+        self.graph, self.device = graph, walk_device(device)
         put = lambda a: torch.from_numpy(np.asarray(a)).to(self.device)  # noqa: E731
         self.item_indptr = put(graph.item_indptr).long()
         self.user_indptr = put(graph.user_indptr).long()
