@@ -183,6 +183,8 @@ def main() -> None:
                         help="multi-task ranker steps of 1,024 samples")
     parser.add_argument("--pixie-steps", type=int, default=100_000, help="walk steps a request")
     parser.add_argument("--users", type=int, default=0, help="test users to ask (0: all)")
+    parser.add_argument("--work", help="build the datasets, models and graph in this new folder "
+                        "and keep them (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="a check that it runs: 1 epoch, "
                         "30 ranker steps, 10,000 walk steps, 40 users, one peer setting each")
     args = parser.parse_args()
@@ -195,7 +197,9 @@ def main() -> None:
     print(f"recommend benchmark on {cpu}; training OMP_NUM_THREADS=1, requests 1 thread",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = build(args, Path(tmp))
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        paths = build(args, work)
         root = Path(paths["retrieval"])
         users, wanted = np.load(root / "test_user.npy"), np.load(root / "test_item.npy")
         val = dict(zip(np.load(root / "val_user.npy").tolist(),
