@@ -289,8 +289,11 @@ def latency(walker, queries: np.ndarray, setting: Setting, threads: int) -> Dict
 
 
 def mean_overlap(tops: Dict[int, np.ndarray], reference: Dict[int, np.ndarray]) -> float:
+    """The mean overlap over the queries both have (NaN where none)."""
     shared = [q for q in reference if q in tops]
-    return float(np.mean([overlap(tops[q], reference[q]) for q in shared])) if shared else float("nan")
+    if not shared:
+        return float("nan")
+    return float(np.mean([overlap(tops[q], reference[q]) for q in shared]))
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -363,11 +366,13 @@ def main() -> None:
     walker = PixieWalker(graph, args.device)
     speed = [row for t in sorted({1, cores}) for row in speed_rows(walker, queries, t,
                                                                    args.quick)]
-    lat = {(s.name, t): latency(walker, queries, s, t) for s in settings
-           for t in sorted({1, cores})}
+    lat = {(s.name, t): latency(walker, queries, s, t) for t in sorted({1, cores})
+           for s in settings}
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
     print(f"\n{name}: {graph.users:,} users, {graph.items:,} items, {graph.edges:,} edges of "
-          f"the train split; {cpu_name()}")
+          f"the train split; {cpu_name()}; load average at the end {load} (1, 5, 15 min: "
+          f"other jobs on the cores slow the walks, above all those with every core)")
     print("\nBuild (`pixie build`; p50 and overlap: 100k steps, early stop 1000,20, 1 thread, "
           "against exact PPR (scipy) of the unpruned graph, the first "
           f"{min(len(queries), 100)} query items still in the graph):")
@@ -383,7 +388,7 @@ def main() -> None:
               f"{g.edges:,} | {d['bytes_per_edge']} | {d['build_seconds']:.3f} | "
               f"{seconds:.2f} | {p50:.1f} | {ov:.3f} ({kept} queries) |")
 
-    print(f"\nSpeed (no early stopping; steps/s the fastest of 3 calls):")
+    print("\nSpeed (no early stopping; steps/s the fastest of 3 calls):")
     print("| workload | walkers | threads | steps/s | steps/s per core |")
     print("|---|---:|---|---:|---:|")
     for workload, walkers, threads, steps, seconds in speed:
