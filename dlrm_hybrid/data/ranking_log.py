@@ -148,7 +148,7 @@ def holdout_keys(folder: str, prepared: Prepared) -> np.ndarray:
     from dlrm_hybrid.data.interaction_meta import is_interaction_folder
 
     root = Path(folder)
-    hint = "give the retrieval dataset `preprocess interactions` (without --labels) made of this log"
+    hint = "give the retrieval dataset `preprocess interactions` (no --labels) made of this log"
     if not is_interaction_folder(folder):
         what = "not a retrieval dataset (no interactions.yaml)" if root.is_dir() else "not found"
         raise UserError(f"--holdout {folder}: {what}; {hint}")
@@ -201,8 +201,8 @@ def hold_out(prepared: Prepared, log: Log, keys: np.ndarray, folder: str, seed: 
     for code, split in enumerate(SPLITS):
         chosen = chronology[split_of[chronology] == code]
         if not len(chosen):
-            raise DataError(f"--holdout {folder}: the {SPLIT_FOLDERS[split]} split is empty without "
-                            f"its pairs; a ranking dataset needs more of the log")
+            raise DataError(f"--holdout {folder}: the {SPLIT_FOLDERS[split]} split is empty "
+                            f"without its pairs; a ranking dataset needs more of the log")
         chosen = (np.random.default_rng(seed).permutation(chosen) if split == "train"
                   else chosen[np.argsort(user_of[chosen], kind="stable")])
         pairs[split] = (user_of[chosen].astype(np.int32), item_of[chosen].astype(np.int32))
