@@ -212,6 +212,15 @@ def test_the_same_seed_gives_the_same_candidates_and_another_seed_others():
     assert not np.array_equal(first.scores, other.scores)
 
 
+
+def test_a_repeated_query_item_is_one_query_with_its_weights_summed():
+    graph, params = random_graph(), PixieParams(steps=30_000, walkers=512, seed=3)
+    walker = PixieWalker(graph)
+    repeated, once = walker.walk([5, 9, 5], [1, 2, 1], params), walker.walk([5, 9], [2, 2], params)
+    assert np.array_equal(repeated.items, once.items)
+    assert np.array_equal(repeated.scores, once.scores)
+
+
 # `pixie query` as a user meets it: two clusters of users and items, made into a dataset and a
 # graph through the CLI; every engagement is an edge (--splits train,val,test)
 @pytest.fixture(scope="module")

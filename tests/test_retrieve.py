@@ -234,7 +234,7 @@ def test_retrieve_answers_without_the_trainer(trained, exported):
 
 
 def test_retrieve_a_batch_of_users_to_a_file(trained, exported, tmp_path):
-    (tmp_path / "users.txt").write_text("u5\n\nu7\n")
+    (tmp_path / "users.txt").write_text("\ufeffu5\n\nu7\n")  # a byte-order mark, a blank line
     out = tmp_path / "answers.jsonl"
     result = run_cli(["retrieve", "--model", str(exported / "flat"), "--users",
                       str(tmp_path / "users.txt"), "--out", str(out), "--k", "10"])

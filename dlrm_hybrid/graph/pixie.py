@@ -122,11 +122,15 @@ class PixieWalker:
              keep_queries: bool = False) -> PixieResult:
         """The top `k` (0: every visited) items of a walk from `queries` (item ids) weighted by
         `weights` (default 1 each); the query items themselves are left out unless
-        `keep_queries`."""
+        `keep_queries`. A repeated query item is one query with the weights summed (it would
+        otherwise boost its own neighbours as if two queries had reached them); the result's
+        per-query arrays follow the distinct items in increasing order."""
         params.check()
         queries = np.asarray(queries, np.int64).reshape(-1)
         weights = np.ones(len(queries)) if weights is None else np.asarray(weights, np.float64)
         self._check_queries(queries, weights)
+        queries, inverse = np.unique(queries, return_inverse=True)
+        weights = np.bincount(inverse.reshape(-1), weights, minlength=len(queries))
         degrees = self.item_degree[torch.from_numpy(queries).to(self.device)].cpu().numpy()
         budget = allocate_steps(degrees, weights, params.steps, self.max_degree)
         generator = torch.Generator(self.device).manual_seed(params.seed)

@@ -218,7 +218,7 @@ def _run_batch(args: argparse.Namespace) -> None:
                                                       ("--model", args.model)], "retrieve")
     require_file_target("--out", args.out)
     try:
-        names = [line.strip() for line in Path(args.users).read_text().splitlines()
+        names = [line.strip() for line in Path(args.users).read_text(encoding="utf-8-sig").splitlines()
                  if line.strip()]
     except OSError as e:
         raise UserError(f"--users: cannot read {args.users} ({e.strerror})") from None
