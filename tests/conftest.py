@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -84,6 +85,16 @@ def cli_zygote():
     if _zygote is not None:
         _zygote.close()
         _zygote = None
+
+
+def load_script(path: str, name: str):
+    """A script of the checkout (benchmarks/ and install/ are no packages) loaded as module
+    `name`, registered in sys.modules (dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def failure(result: subprocess.CompletedProcess) -> str:

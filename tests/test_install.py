@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
-spec = importlib.util.spec_from_file_location("setup_env", ROOT / "install/setup_env.py")
-setup_env = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(setup_env)
+setup_env = load_script("install/setup_env.py", "setup_env")
 
 
 def test_the_table_knows_each_supported_torch_and_reads_any_version_string():

@@ -1,13 +1,11 @@
 """benchmarks/multitask.py: what its comparison rests on (a single-task model trains on the same
 planted labels as the multi-task model, its loss that task's alone) and its summary line."""
 
-import importlib.util
 import re
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import load_script
 from dlrm_hybrid.config import load_config
 
 TASKS = ("click", "like", "see_less")
@@ -17,12 +15,7 @@ PLANTED = ["data.label_missing=0.3"]
 @pytest.fixture(scope="module")
 def bench():
     """benchmarks/multitask.py, loaded from its file (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location("multitask_bench",
-                                                  ROOT / "benchmarks" / "multitask.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/multitask.py", "multitask_bench")
 
 
 def test_a_single_task_model_trains_its_task_alone_on_the_multi_task_models_data(bench):

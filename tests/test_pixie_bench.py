@@ -2,24 +2,18 @@
 power iteration must be Pixie's process solved exactly, and networkx.pagerank with damping
 sqrt(1 - alpha) must rank the items as that process does (the query left out)."""
 
-import importlib.util
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import load_script
 from dlrm_hybrid.graph.bipartite import build_graph
 
 
 @pytest.fixture(scope="module")
 def bench():
     """benchmarks/pixie.py, loaded from its file (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location("pixie_bench", ROOT / "benchmarks" / "pixie.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/pixie.py", "pixie_bench")
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,11 @@
 side-by-side table rests on. torchrec's plan must become our Plan table for table, column for
 column, or the cost model scores some other plan; the quick run shows all three planners."""
 
-import importlib.util
 import re
-import sys
 
 import pytest
 
-from conftest import ROOT, failure, run_cli
+from conftest import ROOT, load_script, failure, run_cli
 from dlrm_hybrid.parallel.placement import Plan, Shard
 from dlrm_hybrid.parallel.tables import TableSpec
 
@@ -23,12 +21,7 @@ TABLES = [TableSpec("big", 4_000_000, 128, "fp32", "sgd", 2.0),
 @pytest.fixture(scope="module")
 def adapter():
     """benchmarks/torchrec_planner.py, loaded from its file (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location("torchrec_planner",
-                                                  ROOT / "benchmarks" / "torchrec_planner.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/torchrec_planner.py", "torchrec_planner")
 
 
 def test_each_torchrec_sharding_type_becomes_our_shards_or_replicated(adapter):

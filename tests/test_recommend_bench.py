@@ -1,24 +1,17 @@
 """benchmarks/recommend.py: its hit rates count a user's test item only among a stage's first K,
 and its last line is the one scripts read."""
 
-import importlib.util
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
     """benchmarks/recommend.py, loaded from its file (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location("recommend_bench",
-                                                  ROOT / "benchmarks" / "recommend.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/recommend.py", "recommend_bench")
 
 
 def test_hit_rates_count_the_test_item_among_each_stages_first_k(bench):

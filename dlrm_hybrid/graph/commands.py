@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph.bipartite import (Pruning, check_out, graph_from_dataset, read_graph,
                                         write_graph)
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
+from dlrm_hybrid.serve.retrieve import lookup_id, read_raw_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,32 +153,19 @@ class RawIds:
     """users.txt / items.txt of a folder (the log's raw ids in dense-id order), or dense ids."""
 
     def __init__(self, folder: str, dense: bool) -> None:
-        self.users = None if dense else _lines(Path(folder) / "users.txt")
-        self.items = None if dense else _lines(Path(folder) / "items.txt")
+        self.users = None if dense else read_raw_ids(Path(folder) / "users.txt")
+        self.items = None if dense else read_raw_ids(Path(folder) / "items.txt")
         self.user_of = {n: i for i, n in enumerate(self.users or ())}
         self.item_of = {n: i for i, n in enumerate(self.items or ())}
 
     def user(self, name: str, count: int) -> int:
-        return _lookup(name, self.users, self.user_of, count, "user")
+        return lookup_id(name, self.users, self.user_of, count, "user", "pixie query",
+                         "the graph's")
 
     def item(self, name: str, count: int) -> int:
-        return _lookup(name, self.items, self.item_of, count, "item")
+        return lookup_id(name, self.items, self.item_of, count, "item", "pixie query",
+                         "the graph's")
 
     def item_name(self, item: int) -> str:
         return str(item) if self.items is None else self.items[item]
 
-
-def _lines(path: Path) -> Optional[List[str]]:
-    return path.read_text().splitlines() if path.is_file() else None
-
-
-def _lookup(name: str, names: Optional[List[str]], of: dict, count: int, what: str) -> int:
-    if names is None:
-        if name.isdigit() and int(name) < count:
-            return int(name)
-        raise UserError(f"unknown {what} {name!r}: the graph's {what}s are dense ids "
-                        f"0..{count - 1}")
-    if name not in of:
-        raise UserError(f"unknown {what} {name!r}: not in the graph's {what}s.txt (the raw ids "
-                        f"of its dataset); use --dense-ids for dense ids")
-    return of[name]

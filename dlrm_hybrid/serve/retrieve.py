@@ -20,7 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import yaml
@@ -54,8 +54,8 @@ class Retriever:
         self.user_side = np.load(root / USER_SIDE)
         self.seen_indptr, self.seen_items = np.load(root / SEEN_INDPTR), np.load(root / SEEN_ITEMS)
         self.index = read_index(str(root / INDEX_FILE), self.description["index"])
-        self.user_names = _raw_ids(root / USERS)
-        self.item_names = _raw_ids(root / ITEMS)
+        self.user_names = read_raw_ids(root / USERS)
+        self.item_names = read_raw_ids(root / ITEMS)
         self.user_of = {name: i for i, name in enumerate(self.user_names or ())}
         self.item_of = {name: i for i, name in enumerate(self.item_names or ())}
 
@@ -124,19 +124,22 @@ class Retriever:
         return out
 
     def _lookup(self, name: str, dense: bool, names, of: dict, count: int, what: str) -> int:
-        if dense or names is None:
-            try:
-                index = int(name)
-            except ValueError:
-                index = -1
-            if 0 <= index < count:
-                return index
-            raise UserError(f"retrieve: unknown {what} {name!r}; the model's {what}s are dense "
-                            f"ids 0..{count - 1}")
-        if name not in of:
-            raise UserError(f"retrieve: unknown {what} {name!r}: not in {what}s.txt of the model "
-                            f"(the raw ids of its training log); use --dense-ids for dense ids")
-        return of[name]
+        return lookup_id(name, None if dense else names, of, count, what, "retrieve",
+                         "the model's")
+
+def lookup_id(name: str, names: Optional[List[str]], of: Dict[str, int], count: int, what: str,
+              command: str, owner: str) -> int:
+    """The dense id of `name`: a raw id among `names` (`of`: their index), or with `names` None
+    a dense id in 0..count-1; a one-line error naming `owner`'s ids otherwise."""
+    if names is None:
+        if name.isdigit() and int(name) < count:
+            return int(name)
+        raise UserError(f"{command}: unknown {what} {name!r}; {owner} {what}s are dense ids "
+                        f"0..{count - 1}")
+    if name not in of:
+        raise UserError(f"{command}: unknown {what} {name!r}: not in {owner} {what}s.txt (the raw "
+                        f"ids of its log); use --dense-ids for dense ids")
+    return of[name]
 
 
 def read_description(root: Path) -> dict:
@@ -158,7 +161,7 @@ def read_description(root: Path) -> dict:
     return description
 
 
-def _raw_ids(path: Path) -> Optional[List[str]]:
+def read_raw_ids(path: Path) -> Optional[List[str]]:
     return path.read_text().splitlines() if path.is_file() else None
 
 
