@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -179,18 +179,10 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
         which, short = leave_last_out(u, chronology)
         rule = (f"leave-last-out by {'timestamp (ties: file order)' if times is not None else 'file order'}"
                 f"; users with < {SHORT} positives: all in train")
-    pairs, split_rows = {}, {}
-    for code, name in enumerate(SPLITS):
-        chosen = chronology[which[chronology] == code]
-        if code == TRAIN:
-            chosen = np.random.default_rng(seed).permutation(chosen)
-        else:
-            chosen = chosen[np.argsort(u[chosen], kind="stable")]
-        if not len(chosen):
-            raise DataError(f"the {name} split is empty ({rule}, {int(kept.sum())} positives "
-                            f"kept); {_empty_hint(split)}")
-        pairs[name] = (u[chosen].astype(np.int32), i[chosen].astype(np.int32))
-        split_rows[name] = chosen
+    pairs, split_rows = split_pairs(
+        chronology, which, u, i, seed,
+        lambda name: f"the {name} split is empty ({rule}, {int(kept.sum())} positives kept); "
+                     f"{_empty_hint(split)}")
     extra = {"rows": log.rows, **log.bad, "not_positive": int((~is_positive).sum()),
              "below_min_count": int((is_positive & ~kept).sum()), "min_count": min_count,
              "dropped_users": int((user_counts > 0).sum()) - len(users.raw),
@@ -202,6 +194,23 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
     return Prepared(InteractionData(meta, pairs, user_side, item_side), users.raw, items.raw,
                     split_rows)
 
+
+def split_pairs(chronology: np.ndarray, which: np.ndarray, users: np.ndarray, items: np.ndarray,
+                seed: int, empty: Callable[[str], str]
+                ) -> Tuple[Dict[str, Tuple[np.ndarray, np.ndarray]], Dict[str, np.ndarray]]:
+    """(each split's (users, items), each split's log rows) of the rows in `chronology` (oldest
+    first) by their split code `which`: train in a seeded random order (a batch mixes users),
+    validation and test by user, then time; a DataError with `empty(split)` for an empty one."""
+    pairs, rows = {}, {}
+    for code, name in enumerate(SPLITS):
+        chosen = chronology[which[chronology] == code]
+        if not len(chosen):
+            raise DataError(empty(name))
+        chosen = (np.random.default_rng(seed).permutation(chosen) if code == TRAIN
+                  else chosen[np.argsort(users[chosen], kind="stable")])
+        pairs[name] = (users[chosen].astype(np.int32), items[chosen].astype(np.int32))
+        rows[name] = chosen
+    return pairs, rows
 
 def _empty_hint(split: str) -> str:
     if split == "time":

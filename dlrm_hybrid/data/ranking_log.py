@@ -36,7 +36,7 @@ from dlrm_hybrid.data.feature_spec import check_label_names
 from dlrm_hybrid.data.interaction_log import OPS, Log, Positive
 from dlrm_hybrid.data.interaction_meta import SPLITS
 from dlrm_hybrid.data.interaction_split import (Prepared, leave_last_out, prepare,
-                                                read_checked_log)
+                                                read_checked_log, split_pairs)
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.errors import DataError, UserError
 
@@ -197,16 +197,10 @@ def hold_out(prepared: Prepared, log: Log, keys: np.ndarray, folder: str, seed: 
         chronology = chronology[np.lexsort((chronology, times[chronology]))]
     if "leave-last-out" in data.meta.split_rule:
         split_of, extra["users_all_in_train"] = leave_last_out(user_of, chronology)
-    pairs, rows = {}, {}
-    for code, split in enumerate(SPLITS):
-        chosen = chronology[split_of[chronology] == code]
-        if not len(chosen):
-            raise DataError(f"--holdout {folder}: the {SPLIT_FOLDERS[split]} split is empty "
-                            f"without its pairs; a ranking dataset needs more of the log")
-        chosen = (np.random.default_rng(seed).permutation(chosen) if split == "train"
-                  else chosen[np.argsort(user_of[chosen], kind="stable")])
-        pairs[split] = (user_of[chosen].astype(np.int32), item_of[chosen].astype(np.int32))
-        rows[split] = chosen
+    pairs, rows = split_pairs(
+        chronology, split_of, user_of, item_of, seed,
+        lambda name: f"--holdout {folder}: the {SPLIT_FOLDERS[name]} split is empty without its "
+                     f"pairs; a ranking dataset needs more of the log")
     extra.update(held_out=int(held.sum()), holdout=folder)
     return Prepared(InteractionData(data.meta, pairs, data.user_side, data.item_side),
                     prepared.raw_users, prepared.raw_items, rows)
