@@ -39,3 +39,30 @@ def sharding_env(group):
         warnings.filterwarnings("ignore", message="`_get_pg_default_device` will be deprecated")
         warnings.filterwarnings("ignore", message="Multiple backends are registered")
         return ShardingEnv.from_process_group(group)
+
+
+def all_gather_with_grad(local, group):
+    """`local`'s rows from every rank of `group`, in rank order, whose backward sends each rank
+    the gradient of its own rows (summed over the ranks). torch 2.13 names it
+    `all_gather_single_autograd` and deprecates 2.11's `all_gather_tensor_autograd` (2.11 has
+    only that name); both return an AsyncCollectiveTensor, waited on here."""
+    from torch.distributed import _functional_collectives as collectives
+
+    gather = getattr(collectives, "all_gather_single_autograd", None)
+    if gather is None:
+        gather = collectives.all_gather_tensor_autograd
+    gathered = gather(local, 0, group)
+    return gathered.wait() if isinstance(gathered, collectives.AsyncCollectiveTensor) \
+        else gathered
+
+
+def saved_files(written, checkpoint_dir) -> list:
+    """The data files `dcp.save` wrote to `checkpoint_dir` (relative paths), from the metadata it
+    returned. torch 2.11's FileSystemWriter.finish records them on a copy of that metadata, so
+    the returned one has `storage_data` None there; the `.metadata` file it wrote has them."""
+    storage = getattr(written, "storage_data", None)
+    if storage is None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(checkpoint_dir)).read_metadata().storage_data
+    return sorted({info.relative_path for info in storage.values()})

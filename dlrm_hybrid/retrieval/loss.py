@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.nn.functional import cross_entropy
+
+from dlrm_hybrid.compat import all_gather_with_grad
 
 
 def gather_rows(local: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,7 @@ def gather_rows(local: torch.Tensor) -> torch.Tensor:
     Every rank must give the same number of rows."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
-    return all_gather_single_autograd(local.contiguous(), 0, dist.group.WORLD).wait()
+    return all_gather_with_grad(local.contiguous(), dist.group.WORLD)
 
 
 class InBatchSoftmax(nn.Module):

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from dlrm_hybrid.compat import saved_files
 from dlrm_hybrid.config import ConfigError, load_config
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.parallel.exchange import make_replicas_current
@@ -61,8 +62,7 @@ def save_checkpoint(root: Path, step: int, dmp, optimizer, env, cfg, extra: dict
     dist.barrier()
     written = dcp.save({"model": dmp.state_dict(), "optim": checkpoint_state(optimizer)},
                        checkpoint_id=partial)
-    digests = file_digests(partial, {METADATA, *(info.relative_path for info in
-                                                 written.storage_data.values())})
+    digests = file_digests(partial, {METADATA, *saved_files(written, partial)})
     if env.is_main:
         cfg.save(partial / CONFIG)
         digests[CONFIG] = file_digest(partial, CONFIG)
