@@ -1,20 +1,28 @@
-"""The GPU check in one command (benchmarks/gpu_check.sh OUT): the `gpu` tests, `bench` on the
-Criteo 1TB FL15 model shape (synthetic data, one GPU) per precision setting, and a 2-process
-NCCL training run where two GPUs exist. Writes OUT/gpu_check.json and OUT/gpu_check.md (the
-table, also printed) and exits non-zero if a stage failed. Sized for one 10-minute call: each
-stage has a time limit, and stages that no longer fit are reported as skipped.
+"""The GPU check (benchmarks/gpu_check.sh OUT): on a GPU host, every stage a user's GPU run goes
+through, each with its own time limit, sized for one 10-minute device call:
 
-    benchmarks/gpu_check.sh OUT [--steps 30] [--settings fp32 bf16 bf16+graphs ...]
-    benchmarks/gpu_check.sh OUT --cpu-rehearsal   # the same stages on CPU, demo model, few steps
+1. imports: every module of the package imports under this torch;
+2. gpu tests: tests/test_gpu.py on parallel workers, each failure's reason kept in
+   OUT/gpu_tests.xml (junit) and OUT/gpu_tests.log;
+3. bench: `bench` on the Criteo 1TB FL15 model shape per precision setting (synthetic batches
+   already on the GPU: the step alone);
+4. train vs bench: `train` of the same model and setting from a split-binary dataset on disk
+   (written while the tests run), its steady-state samples/s against bench's: the loader's cost;
+5. a 2-process NCCL `train` where two GPUs exist.
 
-Without a CUDA device it stops at once with one line (unless --cpu-rehearsal).
+Writes OUT/gpu_check.json and OUT/gpu_check.md (the table, printed last) and exits non-zero if a
+stage failed. `--cpu-rehearsal` runs the same stages on CPU (demo model, gloo, a few steps) to
+check the script before GPU time is spent on it; without a CUDA device and without it, one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,13 +31,29 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from bench_table import BenchFailed, bench_line
+from bench_table import BenchFailed, bench_line, setting_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 FL15 = "configs/criteo_1tb_fl15.yaml"
-SETTINGS = ["fp32", "bf16", "bf16+graphs", "bf16+graphs+nopipeline"]
+SETTINGS = ["bf16+graphs"]
 TARGET = {"setting": "bf16+graphs", "samples_per_s": 4.0e6}  # NVIDIA's A100-80GB FL15 figure
-BUDGET_S = 570  # of the 600 s a device call gets: what the stages may use in all
+BUDGET_S = 560  # of the 600 s a device call gets: what the stages may use in all
+LIMITS_S = {"imports": 60, "gpu_tests": 330, "synth": 240, "train": 150}
+
+
+class Plan:
+    """What one run measures: the full check on a GPU, or its CPU rehearsal."""
+
+    def __init__(self, rehearsal: bool, config: str, settings: List[str], steps: int) -> None:
+        self.rehearsal = rehearsal
+        self.config = "configs/demo.yaml" if rehearsal else config
+        self.settings = ["fp32", "bf16"] if rehearsal else settings
+        self.steps = 3 if rehearsal else steps
+        self.ratio_setting = "fp32" if rehearsal else self.settings[-1]
+        # train vs bench: dataset = `synth_steps` batches, read over `train_steps` steps whose
+        # last `window` are timed (the earlier ones: start-up, warm-up, graph capture).
+        self.synth_steps, self.train_steps, self.window = (4, 12, 4) if rehearsal else (20, 60, 20)
+        self.backend = "gloo" if rehearsal else "nccl"
 
 
 def versions() -> Dict[str, Optional[str]]:
@@ -45,7 +69,34 @@ def versions() -> Dict[str, Optional[str]]:
     if torch.cuda.is_available():
         found["gpu"] = torch.cuda.get_device_name(0)
         found["gpus"] = str(torch.cuda.device_count())
+        driver = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], 20)
+        found["driver"] = driver.stdout.strip().splitlines()[0] if driver.returncode == 0 else None
     return found
+
+
+def run(cmd: List[str], timeout: float, log: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """`cmd` in the checkout; a run past `timeout` comes back with returncode None. `log` gets
+    its output whatever happens."""
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        done = subprocess.CompletedProcess(cmd, None, _text(e.stdout), _text(e.stderr))
+    except FileNotFoundError as e:
+        done = subprocess.CompletedProcess(cmd, 127, "", str(e))
+    if log is not None:
+        log.write_text(f"$ {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def last_line(done: subprocess.CompletedProcess, timeout: float) -> str:
+    if done.returncode is None:
+        return f"still running after {timeout:.0f} s"
+    lines = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()
+    return f"exit {done.returncode}: {lines[-1]}"
 
 
 def numbers(fields: Dict[str, str]) -> Dict[str, object]:
@@ -58,41 +109,67 @@ def numbers(fields: Dict[str, str]) -> Dict[str, object]:
     return {key: value(text) for key, text in fields.items()}
 
 
+def imports(out: Path) -> dict:
+    """Every module of the package imports (the oldest-torch smoke job's check)."""
+    spec = importlib.util.spec_from_file_location("smoke", ROOT / "install/oldest_torch_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    done = run([sys.executable, "-c", smoke.IMPORT_ALL], LIMITS_S["imports"], out / "imports.log")
+    if done.returncode != 0:
+        return {"ok": False, "error": last_line(done, LIMITS_S["imports"])}
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    if found["failed"]:
+        return {"ok": False, "error": "; ".join(found["failed"])}
+    return {"ok": True, "modules": found["modules"]}
+
+
 def gpu_tests(out: Path, timeout: float) -> dict:
+    """tests/test_gpu.py; `failures`: each failed test's name and the first line of its reason."""
     report = out / "gpu_tests.xml"
+    workers = ["-n", "6", "--dist", "load"] if _has_xdist() else []
     start = time.time()
-    try:
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py",
-                              f"--junitxml={report}", "-p", "no:cacheprovider"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"still running after {timeout:.0f} s"}
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    done = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", *workers,
+                "-rA", "--tb=short", f"--junitxml={report}", "-p", "no:cacheprovider"],
+               timeout, out / "gpu_tests.log")
+    result = {"ok": done.returncode == 0, "seconds": round(time.time() - start, 1),
+              "passed": 0, "failed": 0, "skipped": 0, "failures": []}
     if report.exists():
         suite = ElementTree.parse(report).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        total, skipped = int(suite.get("tests")), int(suite.get("skipped"))
-        failed = int(suite.get("failures")) + int(suite.get("errors"))
-        counts = {"passed": total - skipped - failed, "failed": failed, "skipped": skipped}
-    tail = run.stdout.strip().splitlines()[-1:] if run.stdout.strip() else []
-    # pytest exits 5 when the marker selects nothing: that is a failure of the check too.
-    return {"ok": run.returncode == 0, "seconds": round(time.time() - start, 1), **counts,
-            "summary": tail[0] if tail else ""}
+        for case in suite.iter("testcase"):
+            problem = case.find("failure")
+            problem = case.find("error") if problem is None else problem
+            if problem is not None:
+                reason = (problem.get("message") or problem.text or "").strip().splitlines()
+                result["failures"].append(f"{case.get('name')}: {(reason or ['?'])[0][:200]}")
+            elif case.find("skipped") is not None:
+                result["skipped"] += 1
+            else:
+                result["passed"] += 1
+        result["failed"] = len(result["failures"])
+    if done.returncode is None:
+        result["error"] = f"still running after {timeout:.0f} s (see gpu_tests.log)"
+    tail = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+    result["summary"] = tail[0] if tail else result.get("error", "")
+    return result
 
 
-def bench_settings(config: str, settings: List[str], steps: int, extra: List[str],
-                   deadline: float, reserve: float) -> List[dict]:
+def _has_xdist() -> bool:
+    return importlib.util.find_spec("xdist") is not None
+
+
+def bench(plan: Plan, deadline: float, reserve: float) -> List[dict]:
     rows = []
-    for i, setting in enumerate(settings):
+    for i, setting in enumerate(plan.settings):
         left = deadline - time.time() - reserve
-        per_run = left / (len(settings) - i)
+        per_run = left / (len(plan.settings) - i)
         if per_run < 30:
             rows.append({"setting": setting, "ok": False, "error": "skipped: out of time"})
             continue
         start = time.time()
         try:
-            fields = bench_line(config, setting, steps, extra=extra,
-                                 timeout=min(left, per_run * 1.5))
+            fields = bench_line(plan.config, setting, plan.steps, timeout=min(left, per_run * 1.5),
+                                extra=[f"parallel.backend={plan.backend}"])
             rows.append({"setting": setting, "ok": True, **numbers(fields),
                          "seconds": round(time.time() - start, 1)})
         except BenchFailed as error:
@@ -102,91 +179,137 @@ def bench_settings(config: str, settings: List[str], steps: int, extra: List[str
     return rows
 
 
-def two_process_run(config: str, steps: int, extra: List[str], timeout: float) -> dict:
-    """A real `train` job on 2 GPUs (NCCL, bf16, CUDA Graphs; `extra` overrides): its `done:`
-    line."""
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as run_dir:
-        sets = [f"train.max_steps={steps}", "train.eval_every=0", "train.progress_bar=false",
-                f"data.val_samples={65536 * 2}", f"train.run_dir={run_dir}",
-                "parallel.backend=nccl", "train.precision=bf16", "train.cuda_graphs=true",
-                "checkpoint.resume=none", *extra]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", "-m", "dlrm_hybrid", "train", "--config", config,
-               *[a for s in sets for a in ("--set", s)]]
-        start = time.time()
-        try:
-            run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"still running after {timeout:.0f} s"}
-    lines = run.stdout.strip().splitlines()
-    if run.returncode != 0 or not lines or not lines[-1].startswith("done: "):
-        last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"ok": False, "error": f"exit {run.returncode}: {last}"}
+def synth_command(plan: Plan, data: Path) -> List[str]:
+    """The split-binary dataset `train` reads: `synth_steps` global batches of the model's
+    shape (an epoch is re-read as often as the steps need)."""
+    batch = 1024 if plan.rehearsal else 65536
+    sizes = [f"data.train_samples={plan.synth_steps * batch}", f"data.val_samples={batch}"]
+    return [sys.executable, "-m", "dlrm_hybrid", "synth", "--config", plan.config, "--output",
+            str(data), *[a for s in sizes for a in ("--set", s)]]
+
+
+def train_vs_bench(plan: Plan, synth: subprocess.Popen, data: Path, out: Path,
+                   bench_rows: List[dict], timeout: float) -> dict:
+    """`train` from the files at the ratio setting; its last `window` steps' samples/s (from the
+    run's metrics.jsonl) over bench's for that setting."""
+    try:
+        synth.wait(timeout=max(timeout - LIMITS_S["train"], 1))
+    except subprocess.TimeoutExpired:
+        synth.kill()
+        return {"ok": False, "error": "synth still writing the dataset"}
+    if synth.returncode != 0:
+        return {"ok": False, "error": f"synth exit {synth.returncode} (see synth.log)"}
+    run_dir = out / "train_run"
+    sets = [f"data.path={data}", f"train.run_dir={run_dir}", f"train.max_steps={plan.train_steps}",
+            f"train.log_every={plan.window}", "train.eval_every=0", "train.progress_bar=false",
+            "checkpoint.resume=none", "checkpoint.every=0", f"parallel.backend={plan.backend}",
+            *setting_overrides(plan.ratio_setting)]
+    limit = min(LIMITS_S["train"], timeout)
+    done = run([sys.executable, "-m", "dlrm_hybrid", "train", "--config", plan.config,
+                *[a for s in sets for a in ("--set", s)]], limit, out / "train.log")
+    if done.returncode != 0:
+        return {"ok": False, "error": last_line(done, limit)}
+    windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rate = [e["samples_per_s"] for e in windows if "samples_per_s" in e and "loss" in e][-1]
+    result = {"ok": True, "setting": plan.ratio_setting, "train_samples_per_s": rate}
+    bench_row = next((r for r in bench_rows if r["setting"] == plan.ratio_setting and r["ok"]),
+                     None)
+    if bench_row is not None:
+        result["bench_samples_per_s"] = bench_row["samples_per_s"]
+        result["ratio"] = round(rate / bench_row["samples_per_s"], 3)
+    return result
+
+
+def two_process(plan: Plan, timeout: float) -> dict:
+    """A real `train` job on 2 ranks (GPUs: NCCL, bf16, CUDA Graphs): its `done:` line."""
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_two_"))
+    sets = [f"train.max_steps={10 if plan.rehearsal else 300}", "train.eval_every=0",
+            "train.progress_bar=false", f"data.val_samples={65536 * 2}", f"train.run_dir={run_dir}",
+            "checkpoint.resume=none", f"parallel.backend={plan.backend}",
+            *setting_overrides("fp32" if plan.rehearsal else "bf16+graphs")]
+    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2", "-m", "dlrm_hybrid", "train", "--config", plan.config,
+                *[a for s in sets for a in ("--set", s)]], timeout)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith("done: "):
+        return {"ok": False, "error": last_line(done, timeout)}
     fields = dict(item.split("=", 1) for item in lines[-1].split()[1:])
-    return {"ok": True, "seconds": round(time.time() - start, 1), **numbers(fields)}
+    return {"ok": True, **numbers(fields)}
 
 
 def table(result: dict) -> str:
     v = result["versions"]
-    lines = [f"GPU check on {v.get('gpu', 'CPU (rehearsal)')}: torch {v['torch']} "
-             f"(CUDA {v['cuda']}), fbgemm-gpu {v.get('fbgemm-gpu', v.get('fbgemm-gpu-cpu'))}, "
-             f"torchrec {v.get('torchrec')}; config {result['config']}",
-             "", f"gpu tests: {result['gpu_tests'].get('summary') or result['gpu_tests']}", "",
-             "| setting | ran | samples/s | reference samples/s | ratio | roofline fraction "
-             "| peak memory GiB |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [f"GPU check on {v.get('gpu', 'CPU (rehearsal)')} (driver {v.get('driver')}): "
+             f"torch {v['torch']} (CUDA {v['cuda']}), fbgemm-gpu "
+             f"{v.get('fbgemm-gpu', v.get('fbgemm-gpu-cpu'))}, torchrec {v.get('torchrec')}, "
+             f"Python {v['python']}; config {result['config']}, {result['seconds']} s", "",
+             "| stage | result |", "|---|---|",
+             f"| imports | " + (f"{result['imports']['modules']} modules" if result["imports"]["ok"]
+                                else result["imports"]["error"]) + " |"]
+    tests = result["gpu_tests"]
+    lines.append(f"| gpu tests | {tests['passed']} passed, {tests['failed']} failed, "
+                 f"{tests['skipped']} skipped in {tests['seconds']} s"
+                 f"{'; ' + tests['error'] if 'error' in tests else ''} |")
+    lines += [f"| failed: {failure} |  |" for failure in tests["failures"]]
     for r in result["bench"]:
-        if r["ok"]:
-            lines.append(f"| {r['setting']} | {r['precision']} | {r['samples_per_s']:,.0f} "
-                         f"| {r['baseline_samples_per_s']:,.0f} | {r['ratio']:.2f} "
-                         f"| {r['roofline_fraction']:.2f} | {r['peak_mem_gib']:.2f} |")
-        else:
-            lines.append(f"| {r['setting']} | failed: {r['error']} | | | | | |")
+        lines.append(f"| bench {r['setting']} | " + (
+            f"{r['samples_per_s']:,.0f} samples/s ({r['precision']}), reference "
+            f"{r['baseline_samples_per_s']:,.0f} (x{r['ratio']:.2f}), roofline fraction "
+            f"{r['roofline_fraction']:.2f}, peak {r['peak_mem_gib']:.1f} GiB |" if r["ok"] else
+            f"failed: {r['error']} |"))
+    ratio = result["train_vs_bench"]
+    lines.append(f"| train from files vs bench | " + (
+        f"{ratio['train_samples_per_s']:,.0f} samples/s, "
+        + (f"{ratio['ratio']:.2f} of bench ({ratio['setting']})" if "ratio" in ratio else
+           "no bench figure to compare") + " |" if ratio["ok"] else f"failed: {ratio['error']} |"))
     two = result["two_process"]
-    lines += ["", "2-process train: " + (
-        f"{two['samples_per_s']:,.0f} samples/s" if two.get("ok") else
-        two.get("error", "not run"))]
+    lines.append("| 2-process train | " + (f"{two['samples_per_s']:,.0f} samples/s |"
+                                            if two.get("ok") else f"{two.get('error')} |"))
     target = result["target"]
-    lines.append(f"target {target['setting']} >= {target['samples_per_s'] / 1e6:.1f}M samples/s: "
-                 f"{target['verdict']}")
+    lines.append(f"| target {target['setting']} >= {target['samples_per_s'] / 1e6:.1f}M "
+                 f"samples/s | {target['verdict']} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path, help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("out", type=Path, help="folder for the reports and logs")
     parser.add_argument("--config", default=FL15)
     parser.add_argument("--steps", type=int, default=30, help="timed bench steps per setting")
-    parser.add_argument("--settings", nargs="+", default=SETTINGS)
+    parser.add_argument("--settings", nargs="+", default=SETTINGS,
+                        help="bench settings (bench_table.py's); the last one is also trained "
+                             "from files for the train-vs-bench ratio")
     parser.add_argument("--cpu-rehearsal", action="store_true",
-                        help="run the stages on CPU (demo model, fp32/bf16, a few steps) to "
-                             "check the script itself before spending GPU time")
+                        help="run the stages on CPU (demo model, gloo, a few steps) to check "
+                             "the script itself before spending GPU time")
     args = parser.parse_args()
     import torch
 
     start = time.time()
     deadline = start + BUDGET_S
-    if args.cpu_rehearsal:
-        config, settings, steps, train_steps = "configs/demo.yaml", ["fp32", "bf16"], 3, 10
-        extra, train_extra = [], ["parallel.backend=gloo", "train.precision=fp32",
-                                  "train.cuda_graphs=false"]
-    elif not torch.cuda.is_available():
+    if not args.cpu_rehearsal and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device (torch {torch.__version__} sees none); run it on a GPU "
               f"host, or with --cpu-rehearsal to check the script", file=sys.stderr)
         return 2
-    else:
-        config, settings, steps, train_steps = args.config, args.settings, args.steps, 300
-        extra, train_extra = [], []
+    plan = Plan(args.cpu_rehearsal, args.config, args.settings, args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"config": config, "versions": versions(), "steps": steps}
-    result["gpu_tests"] = gpu_tests(args.out, timeout=200)
-    two_ranks = torch.cuda.device_count() >= 2 or args.cpu_rehearsal
-    result["bench"] = bench_settings(config, settings, steps, extra, deadline,
-                                     reserve=120 if two_ranks else 0)
-    if two_ranks:
-        result["two_process"] = two_process_run(config, train_steps, train_extra,
-                                                timeout=max(deadline - time.time(), 30))
-    else:
-        result["two_process"] = {"ok": None, "error": "not run: fewer than 2 GPUs"}
+    result = {"config": plan.config, "versions": versions(), "steps": plan.steps}
+    result["imports"] = imports(args.out)
+    # written on the CPU while the tests use the GPU; not under OUT, which comes back
+    data = Path(tempfile.mkdtemp(prefix="gpu_check_data_")) / "data"
+    with open(args.out / "synth.log", "w") as synth_log:
+        synth = subprocess.Popen(synth_command(plan, data), cwd=ROOT, stdout=synth_log,
+                                 stderr=subprocess.STDOUT)
+    result["gpu_tests"] = gpu_tests(args.out, timeout=min(LIMITS_S["gpu_tests"],
+                                                          deadline - time.time() - 200))
+    two_ranks = torch.cuda.device_count() >= 2 or plan.rehearsal
+    result["bench"] = bench(plan, deadline, reserve=(LIMITS_S["train"] + 20) +
+                            (120 if two_ranks else 0))
+    result["train_vs_bench"] = train_vs_bench(plan, synth, data, args.out, result["bench"],
+                                              timeout=deadline - time.time())
+    shutil.rmtree(data.parent, ignore_errors=True)
+    result["two_process"] = (two_process(plan, max(deadline - time.time(), 30)) if two_ranks
+                             else {"ok": None, "error": "not run: fewer than 2 GPUs"})
     hit = [r for r in result["bench"] if r["setting"] == TARGET["setting"] and r["ok"]]
     verdict = ("not measured" if not hit else
                "met" if hit[0]["samples_per_s"] >= TARGET["samples_per_s"] else "missed")
@@ -196,8 +319,9 @@ def main() -> int:
     text = table(result)
     (args.out / "gpu_check.md").write_text(text + "\n")
     print(text)
-    failed = not result["gpu_tests"]["ok"] or not all(r["ok"] for r in result["bench"]) \
-        or result["two_process"]["ok"] is False
+    failed = (not result["imports"]["ok"] or not result["gpu_tests"]["ok"]
+              or not all(r["ok"] for r in result["bench"])
+              or not result["train_vs_bench"]["ok"] or result["two_process"]["ok"] is False)
     return 1 if failed else 0
 
 

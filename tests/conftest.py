@@ -61,8 +61,12 @@ def _cli_env(base, extra_env: Optional[dict] = None) -> dict:
 
 
 def pytest_configure(config):
+    """On a CUDA host every run is fresh: importing fbgemm-gpu's CUDA build starts CUDA's own
+    threads in the zygote, and a process forked from one that loaded CUDA cannot use it."""
     global _fresh_cli
-    _fresh_cli = config.getoption("--fresh-cli")
+    import torch
+
+    _fresh_cli = config.getoption("--fresh-cli") or torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -125,9 +125,9 @@ class Precision:
         self.name = name = effective_precision(name, device, fallback)
         self.dtype = AUTOCAST_DTYPES.get(name)
         self._cache_casts = not cuda_graphs
-        if name == "tf32":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        if device.type == "cuda":  # torch's defaults differ: cuDNN convolutions would be tf32
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+                name == "tf32")
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._dense_params = list(dense_params)
