@@ -4,7 +4,9 @@ them on the GPU machine.
 
 Equivalence runs train with dense SGD (shared_runs.EQUIVALENCE): Adagrad's first steps move each
 weight by +-lr whatever its gradient's size, so the rounding of another kernel (a captured graph,
-another reduction order, the CPU) would decide them, not the behaviour compared. One GPU holds
+another reduction order, the CPU) would decide them, not the behaviour compared. Losses agree
+within 1e-4 relative: the GPU's atomic-add kernels (cuDNN's weight gradients, attention's
+backward) round differently from run to run, and a wrong gradient shows at 1e-2. One GPU holds
 one NCCL rank (NCCL refuses two ranks on one device), so the models run as one-rank jobs here;
 their 1-vs-2-rank equality is the gloo suite's."""
 
@@ -91,7 +93,7 @@ def test_sharded_dense_layers_on_nccl_give_the_ddp_losses(tmp_path, dense):
     """FSDP2 over NCCL (one GPU: a mesh of one rank still runs fully_shard's hooks)."""
     ddp = train(tmp_path / "ddp", *EQUIVALENCE, *NCCL, *DHEN)
     sharded = train(tmp_path / dense, *EQUIVALENCE, *NCCL, *DHEN, f"parallel.dense={dense}")
-    assert_close(sharded, ddp, 1e-5, f"{dense} vs ddp")
+    assert_close(sharded, ddp, 1e-4, f"{dense} vs ddp")
 
 
 def test_replicated_tables_under_cuda_graphs_give_the_eager_losses(tmp_path):
@@ -125,7 +127,7 @@ def test_export_int8_then_predict_on_a_cuda_host(tmp_path):
     made = run_cli(["synth", "--config", "configs/demo.yaml", "--output", str(data), *sets(*small)])
     assert made.returncode == 0, failure(made)
     train(tmp_path / "run", *NCCL, f"data.path={data}", "train.max_steps=40",
-          "train.eval_every=0", "train.progress_bar=false", "train.precision=bf16")
+          "train.eval_every=0", "train.progress_bar=false")
     checkpoint = tmp_path / "run" / "checkpoints" / "step_40"
     evaluated = run_cli(["eval", "--checkpoint", str(checkpoint), "--split", "val"])
     assert evaluated.returncode == 0, failure(evaluated)
