@@ -202,7 +202,7 @@ def train_vs_bench(plan: Plan, source: str, data: Path, out: Path, bench_rows: L
     """`train` at the ratio setting from `source` ("files": the split-binary dataset at `data`;
     "synthetic": the planted data, made where the run is); its last `window` steps' samples/s
     (from the run's metrics.jsonl) over bench's for that setting."""
-    run_dir = out / f"train_{source}"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"gpu_check_{source}_"))  # OUT: logs and reports
     sets = [f"train.run_dir={run_dir}", f"train.max_steps={plan.train_steps}",
             f"train.log_every={plan.window}", "train.eval_every=0", "train.progress_bar=false",
             "checkpoint.resume=none", "checkpoint.every=0", f"parallel.backend={plan.backend}",
