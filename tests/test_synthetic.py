@@ -160,7 +160,9 @@ def test_teacher_order_3_adds_the_three_way_products(cfg):
     order2 = SyntheticClicks(cfg)
     order3 = SyntheticClicks(DataConfig(**{**cfg.__dict__, "teacher_order": 3}))
     cols2, cols3 = order2.columns("val", 0, 64), order3.columns("val", 0, 64)
-    z = order2._teacher_vectors(torch.from_numpy(cols2.dense).double(), cols2.ids, cols2.lengths)
+    lengths = None if cols2.lengths is None else [torch.from_numpy(n) for n in cols2.lengths]
+    z = order2._teacher_vectors(torch.from_numpy(cols2.dense).double(),
+                                [torch.from_numpy(i) for i in cols2.ids], lengths)
     n, d = z.shape[1], z.shape[2]
     triples = list(itertools.combinations(range(n), 3))
     assert len(triples) == 4  # the dense vector and 3 tables

@@ -8,7 +8,7 @@ import itertools
 import re
 import resource
 import time
-from typing import Callable, List
+from typing import Callable, List, Tuple
 
 import torch
 
@@ -17,7 +17,7 @@ from dlrm_hybrid.bench.roofline import (Peaks, Roofline, dense_flops_per_sample,
                                         embedding_bytes_per_sample, measure_peaks, synchronize)
 from dlrm_hybrid.bench.step_split import PARTS, step_split
 from dlrm_hybrid.config import Config
-from dlrm_hybrid.data.source import open_dataset
+from dlrm_hybrid.data.source import makes_on_device, open_dataset
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.train.cuda_graphs import WARMUP_STEPS
@@ -34,10 +34,8 @@ SPLIT_STEPS = 5
 def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
     device, B = env.device, cfg.data.global_batch_size
     dataset = open_dataset(cfg.data, cfg.model)
-    start = time.perf_counter()
-    host = [dataset.batch("train", i * B, B) for i in range(min(DISTINCT_BATCHES, steps + warmup))]
-    data_ms = (time.perf_counter() - start) / len(host) * 1e3
-    batches = [b.to(device) for b in host]
+    batches, data_ms = _batches(dataset, B, min(DISTINCT_BATCHES, steps + warmup), device)
+    made_on = device.type if makes_on_device(dataset, device) else "host"
 
     dmp, _ = build_sharded_model(cfg, dataset.spec, env, lambda line: None)
     ours = TrainStep(dmp, *build_optimizer(dmp, cfg.optim), cfg.train, device)
@@ -77,13 +75,31 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
     x, y = ours_run.samples_per_s(B), ref_run.samples_per_s(B)
     cpu = cpu_capability()
     path = dmp.module.exchange
-    print(_report(cfg, device, steps, precision, cpu, x, y, data_ms, split, roof, peaks, peak_gib))
+    print(_report(cfg, device, steps, precision, cpu, x, y, (data_ms, made_on), split, roof, peaks,
+                  peak_gib))
     print(f"  embedding exchange: {path}, rank {env.rank} sends {exchange['exchange_fwd_bytes']:,.0f} "
           f"+ {exchange['exchange_bwd_bytes']:,.0f} bytes per step (forward + backward, counted; "
           f"one rank exchanges nothing: `plan --world-size N` gives both paths' bytes at N)")
     print(_last_line(precision, x, y, x / roof.samples_per_s, peak_gib, cpu)
           + f" exchange={path} exchange_bytes="
             f"{exchange['exchange_fwd_bytes'] + exchange['exchange_bwd_bytes']:.0f}", flush=True)
+
+
+def _batches(dataset, batch: int, count: int, device: torch.device) -> Tuple[List, float]:
+    """`count` training batches on `device`, and the ms each took to make: on a GPU the planted
+    synthetic data makes them there (as the training loader does), other data on the host
+    (copied after timing, as the loader's copy overlaps the step)."""
+    on_device = makes_on_device(dataset, device)
+    if on_device:  # its first batch starts CUDA's libraries: not the batches' cost
+        dataset.batch("train", 0, batch, device)
+    made = []
+    start = time.perf_counter()
+    for i in range(count):
+        made.append(dataset.batch("train", i * batch, batch, device) if on_device
+                    else dataset.batch("train", i * batch, batch))
+    synchronize(device)
+    data_ms = (time.perf_counter() - start) / count * 1e3
+    return [b.to(device) for b in made], data_ms
 
 
 def _last_line(precision: Precision, ours: float, ref: float, roofline_fraction: float,
@@ -134,8 +150,8 @@ def _peak_memory_gib(device: torch.device) -> float:
 
 
 def _report(cfg: Config, device: torch.device, steps: int, precision: Precision, cpu: str,
-            ours: float, ref: float, data_ms: float, split: dict, roof: Roofline, peaks: Peaks,
-            peak_gib: float) -> str:
+            ours: float, ref: float, data: Tuple[float, str], split: dict, roof: Roofline,
+            peaks: Peaks, peak_gib: float) -> str:
     B = cfg.data.global_batch_size
     memory = "peak allocated" if device.type == "cuda" else "process peak RSS"
     step_ms = sum(split.values())
@@ -150,7 +166,7 @@ def _report(cfg: Config, device: torch.device, steps: int, precision: Precision,
         f"  reference (nn.EmbeddingBag sparse + SGD, fp32): {ref:,.0f} samples/s, "
         f"{B / ref * 1e3:.1f} ms/step",
         f"  step split, ms/step (profiled over {SPLIT_STEPS} steps): {parts}; "
-        f"data (loader, outside the step) {data_ms:.1f}",
+        f"data (loader, outside the step) {data[0]:.1f}, made on {data[1]}",
         f"  roofline: embeddings {roof.embedding_bytes / 1024:.1f} KiB/sample at "
         f"{roof.bandwidth / 1e9:.1f} GB/s (measured copy), dense "
         f"{roof.dense_flops / 1e6:.2f} MFLOP/sample at {roof.flops_per_s / 1e9:.0f} GFLOP/s "

@@ -66,7 +66,9 @@ def require_samples(dataset, splits: Sequence[str], where: str) -> None:
 def make_loader(data_cfg, dataset, split: str, env, seed: int = 0, start_step: int = 0,
                 on_device: bool = True):
     """This rank's batches of `split` on its device (or pinned on the host, for a consumer that
-    copies them itself): endless for "train" (from `start_step`), one pass otherwise."""
+    copies them itself): endless for "train" (from `start_step`), one pass otherwise. On a GPU
+    the torch loader has a dataset that can (the planted synthetic data) make each batch there,
+    whatever `on_device` says: nothing to copy."""
     args = (dataset, split, data_cfg.global_batch_size, env.rank, env.world_size,
             data_cfg.shuffle and split == "train", seed, start_step)
     if data_cfg.loader == "dali":
@@ -74,4 +76,11 @@ def make_loader(data_cfg, dataset, split: str, env, seed: int = 0, start_step: i
 
         return DaliLoader(rank_columns(*args), dataset.spec.feature_names, env.device,
                           data_cfg.prefetch)
-    return PrefetchLoader(rank_batches(*args), env.device, data_cfg.prefetch, on_device)
+    made_on = env.device if makes_on_device(dataset, env.device) else None
+    return PrefetchLoader(rank_batches(*args, device=made_on), env.device, data_cfg.prefetch,
+                          on_device, made_on_device=made_on is not None)
+
+
+def makes_on_device(dataset, device) -> bool:
+    """Whether `dataset`'s batches for `device` are made there rather than copied from the host."""
+    return device.type == "cuda" and getattr(dataset, "device_batches", False)

@@ -66,9 +66,11 @@ class SplitBinaryDataset(ClickDataset):
         last sample repeated, marked invalid). Labels [B] (one label, no tasks chosen) or
         [B, T] (the tasks `use_tasks` chose; else every label), NaN where missing."""
         maps, n = self._maps[split], self.sizes[split]
-        index = np.minimum(np.arange(first, first + count), max(n - 1, 0))
-        lo, hi = int(index[0]), int(index[-1]) + 1  # contiguous: one slice read per file
-        take = lambda m, dtype: m[lo:hi][index - lo].astype(dtype)  # noqa: E731
+        if first + count <= n:  # one slice of each file, converted: its only copy
+            take = lambda m, dtype: m[first:first + count].astype(dtype)  # noqa: E731
+        else:  # padded: the last sample repeated
+            index = np.minimum(np.arange(first, first + count), max(n - 1, 0))
+            take = lambda m, dtype: m[index].astype(dtype)  # noqa: E731
         tasks = self.tasks or list(self.label_names)
         labels = np.concatenate([self._label(take(maps["labels"][self.label_names.index(t)],
                                                   np.float32), t) for t in tasks], axis=1)
@@ -104,4 +106,6 @@ def _memmap(path: Path, dtype, width: int, expected: Optional[int] = None) -> np
                           f"does not match feature_spec.yaml")
     if size == 0:
         return np.zeros((0, width), dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r").reshape(-1, width)
+    # a plain ndarray over the mapping: np.memmap's own indexing costs ~10 us a call, per file
+    # per batch (it kept the loader under 1.3M samples/s at batch 1024)
+    return np.asarray(np.memmap(path, dtype=dtype, mode="r")).reshape(-1, width)

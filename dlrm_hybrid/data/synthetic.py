@@ -24,66 +24,133 @@ data.label_missing.
 Every random number is a pure function of (seed, stream, sample or row index), computed by a
 counter-based hash instead of a sequential generator: that is what lets each rank generate
 exactly its own slice of any global batch, and makes the data identical for any world size.
+The draws are torch ops (splitmix64 in int64, whose wrapping arithmetic is uint64's), so a GPU
+run makes its batches on the GPU: on any device the values the numpy code made before, ids,
+lengths and labels bit for bit, dense features and probabilities within a float32 ulp on CUDA
+(its float64 ndtri and sums round in the last bits) and bit for bit on the host.
 Teacher latent vectors are hashed from their row index too, so a 40M-row table costs no memory.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from dlrm_hybrid.data.batch import ClickDataset, Columns
+from dlrm_hybrid.data.batch import Batch, ClickDataset, Columns
 from dlrm_hybrid.data.spec import DataSpec
 
 SPLIT_OFFSET = {"train": 0, "val": 1 << 40, "test": 2 << 40}  # disjoint sample index ranges
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+CPU = torch.device("cpu")
+# Samples are made in blocks whose largest intermediate (latent draws or the teacher's dots)
+# has at most this many elements. On a GPU it bounds the transient memory (512 MiB a tensor:
+# FL15's 65536 samples in one block, ~165 kernel launches, ~2 ms of host time). On the CPU,
+# tensors under glibc's mmap threshold (32 MiB at most) reuse heap pages instead of faulting in
+# fresh ones every batch (which cost FL15 more than its arithmetic), and blocks of 2^21 were
+# the fastest of 2^19..2^25 with 1 thread and 16 (benchmarks/README.md).
+BLOCK_ELEMENTS = {"cuda": 1 << 26, "cpu": 1 << 21}
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+def _int64(x: int) -> int:
+    """The int64 with the bits of `x` mod 2^64. torch has no uint64 arithmetic; int64's
+    wrapping + and * and its bitwise ops give uint64's bits."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
 
 
-def counter_uniform(seed: int, stream: int, index: np.ndarray) -> np.ndarray:
-    """Uniform floats in (0, 1), one per index, a pure function of (seed, stream, index)."""
-    key = _splitmix64(np.array([(seed << 20) ^ stream], dtype=np.uint64))
-    bits = _splitmix64(index.astype(np.uint64) ^ key)
-    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+def _mix(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function of every element of `x` (uint64 bits in int64), in place,
+    on its device; `scratch` a tensor like it. In place: on the CPU a new large tensor costs
+    torch more than the operation itself (its first touch of the pages)."""
+    x += _int64(_GOLDEN)
+    for shift, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(x, shift, out=scratch)
+        scratch &= (1 << (64 - shift)) - 1  # torch's >> is arithmetic: this makes it logical
+        x ^= scratch
+        if multiplier is not None:
+            x *= _int64(multiplier)
+    return x
 
 
-def counter_normal(seed: int, stream: int, index: np.ndarray) -> torch.Tensor:
-    return torch.special.ndtri(torch.from_numpy(counter_uniform(seed, stream, index)))
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function of every element (uint64 bits in int64), on its device."""
+    return _mix(x.clone(), torch.empty_like(x))
 
 
-def zipf_ids(u: np.ndarray, rows: int, exponent: float) -> np.ndarray:
-    """Inverse CDF of a bounded power law on [1, rows + 1): id 0 is the most frequent."""
+def stream_keys(seed: int, streams: Sequence[int]) -> torch.Tensor:
+    """What each stream's indices are mixed with, splitmix64((seed << 20) ^ stream): int64 on
+    the host."""
+    return splitmix64(torch.tensor([_int64((seed << 20) ^ s) for s in streams],
+                                   dtype=torch.int64))
+
+
+def keyed_uniform(key: Union[int, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Uniform float64 in (0, 1) from splitmix64(index ^ key), on the index's device; `key` one
+    stream's, or a tensor of keys broadcasting against `index` (one per column)."""
+    return _uniform_of(index ^ key)
+
+
+def _uniform_of(bits: torch.Tensor) -> torch.Tensor:
+    """`keyed_uniform` of mixed-in bits (index ^ key), overwriting them."""
+    scratch = torch.empty_like(bits)
+    _mix(bits, scratch)
+    bits >>= 11
+    bits &= (1 << 53) - 1  # the top 53 bits: exact in float64
+    u = scratch.view(torch.float64)  # its memory again, for the result
+    u.copy_(bits)
+    return u.add_(0.5).mul_(2.0**-53)
+
+
+def counter_uniform(seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """Uniform float64 in (0, 1), one per int64 index, a pure function of (seed, stream, index)."""
+    return keyed_uniform(_stream_key(seed, stream), index)
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_key(seed: int, stream: int) -> int:
+    return int(stream_keys(seed, [stream])[0])
+
+
+def zipf_scale(rows: Sequence[int], exponent: float) -> np.ndarray:
+    """Each table's constant of `zipf_ids`: (rows + 1)^(1 - exponent) - 1, or rows + 1 for
+    exponent 1. Computed once, in numpy, as the data always was."""
+    rows_plus_1 = np.asarray(rows, dtype=np.float64) + 1.0
     if abs(exponent - 1.0) < 1e-9:
-        x = np.power(rows + 1.0, u)
+        return rows_plus_1
+    return np.power(rows_plus_1, 1.0 - exponent) - 1.0
+
+
+def zipf_ids(u: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor,
+             exponent: float) -> torch.Tensor:
+    """Inverse CDF of a bounded power law on [1, rows + 1): id 0 is the most frequent. `rows`
+    and `scale` (`zipf_scale`) broadcast against `u`, e.g. one per column."""
+    if abs(exponent - 1.0) < 1e-9:
+        x = torch.pow(scale, u)
     else:
-        a = 1.0 - exponent
-        x = np.power(1.0 + u * (np.power(rows + 1.0, a) - 1.0), 1.0 / a)
-    return np.minimum(x.astype(np.int64) - 1, rows - 1)
+        x = torch.pow(1.0 + u * scale, 1.0 / (1.0 - exponent))
+    return torch.minimum(x.long() - 1, rows - 1)
 
 
 SCATTER_MULTIPLIER = 2_654_435_761  # a prime above any table size: coprime to every row count
 
 
-def scatter_ids(ids: np.ndarray, rows: int) -> np.ndarray:
+def scatter_ids(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """A bijection of 0..rows-1 (id -> (p * id + rows // 2) mod rows, p prime) that moves the
     frequent low ids apart: what id numbering by first appearance or by hashing looks like."""
     return (ids * SCATTER_MULTIPLIER + rows // 2) % rows
 
 
 class SyntheticClicks(ClickDataset):
-    """The planted-teacher dataset described by a `DataConfig`."""
+    """The planted-teacher dataset described by a `DataConfig`. Its columns are torch ops on
+    any device: `batch(..., device)` makes a batch on a GPU, with the host's values."""
 
     STREAM_DENSE, STREAM_LABEL, STREAM_IDS, STREAM_LATENT, STREAM_LENGTHS = 0, 1, 2, 3, 4
     STREAM_MISSING = 5
     TASK_STREAMS = 1 << 12  # task t's streams: the shared ones + t * this (tables < 256)
+    device_batches = True
 
     def __init__(self, data_cfg, tasks: Sequence[str] = ()) -> None:
         """`tasks`: the labels to plant (model.tasks' names); none: one click label."""
@@ -100,6 +167,7 @@ class SyntheticClicks(ClickDataset):
         self.dense_proj = self._dense_projection(self.seed)
         self.task_dense_proj = [self._dense_projection(self.seed + 7919 * (t + 1))
                                 for t in range(len(self.label_names))]
+        self._tables: Dict[torch.device, _TableConstants] = {}
         self.order = data_cfg.teacher_order
         vectors = len(self.spec.cardinalities) + 1
         pairs = vectors * (vectors - 1) // 2
@@ -122,106 +190,173 @@ class SyntheticClicks(ClickDataset):
         return self.sizes[split]
 
     def columns(self, split: str, first: int, count: int) -> Columns:
-        """Samples [first, first + count) of `split`; indices past its end are padding."""
-        index = np.arange(first, first + count, dtype=np.uint64) + np.uint64(SPLIT_OFFSET[split])
-        dense = self._dense(index)
-        ids = self._ids(index)
-        lengths = self._lengths(index) if self.spec.variable_hotness else None
-        valid = np.arange(first, first + count) < self.sizes[split]
-        if self.tasks:
-            labels, prob = self._task_labels(index, dense, ids, lengths)
-            return Columns(dense.numpy().astype(np.float32), labels, valid, ids, prob, lengths)
-        prob = torch.sigmoid(self._teacher_logit(dense, ids, lengths)).numpy()
-        labels = counter_uniform(self.seed, self.STREAM_LABEL, index) < prob
-        return Columns(dense.numpy().astype(np.float32), labels.astype(np.float32), valid, ids,
-                       prob.astype(np.float32), lengths)
+        """Samples [first, first + count) of `split` as numpy arrays, made on the host; indices
+        past its end are padding."""
+        c = self.tensor_columns(split, first, count, CPU)
+        numpy = lambda ts: None if ts is None else [np.ascontiguousarray(t) for t in ts]  # noqa
+        return Columns(c.dense.numpy(), c.labels.numpy(), c.valid.numpy(), numpy(c.ids),
+                       c.true_prob.numpy(), numpy(c.lengths))
 
-    def _task_labels(self, index: np.ndarray, dense: torch.Tensor, ids: list,
-                     lengths: Optional[list]):
+    def batch(self, split: str, first: int, count: int,
+              device: Optional[torch.device] = None) -> Batch:
+        """`columns` as model inputs, made on `device` (the host if None)."""
+        return Batch.from_columns(self.tensor_columns(split, first, count, device or CPU),
+                                  self.spec.feature_names)
+
+    def tensor_columns(self, split: str, first: int, count: int,
+                       device: torch.device) -> Columns:
+        """`columns` as torch tensors made on `device`: the same values on any device."""
+        vectors = len(self.spec.cardinalities) + 1
+        per_sample = max(sum(self.spec.hotness) * self.teacher_dim, vectors * vectors)
+        rows = max(1, BLOCK_ELEMENTS.get(device.type, BLOCK_ELEMENTS["cuda"]) // per_sample)
+        blocks = [self._block(split, start, min(rows, first + count - start), device)
+                  for start in range(first, first + count, rows)]
+        return blocks[0] if len(blocks) == 1 else _concat(blocks)
+
+    def _block(self, split: str, first: int, count: int, device: torch.device) -> Columns:
+        index = torch.arange(first, first + count, device=device) + SPLIT_OFFSET[split]
+        tables = self._constants(device)
+        dense = self._dense(index)
+        ids = self._ids(index, tables)
+        lengths = self._lengths(index, tables) if self.spec.variable_hotness else None
+        valid = torch.arange(first, first + count, device=device) < self.sizes[split]
+        if self.tasks:
+            labels, prob = self._task_labels(index, dense, ids, lengths, tables)
+        else:
+            prob = torch.sigmoid(self.logit_bias + self._interaction(
+                self._teacher_vectors(dense, ids, lengths, tables)))
+            labels = (counter_uniform(self.seed, self.STREAM_LABEL, index) < prob).float()
+        return Columns(dense.float(), labels, valid, ids, prob.float(), lengths)
+
+    def _constants(self, device: torch.device) -> "_TableConstants":
+        if device not in self._tables:  # made once per device: no host-to-device copy per batch
+            self._tables[device] = _TableConstants(self, device)
+        return self._tables[device]
+
+    def _task_labels(self, index: torch.Tensor, dense: torch.Tensor, ids: list,
+                     lengths: Optional[list], tables: "_TableConstants"):
         """Labels [B, T] (NaN: missing) and true probabilities [B, T] of the used tasks."""
         rho = self.task_correlation
-        shared = self._interaction(self._teacher_vectors(dense, ids, lengths))
+        shared = self._interaction(self._teacher_vectors(dense, ids, lengths, tables))
         labels, probs = [], []
         for name in self.tasks:
             t = self.label_names.index(name)
-            own = self._interaction(self._teacher_vectors(dense, ids, lengths, t))
+            own = self._interaction(self._teacher_vectors(dense, ids, lengths, tables, t))
             prob = torch.sigmoid(self.logit_bias - 0.6 * t + rho**0.5 * shared
-                                 + (1 - rho)**0.5 * own).numpy()
+                                 + (1 - rho)**0.5 * own)
             streams = self.TASK_STREAMS * t
-            label = (counter_uniform(self.seed, self.STREAM_LABEL + streams, index) < prob
-                     ).astype(np.float32)
+            label = (counter_uniform(self.seed, self.STREAM_LABEL + streams, index) < prob).float()
             if t and self.label_missing:
                 missing = counter_uniform(self.seed, self.STREAM_MISSING + streams, index)
-                label[missing < self.label_missing] = np.nan
+                label.masked_fill_(missing < self.label_missing, float("nan"))  # no device sync
             labels.append(label)
             probs.append(prob)
-        return (np.stack(labels, 1), np.stack(probs, 1).astype(np.float32))
+        return torch.stack(labels, 1), torch.stack(probs, 1)
 
-    def _dense(self, index: np.ndarray) -> torch.Tensor:
+    def _dense(self, index: torch.Tensor) -> torch.Tensor:
         n = self.spec.num_dense
-        flat = (index[:, None] * np.uint64(n) + np.arange(n, dtype=np.uint64)).reshape(-1)
-        return counter_normal(self.seed, self.STREAM_DENSE, flat).reshape(len(index), n)
+        flat = index[:, None] * n + torch.arange(n, device=index.device)
+        return torch.special.ndtri(counter_uniform(self.seed, self.STREAM_DENSE, flat))
 
-    def _ids(self, index: np.ndarray) -> list:
-        """[B, hot] ids per table. Sample i draws from counter slots i * stride + 0..hot-1: a
-        stride of at least hot keeps neighbouring samples' slots apart, and 64 for hot <= 64
-        keeps the data as it always was."""
-        out = []
-        for table, (rows, hot) in enumerate(zip(self.spec.cardinalities, self.spec.hotness)):
-            stride = np.uint64(max(64, hot))
-            slots = index[:, None] * stride + np.arange(hot, dtype=np.uint64)
-            u = counter_uniform(self.seed, self.STREAM_IDS + 16 * table, slots.reshape(-1))
-            ids = zipf_ids(u, rows, self.exponent).reshape(len(index), hot)
-            out.append(scatter_ids(ids, rows) if self.scattered else ids)
-        return out
+    def _ids(self, index: torch.Tensor, tables: "_TableConstants") -> list:
+        """[B, hot] ids per table, all tables in one pass (a column per id slot of a table).
+        Sample i draws from counter slots i * stride + 0..hot-1: a stride of at least hot keeps
+        neighbouring samples' slots apart, and 64 for hot <= 64 keeps the data as it always was."""
+        u = keyed_uniform(tables.id_key, index[:, None] * tables.id_stride + tables.id_slot)
+        ids = zipf_ids(u, tables.rows, tables.zipf_scale, self.exponent)
+        if self.scattered:
+            ids = scatter_ids(ids, tables.rows)
+        return list(ids.split(self.spec.hotness, dim=1))  # views: the KJT copies them once
 
-    def _lengths(self, index: np.ndarray) -> list:
+    def _lengths(self, index: torch.Tensor, tables: "_TableConstants") -> list:
         """Ids used by each sample's lookup of each feature, uniform in 1..hotness: [B] int32."""
-        out = []
-        for table, hot in enumerate(self.spec.hotness):
-            u = counter_uniform(self.seed, self.STREAM_LENGTHS + 16 * table, index)
-            out.append(np.minimum((u * hot).astype(np.int32), hot - 1) + 1)  # u may round to 1.0
-        return out
+        u = keyed_uniform(tables.length_key, index[:, None])
+        lengths = torch.minimum((u * tables.hotness).int(), tables.hotness - 1) + 1  # u may be 1.0
+        return list(lengths.unbind(dim=1))
 
-    def _latents(self, table: int, ids: np.ndarray, lengths: Optional[np.ndarray],
-                 task: int = -1) -> torch.Tensor:
-        """The teacher's latent vectors of `ids` ([B, hot]) in `table` (a task's own, for
-        `task` >= 0), mean-pooled over each row's first `lengths` ids (all if None): [B, d]."""
-        d = self.teacher_dim
-        flat = (ids.astype(np.uint64)[..., None] * np.uint64(d) + np.arange(d, dtype=np.uint64))
-        stream = self.STREAM_LATENT + 16 * table + self.TASK_STREAMS * (task + 1)
-        vec = counter_normal(self.seed, stream, flat.reshape(-1))
-        vec = vec.reshape(*ids.shape, d)
-        if lengths is None:
-            return vec.mean(dim=1) / d**0.5
-        n = torch.from_numpy(lengths)[:, None]
-        used = torch.arange(ids.shape[1]) < n
-        return (vec * used[..., None]).sum(dim=1) / n / d**0.5
-
-    def _teacher_logit(self, dense: torch.Tensor, ids: list,
-                       lengths: Optional[list]) -> torch.Tensor:
-        """bias + a2 * sum_{i<j} <z_i, z_j>, and for teacher_order 3
-        + a3 * sum_{i<j<k} sum_c z_ic z_jc z_kc (a2, a3 set in __init__)."""
-        return self.logit_bias + self._interaction(self._teacher_vectors(dense, ids, lengths))
+    def _pooled_latents(self, ids: list, lengths: Optional[list], tables: "_TableConstants",
+                        task: int) -> torch.Tensor:
+        """Every table's teacher latent vectors of its `ids` ([B, hot] each; a task's own for
+        `task` >= 0), mean-pooled over each row's first `lengths` ids (all if None), scaled:
+        [B, tables, d]. All tables' draws in one pass."""
+        d, hotness = self.teacher_dim, self.spec.hotness
+        slots = torch.cat(ids, dim=1)
+        flat = (slots * d)[..., None] + torch.arange(d, device=slots.device)
+        flat ^= tables.latent_keys[task + 1][:, None]
+        vec = _uniform_of(flat)
+        torch.special.ndtri(vec, out=vec)
+        if lengths is None and slots.shape[1] == len(ids):  # one id each: no pooling
+            return vec / d**0.5
+        parts = vec.split(hotness, dim=1)
+        return torch.stack([_pool(part, None if lengths is None else n)
+                            for part, n in zip(parts, lengths or [None] * len(parts))],
+                           dim=1) / d**0.5
 
     def _interaction(self, z: torch.Tensor) -> torch.Tensor:
-        """The teacher's scaled sum over z [B, n, d]: variance teacher_scale^2, mean 0."""
+        """The teacher's scaled sum over z [B, n, d], its logit less the bias: a2 * sum_{i<j}
+        <z_i, z_j>, and for teacher_order 3 + a3 * sum_{i<j<k} sum_c z_ic z_jc z_kc (a2, a3 set
+        in __init__); variance teacher_scale^2, mean 0."""
         dots = torch.bmm(z, z.transpose(1, 2))
-        upper = torch.triu_indices(z.shape[1], z.shape[1], offset=1)
-        total = self.logit_scale * dots[:, upper[0], upper[1]].sum(dim=1)
+        n = z.shape[1]
+        upper = torch.triu_indices(n, n, offset=1, device=z.device)  # flat, in row-major order:
+        pairs = torch.index_select(dots.flatten(1), 1, upper[0] * n + upper[1])  # as dots[:, i, j]
+        total = self.logit_scale * pairs.sum(dim=1)
         if self.order == 3:
             total = total + self.triple_scale * third_order(z)
         return total
 
     def _teacher_vectors(self, dense: torch.Tensor, ids: list, lengths: Optional[list],
+                         tables: Optional["_TableConstants"] = None,
                          task: int = -1) -> torch.Tensor:
         """z = [dense projection, one pooled latent per table]: [B, F + 1, d]; a task's own
         for `task` >= 0."""
-        proj = self.dense_proj if task < 0 else self.task_dense_proj[task]
-        vectors = [dense @ proj / self.teacher_dim**0.5]
-        vectors += [self._latents(t, table_ids, None if lengths is None else lengths[t], task)
-                    for t, table_ids in enumerate(ids)]
-        return torch.stack(vectors, dim=1)
+        tables = tables or self._constants(dense.device)
+        projected = dense @ tables.projections[task + 1] / self.teacher_dim**0.5
+        return torch.cat([projected[:, None], self._pooled_latents(ids, lengths, tables, task)],
+                         dim=1)
+
+
+def _concat(blocks: List[Columns]) -> Columns:
+    """Columns of consecutive blocks of samples as one."""
+    cat = lambda name: torch.cat([getattr(b, name) for b in blocks])  # noqa: E731
+    per_table = lambda name: [torch.cat(ts)  # noqa: E731
+                              for ts in zip(*[getattr(b, name) for b in blocks])]
+    return Columns(cat("dense"), cat("labels"), cat("valid"), per_table("ids"), cat("true_prob"),
+                   None if blocks[0].lengths is None else per_table("lengths"))
+
+
+def _pool(vec: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mean of [B, hot, d] over each row's first `lengths` (all if None) of hot: [B, d]."""
+    if lengths is None:
+        return vec.mean(dim=1)
+    n = lengths[:, None]
+    used = torch.arange(vec.shape[1], device=vec.device) < n
+    return (vec * used[..., None]).sum(dim=1) / n
+
+
+class _TableConstants:
+    """Per-column constants of one device's draws (a column: one id slot of one table, or one
+    table), and the teacher's dense projections there."""
+
+    def __init__(self, data: SyntheticClicks, device: torch.device) -> None:
+        spec, seed = data.spec, data.seed
+        slots = [(t, k) for t, hot in enumerate(spec.hotness) for k in range(hot)]
+        on = lambda values, dtype=torch.int64: (  # noqa: E731
+            torch.as_tensor(values, dtype=dtype).to(device))
+        self.id_slot = on([k for _, k in slots])
+        self.id_stride = on([max(64, spec.hotness[t]) for t, _ in slots])
+        self.id_key = on(stream_keys(seed, [data.STREAM_IDS + 16 * t for t, _ in slots]))
+        rows = [spec.cardinalities[t] for t, _ in slots]
+        self.rows = on(rows)
+        self.zipf_scale = on(zipf_scale(rows, data.exponent), torch.float64)
+        self.hotness = on(spec.hotness, torch.int32)
+        self.length_key = on(stream_keys(seed, [data.STREAM_LENGTHS + 16 * t
+                                                for t in range(len(spec.hotness))]))
+        self.latent_keys = [  # [task + 1]: the shared latents' streams, then each task's own
+            on(stream_keys(seed, [data.STREAM_LATENT + 16 * t + data.TASK_STREAMS * shift
+                                  for t, _ in slots]))
+            for shift in range(len(data.label_names) + 1)]
+        self.projections = [p.to(device) for p in [data.dense_proj, *data.task_dense_proj]]
 
 
 def third_order(z: torch.Tensor) -> torch.Tensor:
