@@ -33,11 +33,11 @@ from dlrm_hybrid.train.loop import train
 
 ROWS = DEMO_VAL_SAMPLES  # validation rows the precisions are compared on
 # Largest |p - p_fp32| allowed per precision, and largest AUC difference to the fp32 model: about
-# 1.5x the gaps measured (|p| fp16 1.8e-4, int8 2.3e-3, int4 0.039; AUC fp16 2.4e-7, int8 3.5e-5,
-# int4 5.2e-4), so that a quantizer a little off fails (int4 of weights x1.3: |p| 0.16, AUC
-# -1.9e-3).
-PROBABILITY_TOLERANCE = {"fp32": 1e-6, "fp16": 3e-4, "int8": 3.5e-3, "int4": 0.06}
-AUC_TOLERANCE = {"fp32": 1e-6, "fp16": 5e-7, "int8": 6e-5, "int4": 8e-4}
+# 1.5x the largest gaps measured on AMD Zen 4 and on an Intel Xeon with AMX, whose trained models
+# differ (|p| fp16 1.8e-4, int8 2.3e-3, int4 0.039 / 0.073; AUC fp16 2.4e-7 / 4.0e-6, int8 3.5e-5,
+# int4 5.2e-4), so that a quantizer a little off fails (int4 of weights x1.3: AUC -1.9e-3).
+PROBABILITY_TOLERANCE = {"fp32": 1e-6, "fp16": 3e-4, "int8": 3.5e-3, "int4": 0.11}
+AUC_TOLERANCE = {"fp32": 1e-6, "fp16": 6e-6, "int8": 6e-5, "int4": 8e-4}
 
 
 @pytest.fixture(scope="module")
