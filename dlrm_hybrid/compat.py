@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from contextlib import contextmanager
 
 
 class _FbgemmSelfCheckFilter(logging.Filter):
@@ -66,3 +67,42 @@ def saved_files(written, checkpoint_dir) -> list:
 
         storage = FileSystemReader(str(checkpoint_dir)).read_metadata().storage_data
     return sorted({info.relative_path for info in storage.values()})
+
+
+# torch 2.14 deprecates TorchScript: every torch.jit.load, save and script warns ("`torch.jit.load`
+# is deprecated. Please switch to `torch.export`.", a FutureWarning), which would precede each
+# `predict`, `retrieve` and `recommend` error line and follow every `export`. The served files
+# stay TorchScript (they load without this package; serve/export.py says why not torch.export),
+# so the three calls below go without that notice; torch 2.11-2.13 do not give it.
+TORCHSCRIPT_NOTICE = r"`torch\.jit\.(load|save|script)` is (deprecated|not supported)"
+
+
+@contextmanager
+def _without_torchscript_notice():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TORCHSCRIPT_NOTICE, category=FutureWarning)
+        yield
+
+
+def jit_load(path: str, **kwargs):
+    """torch.jit.load(path, **kwargs), without torch 2.14's deprecation notice."""
+    import torch
+
+    with _without_torchscript_notice():
+        return torch.jit.load(path, **kwargs)
+
+
+def jit_save(module, path: str, **kwargs) -> None:
+    """torch.jit.save(module, path, **kwargs), without torch 2.14's deprecation notice."""
+    import torch
+
+    with _without_torchscript_notice():
+        torch.jit.save(module, path, **kwargs)
+
+
+def jit_script(module):
+    """torch.jit.script(module), without torch 2.14's deprecation notice."""
+    import torch
+
+    with _without_torchscript_notice():
+        return torch.jit.script(module)

@@ -20,6 +20,7 @@ import torch
 from torchrec.models.dlrm import InteractionDCNArch
 from torchrec.modules.crossnet import LowRankMixtureCrossNet
 
+from dlrm_hybrid.compat import jit_save, jit_script
 from dlrm_hybrid.config import load_config, task_names
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.errors import UserError
@@ -87,8 +88,8 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
         "torch": torch.__version__,
     }
     text = json.dumps(description, indent=1)
-    scripted = torch.jit.script(scoring)
-    _write_both(target, lambda p: torch.jit.save(scripted, str(p), _extra_files={DESCRIPTION: text}),
+    scripted = jit_script(scoring)
+    _write_both(target, lambda p: jit_save(scripted, str(p), _extra_files={DESCRIPTION: text}),
                 description_path(target), lambda p: p.write_text(text + "\n"))
     return description
 

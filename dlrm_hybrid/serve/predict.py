@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.nn.functional import binary_cross_entropy
 
+from dlrm_hybrid.compat import jit_load
 from dlrm_hybrid.data.batch import Columns
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.spec import DataSpec
@@ -48,7 +49,7 @@ def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
                         f"; give a file `export` wrote")
     extra = {DESCRIPTION: ""}
     try:
-        module = torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+        module = jit_load(str(path), map_location="cpu", _extra_files=extra)
         description = json.loads(extra[DESCRIPTION] or "{}")
     except (RuntimeError, ValueError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]

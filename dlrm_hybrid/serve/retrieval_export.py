@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.functional import normalize
 
 from dlrm_hybrid import __version__
+from dlrm_hybrid.compat import jit_save, jit_script
 from dlrm_hybrid.data.source import open_dataset
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.compositional import FeatureLookup
@@ -172,7 +173,7 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
     shutil.rmtree(partial, ignore_errors=True)  # a previous export that was stopped
     partial.mkdir()
     try:
-        torch.jit.save(torch.jit.script(user_tower), str(partial / USER_TOWER))
+        jit_save(jit_script(user_tower), str(partial / USER_TOWER))
         np.save(partial / ITEM_VECTORS, vectors)
         np.save(partial / USER_SIDE, np.asarray(dataset.user_side, np.int64))
         np.save(partial / SEEN_INDPTR, seen_indptr.astype(np.int64))

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import yaml
 
+from dlrm_hybrid.compat import jit_load
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
 
@@ -43,13 +44,11 @@ class Retriever:
     users' side features and training items, the raw ids."""
 
     def __init__(self, folder: str) -> None:
-        import torch
-
         from dlrm_hybrid.retrieval.index import INDEX_FILE, read_index
 
         root = Path(folder)
         self.description = read_description(root)
-        self.user_tower = torch.jit.load(str(root / USER_TOWER), map_location="cpu")
+        self.user_tower = jit_load(str(root / USER_TOWER), map_location="cpu")
         self.item_vectors = np.load(root / ITEM_VECTORS)
         self.user_side = np.load(root / USER_SIDE)
         self.seen_indptr, self.seen_items = np.load(root / SEEN_INDPTR), np.load(root / SEEN_ITEMS)
