@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    bench.add_argument("--profile", metavar="DIR",
+                       help="also print the step's top kernels (ops on a CPU) with the FLOP/s or "
+                            "GB/s each achieved, and write the profile's trace to DIR")
     curves.add_arguments(commands.add_parser(
         "plot", help="draw runs' loss and AUC against steps and time (from metrics.jsonl)"))
     formats = commands.add_parser("preprocess", help="raw click logs -> split-binary dataset"
@@ -271,6 +274,7 @@ def run_preprocess(args) -> None:
 
 
 def run_bench(args) -> None:
+    from dlrm_hybrid.bench.kernels import check_profile_dir
     from dlrm_hybrid.bench.run import ROUNDS, bench
 
     if world_size_from_env() > 1:
@@ -286,7 +290,9 @@ def run_bench(args) -> None:
         raise UserError("bench: its baseline is a one-logit DLRM, and model.tasks names "
                         f"{len(cfg.model.tasks)} tasks; benchmarks/multitask.py measures the cost "
                         "of each task per step")
-    run_distributed(lambda env: bench(cfg, env, args.steps, args.warmup), cfg.parallel.backend)
+    profile_dir = check_profile_dir(args.profile) if args.profile else None
+    run_distributed(lambda env: bench(cfg, env, args.steps, args.warmup, profile_dir),
+                    cfg.parallel.backend)
 
 
 def run_distributed(job, backend: str = "auto") -> None:

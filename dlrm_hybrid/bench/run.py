@@ -8,11 +8,13 @@ import itertools
 import re
 import resource
 import time
-from typing import Callable, List, Tuple
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from dlrm_hybrid.bench.baseline import ReferenceBatch, reference_step
+from dlrm_hybrid.bench.kernels import kernel_table, save_profile, top_kernels
 from dlrm_hybrid.bench.roofline import (Peaks, Roofline, dense_flops_per_sample,
                                         embedding_bytes_per_sample, measure_peaks, synchronize)
 from dlrm_hybrid.bench.step_split import PARTS, step_split
@@ -31,7 +33,9 @@ ROUNDS = 3  # ours and the baseline alternate, so a load change on the machine h
 SPLIT_STEPS = 5
 
 
-def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
+def bench(cfg: Config, env: DistEnv, steps: int, warmup: int,
+          profile_dir: Optional[Path] = None) -> None:
+    """`profile_dir`: also print the step's top kernels and write the profile's trace there."""
     device, B = env.device, cfg.data.global_batch_size
     dataset = open_dataset(cfg.data, cfg.model)
     batches, data_ms = _batches(dataset, B, min(DISTINCT_BATCHES, steps + warmup), device)
@@ -63,7 +67,7 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
         ours_run.timed(n)
         ref_run.timed(n)
 
-    split = step_split(ours_run.one_step, SPLIT_STEPS, device)
+    split, prof = step_split(ours_run.one_step, SPLIT_STEPS, device, detailed=bool(profile_dir))
     precision = ours.precision  # what runs: bf16/fp16 fall back to fp32 on a CPU that emulates them
     peaks = measure_peaks(device, precision.dtype or torch.float32)
     spec, dim = dataset.spec, cfg.model.embedding_dim
@@ -77,6 +81,13 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int) -> None:
     path = dmp.module.exchange
     print(_report(cfg, device, steps, precision, cpu, x, y, (data_ms, made_on), split, roof, peaks,
                   peak_gib))
+    if profile_dir is not None:
+        table = kernel_table(top_kernels(prof, SPLIT_STEPS, device), sum(split.values()), device,
+                             peaks.flops_per_s, peaks.bandwidth)
+        print(table)
+        save_profile(prof, profile_dir, table)
+        print(f"  profile: {profile_dir}/trace.json ({SPLIT_STEPS} steps; open in Perfetto or "
+              f"chrome://tracing)")
     print(f"  embedding exchange: {path}, rank {env.rank} sends {exchange['exchange_fwd_bytes']:,.0f} "
           f"+ {exchange['exchange_bwd_bytes']:,.0f} bytes per step (forward + backward, counted; "
           f"one rank exchanges nothing: `plan --world-size N` gives both paths' bytes at N)")

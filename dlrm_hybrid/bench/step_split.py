@@ -4,7 +4,7 @@ charged to the first part its name, or the name of an op it runs inside, points 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,10 +31,12 @@ def part_of(names: List[str]) -> str:
     return "dense"
 
 
-def step_split(step: Callable[[], object], steps: int, device: torch.device) -> Dict[str, float]:
-    """Milliseconds per step of each part, profiling `steps` calls of `step`."""
+def step_split(step: Callable[[], object], steps: int, device: torch.device,
+               detailed: bool = False) -> Tuple[Dict[str, float], profile]:
+    """Milliseconds per step of each part, profiling `steps` calls of `step`, and the profile
+    (`detailed`: with each op's input shapes and FLOPs, for `bench --profile`)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=detailed, with_flops=detailed) as prof:
         for _ in range(steps):
             step()
         if device.type == "cuda":
@@ -44,7 +46,7 @@ def step_split(step: Callable[[], object], steps: int, device: torch.device) -> 
         own = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
         if own > 0:
             totals[part_of(_names(event))] += own / 1000 / steps
-    return dict(totals)
+    return dict(totals), prof
 
 
 def _names(event) -> List[str]:
