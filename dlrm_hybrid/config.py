@@ -205,11 +205,15 @@ class TrainConfig:
     # Rank 0 writes TensorBoard event files in run_dir/tensorboard: auto (when the tensorboard
     # package is installed) | true (an error if it is not) | false.
     tensorboard: str = "auto"
-    precision: str = "fp32"  # fp32 | tf32 | bf16 | fp16 (autocast; fp16 with a loss scaler)
+    # auto (bf16 on a GPU, fp32 on a CPU) | fp32 | tf32 | bf16 | fp16 (autocast; fp16 with a
+    # loss scaler)
+    precision: str = "auto"
     # On a CPU whose oneDNN has no bf16/fp16 matmul (e.g. AVX2-only), that precision runs torch's
     # reference kernels, 20-100x slower than fp32: true computes in fp32 instead, with a warning.
     precision_fallback: bool = True
-    cuda_graphs: bool = False  # replay the dense part of each step as a CUDA graph (GPU only)
+    # Replay the dense part of each step as a CUDA graph: auto (on a GPU, where the step can be
+    # captured: ddp dense layers, pooled exchange, the ranker) | true | false.
+    cuda_graphs: str = "auto"
     pipeline: str = "auto"  # auto (enabled with CUDA) | enabled | disabled: overlap batch i+1's copy and id exchange with step i
     # MLPerf's schedule: evaluate N times per epoch, every floor(train samples / (batch * N))
     # steps, for at most one epoch in the dataset's order (max_steps 0: all N evaluations).
@@ -281,7 +285,8 @@ CHOICES = {
     "parallel.strategy": ("greedy", "nvidia"),
     "parallel.comm_precision": ("fp32", "fp16", "bf16"),
     "parallel.exchange": ("pooled", "des", "auto"),
-    "train.precision": ("fp32", "tf32", "bf16", "fp16"),
+    "train.precision": ("auto", "fp32", "tf32", "bf16", "fp16"),
+    "train.cuda_graphs": ("auto", "true", "false"),
     "train.pipeline": ("auto", "enabled", "disabled"),
     "train.progress_bar": ("auto", "true", "false"),
     "train.tensorboard": ("auto", "true", "false"),
@@ -640,7 +645,7 @@ def _validate_two_tower(cfg: Config, world_size: int) -> None:
                           f"val and test); use 3 or more")
     unsupported = {"parallel.dense": cfg.parallel.dense != "ddp",
                    "parallel.exchange": cfg.parallel.exchange == "des",
-                   "train.cuda_graphs": cfg.train.cuda_graphs,
+                   "train.cuda_graphs": cfg.train.cuda_graphs == "true",
                    "train.mlperf_log": bool(cfg.train.mlperf_log),
                    "train.target_auc": cfg.train.target_auc > 0}
     for key, asked in unsupported.items():
@@ -663,7 +668,7 @@ def _validate_dense(cfg: Config) -> None:
                           f"got {p.hsdp_shard_size}")
     if p.dense == "ddp":
         return
-    if cfg.train.cuda_graphs:
+    if cfg.train.cuda_graphs == "true":
         raise ConfigError(f"train.cuda_graphs: parallel.dense={p.dense} all-gathers the dense "
                           f"parameters inside the step, which a captured graph cannot; set "
                           f"train.cuda_graphs=false or parallel.dense=ddp")
@@ -685,7 +690,7 @@ def _validate_exchange(cfg: Config) -> None:
         raise ConfigError("parallel.exchange: des needs each column of a feature's vector from "
                           "one table, which qr mult and add parts are not (their product or sum "
                           "is); use concat or hash, or pooled")
-    if cfg.train.cuda_graphs or cfg.train.precision == "fp16":
+    if cfg.train.cuda_graphs == "true" or cfg.train.precision == "fp16":
         raise ConfigError("parallel.exchange: des runs neither under train.cuda_graphs nor with "
                           "fp16's loss scaler (both cut the step where the pooled embeddings "
                           "enter, which des moves to the owners); use pooled")

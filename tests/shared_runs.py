@@ -42,7 +42,7 @@ def demo_checkpoint(demo_run) -> Path:
 # the sign of a near-zero gradient (rounding of another reduction order) would decide them.
 EQUIVALENCE = ["train.max_steps=20", "train.log_every=1", "train.eval_every=0",
                "data.val_samples=8192", "train.progress_bar=false", "optim.dense=sgd",
-               "optim.dense_lr=0.5"]
+               "optim.dense_lr=0.5", "train.precision=fp32", "train.cuda_graphs=false"]
 
 
 def equivalence_run(run_dir: Path, nproc: int, optimizer: str, extra_env=None):

@@ -72,6 +72,14 @@ def test_the_gpu_trains_the_cpu_model_step_by_step(tmp_path):
     assert_close(gpu, cpu, 1e-4, "cuda vs cpu")
 
 
+def test_by_default_a_gpu_run_is_bf16_with_cuda_graphs(tmp_path):
+    losses = train(tmp_path, "train.max_steps=15", "train.log_every=1", "train.eval_every=0",
+                   "data.val_samples=8192", "train.progress_bar=false", *NCCL)
+    first = read_metrics(tmp_path)[0]
+    assert first["precision"] == "bf16" and first["cuda_graphs"] is True
+    assert len(losses) == 15
+
+
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "fp16"])
 def test_each_precision_with_cuda_graphs_trains(tmp_path, precision):
     losses = train(tmp_path, "train.max_steps=40", "train.log_every=1", "train.eval_every=0",
@@ -113,7 +121,8 @@ def test_replicated_tables_under_cuda_graphs_give_the_eager_losses(tmp_path):
 def test_the_other_models_train_on_cuda_as_on_cpu(tmp_path, model):
     """The two-tower model (its in-batch softmax over the global batch, on NCCL) and the
     multi-task ranker, 10 steps on CUDA against the same run on CPU."""
-    common = TWO_TOWER if model == "two_tower" else [*MULTITASK, *THREE]
+    common = [*(TWO_TOWER if model == "two_tower" else [*MULTITASK, *THREE]),
+              "train.precision=fp32", "train.cuda_graphs=false"]  # the CPU's defaults
     gpu = train(tmp_path / "gpu", *common, *NCCL, config="")
     cpu = train(tmp_path / "cpu", *common, *GLOO, config="")
     assert_close(gpu, cpu, 1e-4, f"{model}: cuda vs cpu")

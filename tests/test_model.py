@@ -16,6 +16,7 @@ from conftest import done_fields, failure, run_cli
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.config import DataConfig, DcnConfig
+from dlrm_hybrid.model import alignment
 from dlrm_hybrid.model.dlrm import DLRM
 from dlrm_hybrid.model.compositional import feature_lookups
 from dlrm_hybrid.model.embeddings import embedding_tables
@@ -36,17 +37,59 @@ def make_model(interaction, **kwargs):
                 embedding_device=torch.device("cpu"), **kwargs)
 
 
-def test_dot_matches_torchrec_dlrm_with_the_same_weights():
+FIRST_LAYERS = ("dense_arch.model._mlp.0._linear.weight", "over_arch.model.0._mlp.0._linear.weight")
+
+
+def torchrec_dlrm_and_ours():
+    """torchrec's DLRM and ours with its weights: the two first layers' weights padded with
+    zero columns, where ours reads inputs padded to an aligned width (5 -> 8, 10 -> 16)."""
     ours = make_model("dot")
     ebc = EmbeddingBagCollection(tables=embedding_tables(LOOKUPS))
     reference = TorchrecDLRM(ebc, SPEC.num_dense, [8, 4], [16, 1])
     renamed = {k.replace("sparse_arch.embedding_bag_collection.", "embedding_bags.")
                 .replace("inter_arch.", "interaction."): v
                for k, v in reference.state_dict().items()}
+    own = ours.state_dict()
+    for key in FIRST_LAYERS:
+        assert own[key].shape[1] > renamed[key].shape[1] and own[key].shape[1] % 8 == 0
+        renamed[key] = torch.nn.functional.pad(renamed[key], [0, own[key].shape[1] - renamed[key].shape[1]])
     ours.load_state_dict(renamed)
+    return reference, ours
+
+
+def test_dot_matches_torchrec_dlrm_with_the_same_weights():
+    reference, ours = torchrec_dlrm_and_ours()
     batch = sample_batch()
     expected = reference(batch.dense, batch.sparse).squeeze(1)
-    torch.testing.assert_close(ours(batch.dense, batch.sparse), expected, rtol=0, atol=0)
+    torch.testing.assert_close(ours(batch.dense, batch.sparse), expected, rtol=0, atol=1e-6)
+
+
+def test_padded_layers_start_and_stay_the_unpadded_function(monkeypatch):
+    """Built from the same init draws as the unpadded model, with zero weights on the padding;
+    training leaves those zero and the losses equal the unpadded model's."""
+    padded = make_model("dot")
+    monkeypatch.setattr(alignment, "ALIGN", 1)
+    unpadded = make_model("dot")
+    plain = unpadded.state_dict()
+    for key, value in padded.state_dict().items():
+        width = plain[key].shape[-1] if plain[key].dim() else 0
+        assert torch.equal(value[..., :width], plain[key]), key
+        assert key in FIRST_LAYERS or value.shape == plain[key].shape, key
+        assert not value[..., width:].any(), key
+    optimizers = [torch.optim.Adagrad(m.parameters(), lr=0.5) for m in (unpadded, padded)]
+    for step in range(5):
+        batch = sample_batch(16 + step)
+        losses = []
+        for model, optimizer in zip((unpadded, padded), optimizers):
+            optimizer.zero_grad()
+            loss = model(batch.dense, batch.sparse, batch.labels)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+    trained = padded.state_dict()
+    for key in FIRST_LAYERS:
+        assert not trained[key][:, plain[key].shape[1]:].any(), key
 
 
 @pytest.mark.parametrize("interaction, kwargs, width", [
@@ -57,7 +100,8 @@ def test_dot_matches_torchrec_dlrm_with_the_same_weights():
 ])
 def test_interactions_feed_the_top_mlp_and_train(interaction, kwargs, width):
     model = make_model(interaction, **kwargs)
-    assert model.over_arch.model[0]._mlp[0]._linear.in_features == width
+    aligned = -(-width // 8) * 8 if interaction == "dot" else width  # dot: zero-padded
+    assert model.over_arch.model[0]._mlp[0]._linear.in_features == aligned
     batch = sample_batch()
     logits = model(batch.dense, batch.sparse)
     assert logits.shape == (16,)
@@ -72,7 +116,10 @@ def test_self_interaction_adds_each_vectors_own_dot():
     out = with_self.interaction(dense, sparse)
     vectors = torch.cat([dense[:, None], sparse], dim=1)
     assert torch.allclose(out[:, 4], (vectors[:, 0] ** 2).sum(1))  # first pair is (0, 0)
-    assert out.shape[1] - plain.interaction(dense, sparse).shape[1] == 4
+    unpadded = [m.interaction(dense, sparse).shape[1] - m.interaction.padding
+                for m in (with_self, plain)]
+    assert unpadded[0] - unpadded[1] == 4
+    assert not out[:, unpadded[0]:].any() and out.shape[1] % 8 == 0
 
 
 def dcn_model(top_mlp=(16, 1), **dcn):

@@ -347,3 +347,25 @@ def test_bench_refuses_several_ranks():
     result = run_cli(["bench", "--config", "configs/demo.yaml"], nproc=2)
     assert result.returncode != 0
     assert "bench: runs in one process" in result.stderr
+
+
+def test_by_default_a_cpu_run_is_fp32_and_eager(tmp_path, process_group):
+    """train.precision and train.cuda_graphs default to auto: bf16 with CUDA Graphs on a GPU
+    (test_gpu.py checks that there), fp32 without graphs on a CPU, and no warning about it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        train(small_config(tmp_path, "train.max_steps=2"), process_group)
+    first = read_metrics(tmp_path)[0]
+    assert first["precision"] == "fp32" and first["cuda_graphs"] is False
+
+
+def test_cuda_graphs_auto_is_on_where_a_gpu_step_can_be_captured():
+    from dlrm_hybrid.train.cuda_graphs import graphs_wanted
+    from test_model import make_model
+
+    model, cuda, cpu = make_model("dot"), torch.device("cuda"), torch.device("cpu")
+    assert graphs_wanted("auto", model, cuda) and not graphs_wanted("auto", model, cpu)
+    assert graphs_wanted("true", model, cpu) and not graphs_wanted("false", model, cuda)
+    model.exchange = "des"  # the owners' partial sums enter inside the dense part
+    assert not graphs_wanted("auto", model, cuda)
+    assert not graphs_wanted("auto", torch.nn.Linear(2, 2), cuda)  # no dense_loss: not a ranker

@@ -43,7 +43,7 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int,
 
     dmp, _ = build_sharded_model(cfg, dataset.spec, env, lambda line: None)
     ours = TrainStep(dmp, *build_optimizer(dmp, cfg.optim), cfg.train, device)
-    if cfg.train.cuda_graphs:
+    if ours.graph is not None:
         warmup = max(warmup, WARMUP_STEPS + 2)
     ours_run = _Timed(ours, batches, device)
     ours_run.warm_up(warmup)

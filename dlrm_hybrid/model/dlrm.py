@@ -9,12 +9,13 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from torch.nn.functional import binary_cross_entropy_with_logits, linear
+from torch.nn.functional import binary_cross_entropy_with_logits, linear, pad
 from torchrec.models.dlrm import DenseArch, OverArch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from dlrm_hybrid.config import DcnConfig, DhenConfig, MmoeConfig, TaskConfig
+from dlrm_hybrid.model.alignment import aligned
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.cross import dcn_over_arch
@@ -41,7 +42,7 @@ class DLRM(nn.Module):
         self.lookups = lookups
         self.embedding_dim = lookups[0].dim
         self.lookup_keys = [k for t in tables for k in t.feature_names]  # in the lookup's output order
-        self.dense_arch = DenseArch(num_dense, bottom_mlp)
+        self.dense_arch = PaddedDenseArch(num_dense, bottom_mlp)
         # Compositional features: their ids become the parts' ids (a parameter-free module the
         # train pipeline runs ahead, with the id exchange); the parts' vectors are combined.
         self.lookup_ids, self.combine_parts = composed_lookup(lookups)
@@ -49,9 +50,13 @@ class DLRM(nn.Module):
         dcn = dcn or DcnConfig()
         self.interaction, width = build_interaction(
             interaction, len(lookups), bottom_mlp[-1], self.embedding_dim,
-            self_interaction, dcn, dhen or DhenConfig())
+            self_interaction, dcn, dhen or DhenConfig(), align=True)
+        padding = getattr(self.interaction, "padding", 0)
         self.over_arch = (dcn_over_arch(width, top_mlp, dcn) if interaction == "dcn"
-                          else OverArch(width, top_mlp))
+                          else OverArch(width - padding, top_mlp))
+        if padding:  # the top MLP's first layer as built for the unpadded width, then grown
+            grow_input(next(m for m in self.over_arch.modules() if isinstance(m, nn.Linear)),
+                       width)
         self.tasks = [t.name for t in tasks] if tasks else None
         if tasks:
             _put_task_heads(self.over_arch, tasks, mmoe or MmoeConfig())
@@ -132,6 +137,34 @@ class DLRM(nn.Module):
         if self.tasks:
             return multitask_loss(self.logits(dense, pooled), labels, self.task_weights)
         return binary_cross_entropy_with_logits(self.logits(dense, pooled).float(), labels)
+
+
+class PaddedDenseArch(DenseArch):
+    """torchrec's DenseArch whose first layer reads the dense features padded with zeros to an
+    aligned width (model/alignment.py): initialised as the unpadded one, with zero weights on
+    the padding, so it is the same function and trains the same (a zero input column's weights
+    get zero gradients)."""
+
+    def __init__(self, num_dense: int, layer_sizes: List[int]) -> None:
+        super().__init__(num_dense, layer_sizes)
+        self.num_dense = num_dense
+        self.padding = aligned(num_dense) - num_dense
+        grow_input(self.model._mlp[0]._linear, aligned(num_dense))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if self.padding:
+            features = pad(features, [0, self.padding])
+        return self.model(features)
+
+
+def grow_input(layer: nn.Linear, width: int) -> None:
+    """Give `layer` `width` input columns, the new ones' weights zero (none where it has them)."""
+    if layer.in_features == width:
+        return
+    with torch.no_grad():
+        weight = layer.weight.new_zeros(layer.out_features, width)
+        weight[:, :layer.in_features] = layer.weight
+    layer.weight, layer.in_features = nn.Parameter(weight), width
 
 
 def _put_task_heads(over_arch: nn.Module, tasks: List[TaskConfig], mmoe: MmoeConfig) -> None:

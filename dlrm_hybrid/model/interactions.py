@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dlrm_hybrid.config import DcnConfig, DhenConfig
+from dlrm_hybrid.model.alignment import aligned
 from dlrm_hybrid.model.cross import dcn_interaction
 from dlrm_hybrid.model.dhen import DHEN
 
@@ -56,14 +57,17 @@ class PairwiseDots(torch.autograd.Function):
 
 class DotInteraction(nn.Module):
     """Pairwise dots of [dense, sparse...] concatenated with the dense vector (DLRM's `dot`),
-    optionally with each vector's dot with itself. Same outputs as torchrec's InteractionArch."""
+    optionally with each vector's dot with itself. Same outputs as torchrec's InteractionArch,
+    followed by `padding` zero columns (model/alignment.py)."""
 
-    def __init__(self, num_sparse_features: int, self_interaction: bool = False) -> None:
+    def __init__(self, num_sparse_features: int, self_interaction: bool = False,
+                 padding: int = 0) -> None:
         super().__init__()
         n = num_sparse_features + 1
         rows, cols = torch.triu_indices(n, n, offset=0 if self_interaction else 1)
         self.register_buffer("flat_pairs", rows * n + cols, persistent=False)
         self.register_buffer("mirrored", cols * n + rows, persistent=False)
+        self.padding = padding
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_scripting():  # a served model (serve/): no autograd, plain ops
@@ -72,6 +76,9 @@ class DotInteraction(nn.Module):
             pairs = torch.gather(gram, 1, self.flat_pairs.expand(gram.shape[0], -1))
         else:
             pairs = _pairwise_dots(dense_features, sparse_features, self.flat_pairs, self.mirrored)
+        if self.padding:
+            zeros = pairs.new_zeros(pairs.shape[0], self.padding)
+            return torch.cat((dense_features, pairs, zeros), dim=1)
         return torch.cat((dense_features, pairs), dim=1)
 
 
@@ -123,13 +130,16 @@ def fm_sums(vectors: torch.Tensor, first_order: torch.Tensor) -> torch.Tensor:
 
 def build_interaction(kind: str, num_sparse: int, dense_dim: int, embedding_dim: int,
                       self_interaction: bool = False, dcn: DcnConfig = DcnConfig(),
-                      dhen: DhenConfig = DhenConfig()) -> Tuple[nn.Module, int]:
+                      dhen: DhenConfig = DhenConfig(), align: bool = False
+                      ) -> Tuple[nn.Module, int]:
     """The interaction module and the width of its output (`dcn`, `dhen`: those interactions'
-    settings, read only)."""
+    settings, read only). `align`: `dot` pads its output to an aligned width (the others'
+    widths are multiples of the embedding dimension already, or tiny)."""
     if kind == "dot":
         n = num_sparse + 1
-        pairs = n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2
-        return DotInteraction(num_sparse, self_interaction), dense_dim + pairs
+        width = dense_dim + (n * (n + 1) // 2 if self_interaction else n * (n - 1) // 2)
+        padding = aligned(width) - width if align else 0
+        return DotInteraction(num_sparse, self_interaction, padding), width + padding
     if kind == "cat":
         return CatInteraction(), dense_dim + num_sparse * embedding_dim
     if kind == "dcn":

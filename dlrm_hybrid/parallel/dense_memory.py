@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from dlrm_hybrid.config import ConfigError, parse_bytes
+from dlrm_hybrid.model.alignment import aligned
 from dlrm_hybrid.parallel.placement import format_bytes
 
 Shape = Tuple[int, ...]
@@ -150,7 +151,7 @@ def dense_units(model_cfg, num_dense: int, features: int) -> List[Unit]:
     top = m.top_mlp
     interaction: List[Unit] = []
     if m.interaction == "dot":
-        width = bottom + (n * (n + 1) // 2 if m.self_interaction else n * (n - 1) // 2)
+        width = aligned(bottom + (n * (n + 1) // 2 if m.self_interaction else n * (n - 1) // 2))
     elif m.interaction == "cat":
         width = bottom + features * d
     elif m.interaction == "fm":
@@ -169,7 +170,7 @@ def dense_units(model_cfg, num_dense: int, features: int) -> List[Unit]:
         top_shapes = _mlp(width, hidden) + _last_layer(width + (hidden[-1] if hidden else width), m)
     else:
         top_shapes = _mlp(width, top[:-1]) + _last_layer(top[-2] if len(top) > 1 else width, m)
-    return [Unit("bottom MLP", {"mlp": _mlp(num_dense, m.bottom_mlp)}), *interaction,
+    return [Unit("bottom MLP", {"mlp": _mlp(aligned(num_dense), m.bottom_mlp)}), *interaction,
             Unit("top MLP", {"mlp": top_shapes})]
 
 

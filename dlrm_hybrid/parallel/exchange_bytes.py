@@ -84,7 +84,7 @@ def choose_exchange(cfg, plan: Plan) -> Tuple[str, str]:
                           else f"interaction {m.interaction} needs the pooled vectors")
     if any(r.technique == "qr" and r.operation != "concat" for r in m.compositional):
         return "pooled", "qr mult and add features need their parts' pooled vectors"
-    if cfg.train.cuda_graphs or cfg.train.precision == "fp16":
+    if cfg.train.cuda_graphs == "true" or cfg.train.precision == "fp16":
         return "pooled", "des runs neither under CUDA graphs nor with fp16"
     if cfg.parallel.dense != "ddp":
         return "pooled", f"des reads the top MLP that parallel.dense={cfg.parallel.dense} shards"

@@ -205,7 +205,7 @@ def _scriptable_crossnet(crossnet: torch.nn.Module) -> torch.nn.Module:
 
 
 def _num_dense(model: DLRM) -> int:
-    return next(model.dense_arch.parameters()).shape[1]
+    return model.dense_arch.num_dense
 
 
 def lookup_keys(lookups: List[FeatureLookup]) -> List[tuple]:

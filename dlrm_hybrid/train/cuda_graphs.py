@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 if TYPE_CHECKING:  # the model module imports torchrec: seconds, needed here for types only
     from dlrm_hybrid.model.dlrm import DLRM
@@ -90,6 +91,17 @@ class _DenseLayers(nn.Module):
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor,
                 labels: torch.Tensor) -> torch.Tensor:
         return self._dense_loss(dense, pooled, labels)
+
+
+def graphs_wanted(setting: str, model: nn.Module, device: torch.device) -> bool:
+    """`train.cuda_graphs` for this step: true, false, or auto: on a GPU where the dense part
+    can be captured (a DLRM with the pooled exchange and unsharded dense layers: des and FSDP
+    run collectives inside it)."""
+    if setting != "auto":
+        return setting == "true"
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+    return (device.type == "cuda" and hasattr(model, "dense_loss")
+            and getattr(model, "exchange", None) == "pooled" and not sharded)
 
 
 def _shapes(*tensors: torch.Tensor) -> Tuple:

@@ -93,6 +93,8 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
                           on_device=train_step.pipeline is None)  # else the pipeline copies
     log.record({"step": first, "loader": batches.name, "step_driver": train_step.driver,
+                "precision": train_step.precision.name,
+                "cuda_graphs": train_step.graph is not None,
                 "dense": cfg.parallel.dense, "dense_replicas_shards": dense_layout(
                     cfg.parallel.dense, cfg.parallel.hsdp_shard_size, env.world_size,
                     env.local_world_size)})

@@ -118,9 +118,12 @@ def _warn_once(message: str) -> None:
 class Precision:
     def __init__(self, name: str, device: torch.device, cuda_graphs: bool = False,
                  fallback: bool = True, dense_params: Sequence[torch.Tensor] = ()) -> None:
-        """`name` as asked; `self.name` is what runs (see `effective_precision`).
+        """`name` as asked (auto: bf16 on a GPU, fp32 on a CPU); `self.name` is what runs
+        (see `effective_precision`).
         `cuda_graphs`: autocast must not cache casts across a graph capture. `dense_params`:
         the MLP parameters, whose gradients take part in fp16's overflow check."""
+        if name == "auto":
+            name = "bf16" if device.type == "cuda" else "fp32"
         self.requested, self.device = name, device
         self.name = name = effective_precision(name, device, fallback)
         self.dtype = AUTOCAST_DTYPES.get(name)

@@ -13,7 +13,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from dlrm_hybrid.data.batch import Batch
-from dlrm_hybrid.train.cuda_graphs import DenseGraph
+from dlrm_hybrid.train.cuda_graphs import DenseGraph, graphs_wanted
 from dlrm_hybrid.train.precision import Precision
 
 
@@ -28,15 +28,16 @@ class TrainStep:
     def __init__(self, dmp, optimizer, schedule, train_cfg, device: torch.device) -> None:
         self.dmp, self.optimizer, self.schedule = dmp, optimizer, schedule
         dense_params = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
-        self.precision = Precision(train_cfg.precision, device, train_cfg.cuda_graphs,
-                                   train_cfg.precision_fallback, dense_params)
         model = dmp.module
+        graphs = graphs_wanted(train_cfg.cuda_graphs, model, device)
+        self.precision = Precision(train_cfg.precision, device, graphs,
+                                   train_cfg.precision_fallback, dense_params)
         if self.precision.scaler is not None:
             model.embedding_grad_transform = self.precision.split_at_embeddings
             # A step the scaler skips still advances the schedule (and the data): not a mistake.
             skipped = re.escape("Detected call of `lr_scheduler.step()` before")
             warnings.filterwarnings("ignore", message=skipped)
-        self.graph = DenseGraph(model, device) if train_cfg.cuda_graphs else None
+        self.graph = DenseGraph(model, device) if graphs else None
         pipelined = train_cfg.pipeline == "enabled" or (train_cfg.pipeline == "auto"
                                                    and device.type == "cuda")
         self.pipeline = _Pipeline(self, device) if pipelined else None
