@@ -46,10 +46,12 @@ def setting_overrides(setting: str) -> List[str]:
 
 
 def bench_line(config: str, setting: str, steps: int, emulate_avx2: bool = False,
-               extra: List[str] = (), timeout: float | None = None) -> Dict[str, str]:
+               extra: List[str] = (), timeout: float | None = None,
+               peers: List[str] = ("reference",)) -> Dict[str, str]:
     """One bench run's last-line fields, plus `dense_share`: the dense part's share of the step
-    in its profile. `extra`: further `--set` overrides."""
+    in its profile. `extra`: further `--set` overrides; `peers`: bench's --peers."""
     cmd = [sys.executable, "-m", "dlrm_hybrid", "bench", "--config", config, "--steps", str(steps),
+           "--peers", *peers,
            *[a for o in [*setting_overrides(setting), *extra] for a in ("--set", o)]]
     env = {**os.environ, **(AVX2_ONLY if emulate_avx2 else {})}
     try:

@@ -7,6 +7,8 @@
 #   call 2, carrying .gpu/b:   bash benchmarks/gpu_check.sh "$OUT"        (within 10 minutes)
 # Both unpack into /tmp/site, which lasts while the machine stays warm (30 s after a call).
 #   benchmarks/gpu_check.sh OUT --cpu-rehearsal     the same stages on CPU, to check the script
+#   benchmarks/gpu_check.sh --speed OUT [--cpu-rehearsal]   call 2 for the speed table instead
+#                                                   (benchmarks/gpu_speed.py)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 site=/tmp/site
@@ -25,4 +27,8 @@ if [ -f "$root/.gpu/b/unpack.sh" ] && nvidia-smi -L >/dev/null 2>&1; then  # the
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python=${PYTHON:-$([ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3)}
+if [ "${1:-}" = "--speed" ]; then
+    shift
+    exec "$python" "$root/benchmarks/gpu_speed.py" "$@"
+fi
 exec "$python" "$root/benchmarks/gpu_check.py" "$@"

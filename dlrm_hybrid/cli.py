@@ -124,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    bench.add_argument("--peers", nargs="+", choices=("reference", "torchrec", "none"),
+                       help="what to time beside ours on the same batches (default: the "
+                            "reference, and torchrec's own stack where torchrec's DLRM can "
+                            "model the config); none: ours alone (a model only ours fits)")
     bench.add_argument("--profile", metavar="DIR",
                        help="also print the step's top kernels (ops on a CPU) with the FLOP/s or "
                             "GB/s each achieved, and write the profile's trace to DIR")
@@ -275,7 +279,7 @@ def run_preprocess(args) -> None:
 
 def run_bench(args) -> None:
     from dlrm_hybrid.bench.kernels import check_profile_dir
-    from dlrm_hybrid.bench.run import ROUNDS, bench
+    from dlrm_hybrid.bench.run import ROUNDS, bench, default_peers
 
     if world_size_from_env() > 1:
         raise UserError("bench: runs in one process (ours and the baseline side by side); for "
@@ -291,7 +295,11 @@ def run_bench(args) -> None:
                         f"{len(cfg.model.tasks)} tasks; benchmarks/multitask.py measures the cost "
                         "of each task per step")
     profile_dir = check_profile_dir(args.profile) if args.profile else None
-    run_distributed(lambda env: bench(cfg, env, args.steps, args.warmup, profile_dir),
+    if args.peers and "none" in args.peers and len(args.peers) > 1:
+        raise UserError(f"bench --peers: none means ours alone; it cannot go with "
+                        f"{', '.join(p for p in args.peers if p != 'none')}")
+    peers = default_peers(cfg) if not args.peers else [p for p in args.peers if p != "none"]
+    run_distributed(lambda env: bench(cfg, env, args.steps, args.warmup, profile_dir, peers),
                     cfg.parallel.backend)
 
 

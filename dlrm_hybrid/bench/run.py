@@ -9,7 +9,7 @@ import re
 import resource
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,8 +34,9 @@ SPLIT_STEPS = 5
 
 
 def bench(cfg: Config, env: DistEnv, steps: int, warmup: int,
-          profile_dir: Optional[Path] = None) -> None:
-    """`profile_dir`: also print the step's top kernels and write the profile's trace there."""
+          profile_dir: Optional[Path] = None, peers: Sequence[str] = ("reference",)) -> None:
+    """`profile_dir`: also print the step's top kernels and write the profile's trace there.
+    `peers`: what else trains on the same batches, timed in turns with ours (PEERS)."""
     device, B = env.device, cfg.data.global_batch_size
     dataset = open_dataset(cfg.data, cfg.model)
     batches, data_ms = _batches(dataset, B, min(DISTINCT_BATCHES, steps + warmup), device)
@@ -55,17 +56,13 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int,
     peak_gib = _peak_memory_gib(device)
 
     ours.pause()
-    try:
-        reference = reference_step(cfg.model, dataset.spec, cfg.optim.dense_lr, device)
-        ref_run = _Timed(reference, [ReferenceBatch.of(b) for b in batches], device)
-        ref_run.warm_up(warmup)
-    except torch.OutOfMemoryError:
-        raise UserError(f"bench: the reference baseline (every table unsharded, fp32, next to "
-                        f"ours) does not fit on {device}; bench a config with smaller tables")
-    ref_run.timed(rounds[0])
+    peer_runs = {name: _peer_run(name, cfg, dataset.spec, env, batches, warmup) for name in peers}
+    for run in peer_runs.values():
+        run.timed(rounds[0])
     for n in rounds[1:]:
         ours_run.timed(n)
-        ref_run.timed(n)
+        for run in peer_runs.values():
+            run.timed(n)
 
     split, prof = step_split(ours_run.one_step, SPLIT_STEPS, device, detailed=bool(profile_dir))
     precision = ours.precision  # what runs: bf16/fp16 fall back to fp32 on a CPU that emulates them
@@ -76,11 +73,12 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int,
                     dense_flops_per_sample(dmp.module, cfg.model.interaction,
                                            len(spec.cardinalities) + 1, dim),
                     peaks.bandwidth, peaks.flops_per_s)
-    x, y = ours_run.samples_per_s(B), ref_run.samples_per_s(B)
+    x = ours_run.samples_per_s(B)
+    peer_rates = {name: run.samples_per_s(B) for name, run in peer_runs.items()}
     cpu = cpu_capability()
     path = dmp.module.exchange
-    print(_report(cfg, device, steps, precision, cpu, x, y, (data_ms, made_on), split, roof, peaks,
-                  peak_gib))
+    print(_report(cfg, device, steps, precision, cpu, x, peer_rates, (data_ms, made_on), split,
+                  roof, peaks, peak_gib))
     if profile_dir is not None:
         table = kernel_table(top_kernels(prof, SPLIT_STEPS, device), sum(split.values()), device,
                              peaks.flops_per_s, peaks.bandwidth)
@@ -91,9 +89,45 @@ def bench(cfg: Config, env: DistEnv, steps: int, warmup: int,
     print(f"  embedding exchange: {path}, rank {env.rank} sends {exchange['exchange_fwd_bytes']:,.0f} "
           f"+ {exchange['exchange_bwd_bytes']:,.0f} bytes per step (forward + backward, counted; "
           f"one rank exchanges nothing: `plan --world-size N` gives both paths' bytes at N)")
-    print(_last_line(precision, x, y, x / roof.samples_per_s, peak_gib, cpu)
+    print(_last_line(precision, x, peer_rates, x / roof.samples_per_s, peak_gib, cpu)
           + f" exchange={path} exchange_bytes="
             f"{exchange['exchange_fwd_bytes'] + exchange['exchange_bwd_bytes']:.0f}", flush=True)
+
+
+PEERS = {
+    "reference": "reference (nn.EmbeddingBag sparse + SGD, fp32)",
+    "torchrec": "torchrec (DLRM, DistributedModelParallel, fused embedding optimizer, "
+                "TrainPipelineSparseDist)",
+}
+# The last line's fields of each peer: samples/s, and ours over it.
+PEER_FIELDS = {"reference": ("baseline_samples_per_s", "ratio"),
+               "torchrec": ("torchrec_samples_per_s", "torchrec_ratio")}
+
+
+def default_peers(cfg: Config) -> List[str]:
+    """The reference, and torchrec's stack where its DLRM models the config (a GPU-only
+    embedding optimizer is checked where the job starts)."""
+    from dlrm_hybrid.bench.torchrec_peer import torchrec_models
+
+    return ["reference", "torchrec"] if torchrec_models(cfg.model) else ["reference"]
+
+
+def _peer_run(name: str, cfg: Config, spec, env: DistEnv, batches: List,
+              warmup: int) -> "_Timed":
+    """A peer built and warmed up beside ours, on the same batches."""
+    try:
+        if name == "reference":
+            step = reference_step(cfg.model, spec, cfg.optim.dense_lr, env.device)
+            run = _Timed(step, [ReferenceBatch.of(b) for b in batches], env.device)
+        else:
+            from dlrm_hybrid.bench.torchrec_peer import torchrec_peer_step
+
+            run = _Timed(torchrec_peer_step(cfg, spec, env), batches, env.device)
+        run.warm_up(warmup)
+    except torch.OutOfMemoryError:
+        raise UserError(f"bench: the {name} peer (every table its own, next to ours) does not "
+                        f"fit on {env.device}; bench with --peers naming fewer, or none")
+    return run
 
 
 def _batches(dataset, batch: int, count: int, device: torch.device) -> Tuple[List, float]:
@@ -113,15 +147,16 @@ def _batches(dataset, batch: int, count: int, device: torch.device) -> Tuple[Lis
     return [b.to(device) for b in made], data_ms
 
 
-def _last_line(precision: Precision, ours: float, ref: float, roofline_fraction: float,
-               peak_gib: float, cpu: str) -> str:
+def _last_line(precision: Precision, ours: float, peers: Dict[str, float],
+               roofline_fraction: float, peak_gib: float, cpu: str) -> str:
     """`bench: key=value ...`, one token per value, for scripts (benchmarks/bench_table.py):
     `precision` is what ran, `requested` only where that differs, `cpu` the capability with
     its spaces turned into dashes (`AVX2,bf16-emulated,fp16-emulated`)."""
     requested = f" requested={precision.requested}" if precision.requested != precision.name else ""
     cpu = re.sub(r",\s*", ",", cpu).replace(" ", "-")
-    return (f"bench: precision={precision.name}{requested} samples_per_s={ours:.0f} "
-            f"baseline_samples_per_s={ref:.0f} ratio={ours / ref:.2f} "
+    compared = "".join(f" {PEER_FIELDS[name][0]}={rate:.0f} {PEER_FIELDS[name][1]}={ours / rate:.2f}"
+                       for name, rate in peers.items())
+    return (f"bench: precision={precision.name}{requested} samples_per_s={ours:.0f}{compared} "
             f"roofline_fraction={roofline_fraction:.2f} peak_mem_gib={peak_gib:.2f} "
             f"cpu={cpu}")
 
@@ -161,8 +196,8 @@ def _peak_memory_gib(device: torch.device) -> float:
 
 
 def _report(cfg: Config, device: torch.device, steps: int, precision: Precision, cpu: str,
-            ours: float, ref: float, data: Tuple[float, str], split: dict, roof: Roofline,
-            peaks: Peaks, peak_gib: float) -> str:
+            ours: float, peers: Dict[str, float], data: Tuple[float, str], split: dict,
+            roof: Roofline, peaks: Peaks, peak_gib: float) -> str:
     B = cfg.data.global_batch_size
     memory = "peak allocated" if device.type == "cuda" else "process peak RSS"
     step_ms = sum(split.values())
@@ -174,8 +209,8 @@ def _report(cfg: Config, device: torch.device, steps: int, precision: Precision,
         f"bench on {device.type}, batch {B}, {steps} timed steps after warm-up, "
         f"{torch.get_num_threads()} threads; cpu: {cpu}",
         f"  dlrm_hybrid ({ran}): {ours:,.0f} samples/s, {B / ours * 1e3:.1f} ms/step",
-        f"  reference (nn.EmbeddingBag sparse + SGD, fp32): {ref:,.0f} samples/s, "
-        f"{B / ref * 1e3:.1f} ms/step",
+        *[f"  {PEERS[name]}: {rate:,.0f} samples/s, {B / rate * 1e3:.1f} ms/step; ours "
+          f"{ours / rate:.2f}x" for name, rate in peers.items()],
         f"  step split, ms/step (profiled over {SPLIT_STEPS} steps): {parts}; "
         f"data (loader, outside the step) {data[0]:.1f}, made on {data[1]}",
         f"  roofline: embeddings {roof.embedding_bytes / 1024:.1f} KiB/sample at "
