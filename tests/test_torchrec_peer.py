@@ -122,12 +122,13 @@ def test_two_ranks_give_the_one_rank_losses(tmp_path, process_group):
     """torchrec averages over ranks both the dense gradients (DDP) and the pooled vectors'
     (its all-to-all backward divides by the world size), and each rank's loss is the mean
     over its half: the global batch's losses, on any world size, to rounding."""
-    from torchrec_peer_job import peer_losses
+    from torchrec_peer_job import EMBEDDING, STEPS, peer_losses
 
     result = run_cli([str(tmp_path)], nproc=2, script=ROOT / "tests/torchrec_peer_job.py")
     assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads((tmp_path / "losses.json").read_text())
-    one = peer_losses(process_group)
-    assert len(two) == len(one) == 6
-    assert two == pytest.approx(one, rel=1e-5)
-    assert one[-1] < one[0]
+    for embedding in EMBEDDING:
+        one = peer_losses(process_group, embedding)
+        assert len(two[embedding]) == len(one) == STEPS
+        assert two[embedding] == pytest.approx(one, rel=1e-5), embedding
+        assert one[-1] < one[0]

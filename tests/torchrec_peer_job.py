@@ -1,6 +1,6 @@
 """Run under torchrun by test_torchrec_peer.py: the torchrec peer's first steps on this world
-size, each rank on its slice of every global batch; rank 0 writes the global-batch losses (the
-mean of the ranks' losses) to OUT/losses.json.
+size, each rank on its slice of every global batch, with each embedding optimizer of EMBEDDING;
+rank 0 writes the global-batch losses (the mean of the ranks' losses) to OUT/losses.json.
 
 usage: torchrec_peer_job.py OUT
 """
@@ -19,17 +19,23 @@ from dlrm_hybrid.config import load_config  # noqa: E402
 from dlrm_hybrid.data.source import open_dataset  # noqa: E402
 from dlrm_hybrid.parallel.process_group import init_distributed, shutdown  # noqa: E402
 
-# The fused row-wise Adagrad on the tables; dense SGD: Adagrad's first steps move each weight by
-# +-lr whatever its gradient's size, so another summation order's rounding would decide
-# near-zero ones (tests/des_job.py).
-OVERRIDES = ["data.global_batch_size=256", "optim.embedding=rowwise_adagrad", "optim.dense=sgd",
-             "optim.dense_lr=0.5"]
+# Dense SGD: Adagrad's first steps move each weight by +-lr whatever its gradient's size, so
+# another summation order's rounding would decide near-zero ones (tests/des_job.py).
+OVERRIDES = ["data.global_batch_size=256", "optim.dense=sgd", "optim.dense_lr=0.5",
+             "optim.warmup_steps=0"]
+# {embedding optimizer: its LR}: the fused row-wise Adagrad bench runs, and SGD. Row-wise
+# Adagrad's step does not change when a row's gradients are all scaled alike (by the world
+# size, say); SGD's does, at an LR where the tables' steps move the loss (a row's gradient
+# is a 1/B share of its samples').
+EMBEDDING = {"rowwise_adagrad": 0.1, "sgd": 20.0}
 STEPS = 6
 
 
-def peer_losses(env) -> list:
+def peer_losses(env, embedding: str) -> list:
     """The global batch's loss at each of the first STEPS steps."""
-    cfg = load_config(str(ROOT / "configs/demo.yaml"), OVERRIDES)
+    cfg = load_config(str(ROOT / "configs/demo.yaml"),
+                      OVERRIDES + [f"optim.embedding={embedding}",
+                                   f"optim.embedding_lr={EMBEDDING[embedding]}"])
     dataset, B = open_dataset(cfg.data, cfg.model), cfg.data.global_batch_size
     local = B // env.world_size
     batches = iter([dataset.batch("train", i * B + env.rank * local, local)
@@ -45,7 +51,7 @@ def peer_losses(env) -> list:
 
 def main() -> None:
     env = init_distributed("gloo")
-    losses = peer_losses(env)
+    losses = {embedding: peer_losses(env, embedding) for embedding in EMBEDDING}
     if env.is_main:
         (Path(sys.argv[1]) / "losses.json").write_text(json.dumps(losses))
     shutdown()
