@@ -7,17 +7,26 @@ its `EmbeddingBagCollection` on the meta device, the embedding optimizer fused i
 (`apply_optimizer_in_backward`; `optim.embedding` names it: row-wise Adagrad, SGD, Adagrad,
 Adam on GPU), `EmbeddingShardingPlanner`'s plan over `get_default_sharders()`,
 `DistributedModelParallel`, the dense optimizer in a `KeyedOptimizerWrapper` beside
-`dmp.fused_optimizer`, an LR schedule, and `TrainPipelineSparseDist.progress` for each step.
+`dmp.fused_optimizer` in a `CombinedOptimizer`, an LR schedule, and
+`TrainPipelineSparseDist.progress` for each step.
 
-Where it departs from the example, for the comparison's sake (neither changes the step's work):
-the tables start from the values ours start from (`init_tables`' seeded blocks of
-U(-1/sqrt(rows), 1/sqrt(rows)), torchrec's default init's range; its own draw would differ by
-world size), the dense layers from the same seed, and the LR schedule is ours (`lr_factor`),
-so that peer and ours train the same model and a test can tell a wrong peer.
+Where it departs from the example, so that peer and ours train one model (same losses, step
+for step: tests/test_torchrec_peer.py) and a test can tell a wrong peer; none changes the work
+of a step:
+- the tables start from the values ours start from (`init_tables`' seeded blocks of
+  U(-1/sqrt(rows), 1/sqrt(rows)), the range of torchrec's default init, whose own draw would
+  depend on the world size), the dense layers from the same seed;
+- the optimizers and schedule are ours (`build_optimizer`): the example's, plus one thing it
+  leaves out: a table the planner replicates (`data_parallel`, small tables) gets no fused
+  optimizer, and the example's filter would hand it to the dense optimizer; here it gets the
+  embedding optimizer, as in ours (the same whenever both optimizers are alike, as in the
+  example's Adagrad/Adagrad);
+- on a GPU the planner is told the memory free on the card (beside ours), not torchrec's
+  default 32 GiB, under which it would move tables that fit to host memory (UVM caching).
 
 On CPU (gloo) the pipeline runs as it is: without CUDA its copy and input-dist "streams" are
 None, so it overlaps nothing, but it still rewrites the sharded module's forward, starts the
-next batch's id all-to-all before this batch's forward and keeps two batches ahead; checked on
+next batch's input all-to-all before this batch's forward and keeps two batches ahead; run on
 torchrec 1.8.0, 1 and 2 gloo ranks (tests/test_torchrec_peer.py).
 """
 
@@ -53,16 +62,16 @@ def torchrec_peer_step(cfg, spec, env: DistEnv) -> "PeerStep":
     """The peer for `cfg` (a Config) over a dataset of `spec` (a DataSpec), on `env.device`, in
     the process group already started (ours, `init_distributed`): a callable taking an iterator
     of our `Batch`es (this rank's slice, any device) and returning the loss of a step."""
-    model = DLRMTrain(peer_model(cfg.model, spec, env.device, cfg.train.seed))
     if env.device.type == "cpu" and cfg.optim.embedding in GPU_ONLY_EMBEDDING_OPTIMIZERS:
         raise UserError(f"torchrec peer: optim.embedding {cfg.optim.embedding} runs only on GPU "
                         f"in fbgemm; on CPU use sgd, rowwise_adagrad or adagrad")
+    model = DLRMTrain(peer_model(cfg.model, spec, env.device, cfg.train.seed))
     apply_optimizer_in_backward(EMBEDDING_OPTIMIZERS[cfg.optim.embedding],
                                 model.model.sparse_arch.parameters(),
                                 _kwargs(cfg.optim.embedding, cfg.optim.embedding_lr, cfg.optim.eps))
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=env.world_size, local_world_size=env.local_world_size,
-                          compute_device=env.device.type),
+                          compute_device=env.device.type, hbm_cap=_free_device_memory(env.device)),
         batch_size=cfg.data.global_batch_size // env.world_size)
     plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(module=model, device=env.device, plan=plan)
@@ -71,11 +80,16 @@ def torchrec_peer_step(cfg, spec, env: DistEnv) -> "PeerStep":
     return PeerStep(dmp, TrainPipelineSparseDist(dmp, optimizer, env.device), schedule)
 
 
+def _free_device_memory(device: torch.device):
+    """Bytes free on a CUDA device now (ours may hold part of it); None (the default) on CPU."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def peer_model(model_cfg, spec, device: torch.device, seed: int,
                embedding_device: torch.device = torch.device("meta")) -> DLRM:
     """torchrec's DLRM (dot) or DLRM_DCN (dcn, stacked, one expert) of our model's shape: one
     table `t_<feature>` per feature, the same MLPs, dense layers drawn from `seed` in our order
-    (bottom MLP, then top MLP), so they start equal to ours on the same device. The tables on
+    (bottom MLP, then top MLP), so on CPU they start equal to ours. The tables on
     `embedding_device`: meta for sharding, as the example (a real one: tests' unsharded copy)."""
     _require_torchrec_shape(model_cfg)
     tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=model_cfg.embedding_dim,
@@ -149,6 +163,7 @@ def main(argv=None) -> None:
     import itertools
 
     from dlrm_hybrid.bench.roofline import synchronize
+    from dlrm_hybrid.cli import _quiet_library_noise
     from dlrm_hybrid.config import load_config
     from dlrm_hybrid.data.source import open_dataset
     from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
@@ -158,6 +173,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)
+    _quiet_library_noise()
     cfg = load_config(args.config, [])
     env = init_distributed(cfg.parallel.backend)
     try:
