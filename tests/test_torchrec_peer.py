@@ -3,6 +3,10 @@ it is our model, its steps are the plain math of the config's optimizers on the 
 order, and it runs on 2 gloo ranks with the 1-rank losses."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -29,16 +33,19 @@ def demo(*overrides):
     return cfg, dataset, [dataset.batch("train", i * BATCH, BATCH) for i in range(40)]
 
 
-def test_peer_trains(process_group):
-    cfg, dataset, batches = demo()
+DCN = ["model.interaction=dcn", "model.dcn.layers=2", "model.dcn.rank=24"]
+
+
+@pytest.mark.parametrize("overrides", [[], DCN])
+def test_peer_trains(process_group, overrides):
+    cfg, dataset, batches = demo(*overrides)
     step, batches = torchrec_peer_step(cfg, dataset.spec, process_group), iter(batches)
     losses = [step(batches).item() for _ in range(30)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.05, losses
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.interaction=dcn", "model.dcn.layers=2",
-                                            "model.dcn.rank=24"]])
+@pytest.mark.parametrize("overrides", [[], DCN])
 def test_same_shapes_as_ours(overrides):
     cfg, dataset, _ = demo(*overrides)
     peer = peer_model(cfg.model, dataset.spec, torch.device("cpu"), cfg.train.seed)
@@ -132,3 +139,15 @@ def test_two_ranks_give_the_one_rank_losses(tmp_path, process_group):
         assert len(two[embedding]) == len(one) == STEPS
         assert two[embedding] == pytest.approx(one, rel=1e-5), embedding
         assert one[-1] < one[0]
+
+
+def test_main_prints_the_peers_speed():
+    """`python -m dlrm_hybrid.bench.torchrec_peer`, as the quick look runs it: a job of its own
+    (not the one-process group the other tests' fixture set up in this environment)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, "-m", "dlrm_hybrid.bench.torchrec_peer", "--config",
+                             "configs/demo.yaml", "--steps", "3", "--warmup", "1"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**env, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"torchrec peer on cpu, batch 1024, 3 steps: [\d,]+ samples/s", result.stdout)
