@@ -81,8 +81,12 @@ def torchrec_peer_step(cfg, spec, env: DistEnv) -> "PeerStep":
 
 
 def _free_device_memory(device: torch.device):
-    """Bytes free on a CUDA device now (ours may hold part of it); None (the default) on CPU."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    """Bytes free on a CUDA device now, the caching allocator's unused blocks given back first
+    (ours holds the rest); None (torchrec's default) on CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def peer_model(model_cfg, spec, device: torch.device, seed: int,
