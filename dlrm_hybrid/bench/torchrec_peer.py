@@ -39,7 +39,6 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 from torch.optim.lr_scheduler import LambdaLR
 from torchrec.datasets.utils import Batch as TorchrecBatch
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
@@ -54,21 +53,17 @@ from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.compositional import lookups_of
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import init_tables
-from dlrm_hybrid.train.optim import (EMBEDDING_OPTIMIZERS, GPU_ONLY_EMBEDDING_OPTIMIZERS,
-                                     _kwargs, build_optimizer)
+from dlrm_hybrid.train.optim import attach_embedding_optimizer, build_optimizer
 
 
 def torchrec_peer_step(cfg, spec, env: DistEnv) -> "PeerStep":
     """The peer for `cfg` (a Config) over a dataset of `spec` (a DataSpec), on `env.device`, in
     the process group already started (ours, `init_distributed`): a callable taking an iterator
-    of our `Batch`es (this rank's slice, any device) and returning the loss of a step."""
-    if env.device.type == "cpu" and cfg.optim.embedding in GPU_ONLY_EMBEDDING_OPTIMIZERS:
-        raise UserError(f"torchrec peer: optim.embedding {cfg.optim.embedding} runs only on GPU "
-                        f"in fbgemm; on CPU use sgd, rowwise_adagrad or adagrad")
+    of our `Batch`es (this rank's slice, any device) and returning the loss of a step.
+    Seeds torch's generators with `train.seed` (as building ours does)."""
     model = DLRMTrain(peer_model(cfg.model, spec, env.device, cfg.train.seed))
-    apply_optimizer_in_backward(EMBEDDING_OPTIMIZERS[cfg.optim.embedding],
-                                model.model.sparse_arch.parameters(),
-                                _kwargs(cfg.optim.embedding, cfg.optim.embedding_lr, cfg.optim.eps))
+    # apply_optimizer_in_backward(optim.embedding's class, the tables, its LR and eps)
+    attach_embedding_optimizer(model.model.sparse_arch, cfg.optim, env.device)
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=env.world_size, local_world_size=env.local_world_size,
                           compute_device=env.device.type, hbm_cap=_free_device_memory(env.device)),
