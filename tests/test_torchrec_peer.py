@@ -14,6 +14,7 @@ import torch
 from torch.nn.functional import binary_cross_entropy_with_logits
 
 from conftest import ROOT, run_cli
+from dlrm_hybrid.model import alignment
 from dlrm_hybrid.bench.torchrec_peer import peer_model, torchrec_peer_step
 from dlrm_hybrid.config import load_config
 from dlrm_hybrid.data.source import open_dataset
@@ -46,9 +47,11 @@ def test_peer_trains(process_group, overrides):
 
 
 @pytest.mark.parametrize("overrides", [[], DCN])
-def test_same_shapes_as_ours(overrides):
+def test_same_shapes_as_ours(overrides, monkeypatch):
+    """Ours unpadded (model/alignment.py: its zero columns are not torchrec's)."""
     cfg, dataset, _ = demo(*overrides)
     peer = peer_model(cfg.model, dataset.spec, torch.device("cpu"), cfg.train.seed)
+    monkeypatch.setattr(alignment, "ALIGN", 1)
     ours = build_model(cfg.model, dataset.spec)
     tables = lambda ebc: {t.name: (t.num_embeddings, t.embedding_dim)  # noqa: E731
                           for t in ebc.embedding_bag_configs()}

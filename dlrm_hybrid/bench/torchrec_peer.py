@@ -104,11 +104,23 @@ def peer_model(model_cfg, spec, device: torch.device, seed: int,
     return DLRM(**shape)
 
 
+def torchrec_models(model_cfg) -> bool:
+    """Whether torchrec's DLRM can be the model of `model_cfg` (bench's default peers)."""
+    return not _unlike_torchrec(model_cfg)
+
+
 def _require_torchrec_shape(model_cfg) -> None:
     """torchrec's models have one full fp32 table per feature, the dot interaction without self
     pairs or a stacked low-rank DCN, one logit: refuse the rest, naming it."""
+    unlike = _unlike_torchrec(model_cfg)
+    if unlike:
+        raise UserError(f"torchrec peer: torchrec's DLRM has no {unlike[0]}; it models dot "
+                        f"(no self pairs) or stacked one-expert dcn, full fp32 tables, one logit")
+
+
+def _unlike_torchrec(model_cfg) -> list:
     dcn = model_cfg.dcn
-    unlike = [what for what, differs in [
+    return [what for what, differs in [
         (f"model.kind {model_cfg.kind}", model_cfg.kind != "dlrm"),
         (f"model.interaction {model_cfg.interaction}", model_cfg.interaction not in ("dot", "dcn")),
         ("model.self_interaction", model_cfg.interaction == "dot" and model_cfg.self_interaction),
@@ -119,9 +131,6 @@ def _require_torchrec_shape(model_cfg) -> None:
         (f"model.embedding_precision {model_cfg.embedding_precision}",
          model_cfg.embedding_precision != "fp32"),
         ("model.tasks", bool(model_cfg.tasks))] if differs]
-    if unlike:
-        raise UserError(f"torchrec peer: torchrec's DLRM has no {unlike[0]}; it models dot "
-                        f"(no self pairs) or stacked one-expert dcn, full fp32 tables, one logit")
 
 
 def _init_tables_as_ours(dmp: DistributedModelParallel, model_cfg, spec, seed: int) -> None:
