@@ -280,6 +280,7 @@ def run_preprocess(args) -> None:
 def run_bench(args) -> None:
     from dlrm_hybrid.bench.kernels import check_profile_dir
     from dlrm_hybrid.bench.run import ROUNDS, bench, default_peers
+    from dlrm_hybrid.bench.torchrec_peer import require_torchrec_shape
 
     if world_size_from_env() > 1:
         raise UserError("bench: runs in one process (ours and the baseline side by side); for "
@@ -299,6 +300,8 @@ def run_bench(args) -> None:
         raise UserError(f"bench --peers: none means ours alone; it cannot go with "
                         f"{', '.join(p for p in args.peers if p != 'none')}")
     peers = default_peers(cfg) if not args.peers else [p for p in args.peers if p != "none"]
+    if "torchrec" in peers:
+        require_torchrec_shape(cfg.model)
     run_distributed(lambda env: bench(cfg, env, args.steps, args.warmup, profile_dir, peers),
                     cfg.parallel.backend)
 

@@ -310,14 +310,38 @@ def test_bench_prints_the_comparison_line():
     lines, fields, _ = run_bench("train.precision=bf16")
     ran = "bf16" if cpu_has_native(torch.bfloat16) else "fp32"
     keys = ["precision", "requested", "samples_per_s", "baseline_samples_per_s", "ratio",
-            "roofline_fraction", "peak_mem_gib", "cpu", "exchange", "exchange_bytes"]
+            "torchrec_samples_per_s", "torchrec_ratio", "roofline_fraction", "peak_mem_gib",
+            "cpu", "exchange", "exchange_bytes"]
     assert list(fields) == [k for k in keys if k != "requested" or ran != "bf16"]
     assert fields["exchange"] == "pooled" and fields["exchange_bytes"] == "0"  # one process
     check_report(lines, fields, ran)
+    x, z = float(fields["samples_per_s"]), float(fields["torchrec_samples_per_s"])
+    assert float(fields["torchrec_ratio"]) == pytest.approx(x / z, rel=0.01)
+    assert any(line.strip().startswith("torchrec (DLRM, DistributedModelParallel") for line in lines)
     assert fields.get("requested", "bf16") == "bf16"
     assert fields["cpu"] == re.sub(r",\s*", ",", cpu_capability()).replace(" ", "-")
     assert lines[0].endswith(f"cpu: {cpu_capability()}")
     assert any(line.strip().startswith(f"dlrm_hybrid ({ran}") for line in lines)
+
+
+def test_bench_peers_are_what_was_asked_or_what_can_model_the_config(tmp_path):
+    """--peers none: ours alone; a model torchrec's DLRM cannot express (cat): the reference
+    alone by default, and a one-line refusal when torchrec is asked for."""
+    lines, fields, _ = run_bench("model.interaction=cat")
+    assert "baseline_samples_per_s" in fields and "torchrec_ratio" not in fields
+    args = ["bench", "--config", "configs/demo.yaml", "--steps", "3", "--warmup", "1"]
+    alone = run_cli([*args, "--peers", "none"], timeout=90)
+    assert alone.returncode == 0, failure(alone)
+    last = alone.stdout.strip().splitlines()[-1]
+    assert last.startswith("bench: ") and "ratio=" not in last
+    assert not any(line.strip().startswith(("reference", "torchrec"))
+                   for line in alone.stdout.splitlines())
+    for peers, message in [(["none", "reference"], "none means ours alone"),
+                           (["torchrec", "--set", "model.interaction=cat"],
+                            "torchrec's DLRM has no model.interaction cat")]:
+        refused = run_cli([*args, "--peers", *peers], timeout=60)
+        assert refused.returncode == 2 and message in refused.stderr, failure(refused)
+        assert refused.stderr.strip().count("\n") == 0 and not refused.stdout.strip()
 
 
 def test_bench_on_an_avx2_cpu_runs_bf16_in_fp32_and_says_so():

@@ -90,7 +90,7 @@ def peer_model(model_cfg, spec, device: torch.device, seed: int,
     table `t_<feature>` per feature, the same MLPs, dense layers drawn from `seed` in our order
     (bottom MLP, then top MLP), so on CPU they start equal to ours. The tables on
     `embedding_device`: meta for sharding, as the example (a real one: tests' unsharded copy)."""
-    _require_torchrec_shape(model_cfg)
+    require_torchrec_shape(model_cfg)
     tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=model_cfg.embedding_dim,
                                  num_embeddings=rows, feature_names=[name])
               for name, rows in zip(spec.feature_names, spec.cardinalities)]
@@ -109,7 +109,7 @@ def torchrec_models(model_cfg) -> bool:
     return not _unlike_torchrec(model_cfg)
 
 
-def _require_torchrec_shape(model_cfg) -> None:
+def require_torchrec_shape(model_cfg) -> None:
     """torchrec's models have one full fp32 table per feature, the dot interaction without self
     pairs or a stacked low-rank DCN, one logit: refuse the rest, naming it."""
     unlike = _unlike_torchrec(model_cfg)
