@@ -397,16 +397,16 @@ def test_plan_reports_dense_bytes_per_rank_and_fsdp_makes_a_tight_reserve_fit():
     assert block["mine"].startswith(f"dense per rank, parallel.dense=ddp (replicated): "
                                     f"{format_bytes(16 * block['parameters'])} = ")  # 4+4+8 B
     assert block["mine"].endswith("; activations not counted")
-    assert "fsdp 157.9KiB (sharded over 8 ranks); hsdp 219.8KiB (sharded over 4 ranks)" \
+    assert "fsdp 158.2KiB (sharded over 8 ranks); hsdp 220.5KiB (sharded over 4 ranks)" \
         in block["others"]
     assert block["verdict"] == ("dense part does not fit in parallel.reserve_per_rank 200KiB: use "
-                                "parallel.dense=fsdp (157.9KiB), or raise "
-                                "parallel.reserve_per_rank to 507.9KiB")
+                                "parallel.dense=fsdp (158.2KiB), or raise "
+                                "parallel.reserve_per_rank to 510.9KiB")
     fsdp = run_cli(DHEN_PLAN + ["--set", "parallel.dense=fsdp"])
     assert fsdp.returncode == 0, fsdp.stderr
     block = dense_block(fsdp.stdout)
     assert block["mine"].startswith("dense per rank, parallel.dense=fsdp (sharded over 8 ranks): "
-                                    "157.9KiB = ")
+                                    "158.2KiB = ")
     assert "all-gather of the largest unit (top MLP)" in block["mine"]
     assert block["verdict"] == "dense part fits in parallel.reserve_per_rank 200KiB"
 
@@ -418,7 +418,7 @@ def test_a_training_job_whose_dense_part_does_not_fit_its_reserve_stops_at_start
                       f"train.run_dir={run_dir}"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: parallel.reserve_per_rank: the dense part needs 87.2KiB per rank under "
+        "error: parallel.reserve_per_rank: the dense part needs 92.5KiB per rank under "
         "parallel.dense=ddp (parameters, gradients, adagrad state), more than the 64KiB kept free "
-        "of tables; raise parallel.reserve_per_rank to 87.2KiB"]
+        "of tables; raise parallel.reserve_per_rank to 92.5KiB"]
     assert not run_dir.exists()
