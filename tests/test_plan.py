@@ -418,7 +418,7 @@ def test_a_training_job_whose_dense_part_does_not_fit_its_reserve_stops_at_start
                       f"train.run_dir={run_dir}"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: parallel.reserve_per_rank: the dense part needs 92.5KiB per rank under "
+        "error: parallel.reserve_per_rank: the dense part needs 92.4KiB per rank under "
         "parallel.dense=ddp (parameters, gradients, adagrad state), more than the 64KiB kept free "
         "of tables; raise parallel.reserve_per_rank to 92.5KiB"]
     assert not run_dir.exists()
