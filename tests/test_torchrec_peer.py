@@ -5,8 +5,6 @@ order, and it runs on 2 gloo ranks with the 1-rank losses."""
 import json
 import os
 import re
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -142,15 +140,3 @@ def test_two_ranks_give_the_one_rank_losses(tmp_path, process_group):
         assert len(two[embedding]) == len(one) == STEPS
         assert two[embedding] == pytest.approx(one, rel=1e-5), embedding
         assert one[-1] < one[0]
-
-
-def test_main_prints_the_peers_speed():
-    """`python -m dlrm_hybrid.bench.torchrec_peer`, as the quick look runs it: a job of its own
-    (not the one-process group the other tests' fixture set up in this environment)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, "-m", "dlrm_hybrid.bench.torchrec_peer", "--config",
-                             "configs/demo.yaml", "--steps", "3", "--warmup", "1"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300,
-                            env={**env, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"torchrec peer on cpu, batch 1024, 3 steps: [\d,]+ samples/s", result.stdout)

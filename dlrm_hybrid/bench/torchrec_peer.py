@@ -32,8 +32,6 @@ torchrec 1.8.0, 1 and 2 gloo ranks (tests/test_torchrec_peer.py).
 
 from __future__ import annotations
 
-import argparse
-import time
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -163,46 +161,3 @@ class PeerStep:
         loss, _, _ = self.pipeline.progress(map(torchrec_batch, batches))
         self.schedule.step()
         return loss
-
-
-def main(argv=None) -> None:
-    """`python -m dlrm_hybrid.bench.torchrec_peer --config C --steps N`: the peer's samples/s
-    alone, one process, over 16 cycled batches made beforehand (bench does the same)."""
-    import itertools
-
-    from dlrm_hybrid.bench.roofline import synchronize
-    from dlrm_hybrid.cli import _quiet_library_noise
-    from dlrm_hybrid.config import load_config
-    from dlrm_hybrid.data.source import open_dataset
-    from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
-
-    parser = argparse.ArgumentParser(prog="python -m dlrm_hybrid.bench.torchrec_peer")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    args = parser.parse_args(argv)
-    _quiet_library_noise()
-    cfg = load_config(args.config, [])
-    env = init_distributed(cfg.parallel.backend)
-    try:
-        dataset, B = open_dataset(cfg.data, cfg.model), cfg.data.global_batch_size
-        made = [dataset.batch("train", i * B, B).to(env.device) for i in range(16)]
-        step, batches = torchrec_peer_step(cfg, dataset.spec, env), itertools.cycle(made)
-        for _ in range(args.warmup):
-            step(batches)
-        synchronize(env.device)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            loss = step(batches)
-        loss.item()
-        synchronize(env.device)
-        seconds = time.perf_counter() - start
-        print(f"torchrec peer on {env.device.type}, batch {B}, {args.steps} steps: "
-              f"{args.steps * B / seconds:,.0f} samples/s, {seconds / args.steps * 1e3:.1f} "
-              f"ms/step, last loss {loss.item():.4f}", flush=True)
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()
