@@ -27,6 +27,7 @@ from dlrm_hybrid.data.batch import ClickDataset, Columns
 from dlrm_hybrid.data.interaction_meta import (META_FILE, SPLITS, InteractionMeta, read_meta,
                                                tower_features)
 from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.partial_folder import finish_partial, start_partial
 
 class InteractionData(ClickDataset):
     """Engagement pairs per split and the side features of every user and item, in memory
@@ -115,10 +116,25 @@ class InteractionData(ClickDataset):
             self._engaged[splits] = self._csr(splits)
         return self._engaged[splits]
 
-    def _csr(self, splits: Tuple[str, ...]) -> Tuple[np.ndarray, np.ndarray]:
+    def findable(self, split: str, earlier: Tuple[str, ...]) -> Tuple[np.ndarray, np.ndarray]:
+        """CSR of the distinct items each user engaged with in `split` but in none of the
+        `earlier` splits: a re-engagement cannot be found, as serving never returns an item the
+        user engaged with before. What the evaluation asks to find."""
+        name = (split, "not", *earlier)
+        if name not in self._engaged:
+            self._engaged[name] = self._csr((split,), without=self._keys(earlier))
+        return self._engaged[name]
+
+    def _keys(self, splits: Tuple[str, ...]) -> np.ndarray:
+        """Sorted distinct user * items + item of the engagements of `splits`."""
         users = np.concatenate([self.pairs[s][0] for s in splits if s in self.pairs] or [[]])
         items = np.concatenate([self.pairs[s][1] for s in splits if s in self.pairs] or [[]])
-        key = np.unique(users.astype(np.int64) * self.items + items.astype(np.int64))
+        return np.unique(users.astype(np.int64) * self.items + items.astype(np.int64))
+
+    def _csr(self, splits: Tuple[str, ...], without: np.ndarray = np.zeros(0, np.int64)
+             ) -> Tuple[np.ndarray, np.ndarray]:
+        key = self._keys(splits)
+        key = key[~np.isin(key, without)]
         users, items = key // self.items, key % self.items
         indptr = np.zeros(self.users + 1, np.int64)
         np.add.at(indptr, users + 1, 1)
@@ -183,9 +199,7 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
     target = Path(path)
     if target.exists():
         raise DataError(f"{target}: already exists; choose another --output or remove it")
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # a write that was stopped
-    partial.mkdir(parents=True)
+    partial = start_partial(target, "preprocess interactions")
     try:
         for split, (users, items) in data.pairs.items():
             np.save(partial / f"{split}_user.npy", np.asarray(users, np.int32))
@@ -194,11 +208,11 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
         np.save(partial / "item_side.npy", np.asarray(data.item_side, np.int32))
         for name, raw in (("users.txt", raw_users), ("items.txt", raw_items)):
             if len(raw):
-                (partial / name).write_text("".join(f"{r}\n" for r in raw))
+                (partial / name).write_text("".join(f"{r}\n" for r in raw), encoding="utf-8")
         meta = data.meta
         meta.samples = {s: int(len(p[0])) for s, p in data.pairs.items()}
         (partial / META_FILE).write_text(yaml.safe_dump(meta.to_yaml(), sort_keys=False))
-        partial.replace(target)
+        finish_partial(partial, target)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
