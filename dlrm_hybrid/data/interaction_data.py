@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.data.batch import ClickDataset, Columns
+from dlrm_hybrid.data.batch import ClickDataset, Columns, stacked
 from dlrm_hybrid.data.interaction_meta import (META_FILE, SPLITS, InteractionMeta, read_meta,
                                                tower_features)
 from dlrm_hybrid.errors import DataError
@@ -60,22 +60,27 @@ class InteractionData(ClickDataset):
         index = np.arange(first, first + count)
         valid = index < len(users)
         index = np.minimum(index, len(users) - 1)
-        engaged = self.tower_columns(users[index].astype(np.int64),
-                                     items[index].astype(np.int64), valid)
+        return self.tower_columns(users[index].astype(np.int64), items[index].astype(np.int64),
+                                  valid)
+
+    def slice_columns(self, split: str, piece) -> Columns:
+        """A rank's slice of a global batch; in training, followed by its uniform negatives."""
+        engaged = super().slice_columns(split, piece)
         if split != "train" or not self.negatives[0]:
             return engaged
-        return _stacked(engaged, self._uniform_negatives(first, count))
+        count = sum(n for _, n in piece.runs)
+        return stacked([engaged, self._uniform_negatives(piece.step, piece.offset, count)])
 
     def set_uniform_negatives(self, count: int, global_batch: int, seed: int) -> None:
         """Training slices get their share of `count` items per global batch drawn uniformly
         from the corpus (mixed negative sampling), after their engagements: label 0 (negatives
-        only), user features empty. The draw depends on (seed, the global batch's place in the
-        split) only, so 1 rank and N ranks read the same global set."""
+        only), user features empty. The draw depends on (seed, the global batch's step) only,
+        so 1 rank and N ranks read the same global set."""
         self.negatives = (count, global_batch, seed)
 
-    def _uniform_negatives(self, first: int, count: int) -> Columns:
+    def _uniform_negatives(self, place: int, offset: int, count: int) -> Columns:
+        """This slice's share of global batch `place`'s draw (`offset`: where it starts)."""
         total, batch, seed = self.negatives
-        place, offset = divmod(first, batch)
         lo, rest_lo = divmod(offset * total, batch)
         hi, rest_hi = divmod((offset + count) * total, batch)
         if rest_lo or rest_hi:
@@ -139,15 +144,6 @@ class InteractionData(ClickDataset):
         indptr = np.zeros(self.users + 1, np.int64)
         np.add.at(indptr, users + 1, 1)
         return np.cumsum(indptr), items
-
-
-def _stacked(first: Columns, then: Columns) -> Columns:
-    """The rows of `first`, then those of `then`."""
-    cat = np.concatenate
-    return Columns(cat([first.dense, then.dense]), cat([first.labels, then.labels]),
-                   cat([first.valid, then.valid]),
-                   [cat(pair) for pair in zip(first.ids, then.ids)],
-                   lengths=[cat(pair) for pair in zip(first.lengths, then.lengths)])
 
 
 def open_interactions(path: str) -> InteractionData:
