@@ -266,8 +266,9 @@ def test_a_header_of_id_columns_is_skipped(tmp_path, header):
     assert result.returncode == 0, failure(result)
     data = open_interactions(str(tmp_path / "out"))
     assert data.meta.extra["rows"] == len(rows) == sum(data.meta.samples.values())
-    assert sorted((tmp_path / "out" / "users.txt").read_text().split()) == [f"u{u}" for u in range(4)]
-    assert sorted((tmp_path / "out" / "items.txt").read_text().split()) == [f"i{i}" for i in range(5)]
+    for name, ids in (("users.txt", [f"u{u}" for u in range(4)]),
+                      ("items.txt", [f"i{i}" for i in range(5)])):
+        assert sorted((tmp_path / "out" / name).read_text().split()) == ids
     # without the header, the same rows: the first row is no header (ids are not names)
     result = preprocess([write_log(tmp_path / "rows.csv", rows)], tmp_path / "plain",
                         "--columns", "user,item")

@@ -4,12 +4,14 @@ Every rank computes the item tower over its share of the corpus; the vectors are
 (items x E floats on each rank). Then each rank takes its share of the split's users and, in
 chunks of `retrieval.eval_items_per_chunk` items, counts for each of a user's relevant items
 how many corpus items score higher, leaving out the items the user engaged with in earlier
-splits (training, and validation when testing). A relevant item the user engaged with in an
-earlier split (a re-watch) is not one to find: serving never returns it. That count is the relevant item's exact
+splits (training, and validation when testing). That count is the relevant item's exact
 0-based position in the user's ranking of the corpus; recall, HR and NDCG (binary relevance)
 at each K and MRR follow from the positions, and the per-user sums are all-reduced, so 1 and N
 ranks give the same numbers (up to the order of float sums). Memory per user batch is bounded
 by one [users, chunk] score block and its comparison with the relevant items' scores.
+
+A relevant item the user engaged with in an earlier split (a re-watch) is not one to find:
+serving (`retrieve`, `recommend`) never returns a user's training items (docs/retrieval.md).
 """
 
 from __future__ import annotations
