@@ -132,6 +132,17 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     return stages, total, per_stage
 
 
+def findable_test(root: Path):
+    """(users, items) of the test pairs whose item the user did not engage with in train or
+    validation: a re-engagement is never returned (seen items are left out), as the
+    evaluation's rule says (docs/retrieval.md)."""
+    from dlrm_hybrid.data.interaction_data import open_interactions
+
+    data = open_interactions(str(root))
+    indptr, items = data.findable("test", ("train", "val"))
+    return np.repeat(np.arange(data.users), np.diff(indptr)), items
+
+
 def hit_rates(stages: List[Dict[str, np.ndarray]], wanted: np.ndarray) -> Dict[str, float]:
     """hr@K of each stage: the share of users whose test item is in the stage's first K."""
     return {f"{stage}_hr@{k}": float(np.mean([item in s[stage][:k]
@@ -201,7 +212,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         paths = build(args, work)
         root = Path(paths["retrieval"])
-        users, wanted = np.load(root / "test_user.npy"), np.load(root / "test_item.npy")
+        users, wanted = findable_test(root)
         val = dict(zip(np.load(root / "val_user.npy").tolist(),
                        np.load(root / "val_item.npy").tolist()))
         if args.users:

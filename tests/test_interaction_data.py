@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import done_fields, failure, run_cli
+from conftest import done_fields, failure, read_metrics, run_cli
 from dlrm_hybrid.config import DataConfig
 from dlrm_hybrid.data.interaction_data import open_interactions
 from dlrm_hybrid.data.planted_interactions import planted_interactions, teacher, teacher_scores
@@ -87,21 +87,24 @@ def test_several_inputs_are_one_log_and_a_time_cut_splits_it_globally(tmp_path):
 
 
 def test_side_columns_become_tower_features_from_each_ones_latest_row(tmp_path):
+    """With a time cut, each one's latest row before T1, the table every split reads (a later
+    row is the future of the validation or test period); one without such a row is unknown, a
+    value of its own."""
     log = write_log(tmp_path / "log.tsv", [
         "user\titem\ttimestamp\tage\tgenre",  # a header: the timestamp column reads its name
         "a\tx\t3\t20\tdrama", "a\ty\t1\t18\tcomedy",  # user a's latest row (t 3) says 20
         "b\tx\t2\t30\tdrama", "c\ty\t5\t30\tcomedy", "b\tz\t9\t31\tdrama"])
-    result = preprocess([log], tmp_path / "out", "--columns",
-                        "user,item,timestamp,user:age,item:genre", "--split", "time", "--cut", "4,6")
+    columns = ["--columns", "user,item,timestamp,user:age,item:genre"]
+    result = preprocess([log], tmp_path / "out", *columns, "--split", "time", "--cut", "4,6")
     assert result.returncode == 0, failure(result)
     data = open_interactions(str(tmp_path / "out"))
     assert data.meta.positive == "every row"
     assert data.spec.feature_names == ["user_id", "user_age", "item_id", "item_genre"]
-    assert data.meta.user_side == {"age": 3} and data.meta.item_side == {"genre": 2}
-    # users a, b, c (2, 2, 1 rows); ages 20, 31, 30 -> ids by frequency, ties by value
-    assert data.user_side[:, 0].tolist() == [0, 2, 1]
-    # items x, y, z; genres drama, comedy, drama: drama (2 items) is 0
-    assert data.item_side[:, 0].tolist() == [0, 1, 0]
+    assert data.meta.user_side == {"age": 3} and data.meta.item_side == {"genre": 3}
+    # users a, b, c (2, 2, 1 rows); before t 4: ages 20, 30 (not b's 31 at t 9), c unknown
+    assert data.user_side[:, 0].tolist() == [0, 1, 2]  # one user each: the values' order
+    # items x, y, z; before t 4: drama, comedy (not y's t 5 row, also comedy), z unknown
+    assert data.item_side[:, 0].tolist() == [1, 0, 2]  # comedy < drama < unknown
     assert (tmp_path / "out" / "users.txt").read_text().split() == ["a", "b", "c"]
 
 
@@ -252,3 +255,174 @@ def test_predict_and_bench_point_a_two_tower_user_to_their_tools(tmp_path):
     assert result.returncode == 2 and "retrieve --model" in result.stderr, failure(result)
     result = run_cli(["bench", "--config", "configs/two_tower_demo.yaml"])
     assert result.returncode == 2 and "benchmarks/retrieval.py" in result.stderr, failure(result)
+
+
+@pytest.mark.parametrize("header", ["user_id,item_id", "userId,movieId", "customer_id,product_id",
+                                    "uid,iid"])
+def test_a_header_of_id_columns_is_skipped(tmp_path, header):
+    rows = [f"u{u},i{(u + k) % 5}" for u in range(4) for k in range(3)]
+    log = write_log(tmp_path / "log.csv", [header, *rows])
+    result = preprocess([log], tmp_path / "out", "--columns", "user,item")
+    assert result.returncode == 0, failure(result)
+    data = open_interactions(str(tmp_path / "out"))
+    assert data.meta.extra["rows"] == len(rows) == sum(data.meta.samples.values())
+    for name, ids in (("users.txt", [f"u{u}" for u in range(4)]),
+                      ("items.txt", [f"i{i}" for i in range(5)])):
+        assert sorted((tmp_path / "out" / name).read_text().split()) == ids
+    # without the header, the same rows: the first row is no header (ids are not names)
+    result = preprocess([write_log(tmp_path / "rows.csv", rows)], tmp_path / "plain",
+                        "--columns", "user,item")
+    assert result.returncode == 0, failure(result)
+    assert open_interactions(str(tmp_path / "plain")).meta.extra["rows"] == len(rows)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "user_id,item_id\n", "\ufeffuser,item\r\n"])
+@pytest.mark.parametrize("labels", [[], ["--labels", "watched"]])
+def test_an_empty_or_header_only_log_is_one_line(tmp_path, text, labels):
+    log = tmp_path / "log.csv"
+    log.write_bytes(text.encode())
+    result = preprocess([log], tmp_path / "out", "--columns", "user,item", *labels)
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines() == [
+        f"error: {log}: no rows to read (empty, or a header line only); give a log of "
+        f"interactions"]
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_a_log_of_bad_rows_only_is_one_line(tmp_path):
+    log = write_log(tmp_path / "log.csv", ["user,item,rating,timestamp", "u1,i1,x,1", "u2,i2"])
+    result = preprocess([log], tmp_path / "out", "--columns", "user,item,rating,timestamp",
+                        "--skip-bad-rows")
+    assert result.returncode == 2 and "error: " + f"{log}: no rows to read (2 bad rows skipped)" \
+        in result.stderr, failure(result)
+    assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("name", ["ml-latest-small-ratings.csv", "ratings_2024.csv", "log.txt"])
+def test_movielens_ratings_csv_is_told_by_its_header_under_any_name(tmp_path, name):
+    written = write_layout(tmp_path / "log", "ratings.csv")
+    renamed = written.rename(written.with_name(name))
+    result = preprocess([renamed], tmp_path / "out")
+    assert result.returncode == 0, failure(result)
+    assert "done: users=3 items=5 train=4 val=2 test=2" in result.stdout
+    data = open_interactions(str(tmp_path / "out"))
+    assert set(pairs(data, "train")) == SPLITS["train"] and pairs(data, "test") == SPLITS["test"]
+
+
+@pytest.mark.parametrize("name, text", [
+    ("ratings.csv", "user,item,score\n1,2,5\n"),  # MovieLens' name, another header
+    ("ratings.csv", "1,2,5,7\n"),  # MovieLens' name, no header
+    ("u.data", "1,2,5,7\n"),  # u.data's name, commas
+    ("ratings.dat", "1::2::5\n"),  # ratings.dat's name, three fields
+    ("ml-1m.dat", "1::2::5::7\n")])  # four numbers: a name of MovieLens' needed to say whose
+def test_a_file_that_is_not_movielens_is_refused_whatever_its_name(tmp_path, name, text):
+    log = tmp_path / name
+    log.write_text(text)
+    result = preprocess([log], tmp_path / "out")
+    assert result.returncode == 2, failure(result)
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {log}: not a MovieLens ratings file") and "--columns" in line
+    assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("raw, why", [
+    (b"caf\xe9", "the user id b'caf\\xe9' is not UTF-8 text"),
+    ("a\u2028b".encode(), "the user id 'a\\u2028b' holds a line break (U+2028)"),
+    ("a\u0085b".encode(), "the user id 'a\\x85b' holds a line break (U+0085)"),
+    (b"a\x0cb", "the user id 'a\\x0cb' holds a line break (U+000C)")])
+def test_an_id_that_cannot_be_kept_exactly_is_refused_naming_its_line(tmp_path, raw, why):
+    """users.txt/items.txt hold one id a line as UTF-8: an id that is not UTF-8 would be
+    replaced (two such ids collide), one with a line break would split. Other ids are kept
+    exactly, whatever their script."""
+    kept = ["café", "日本", "a b", "Ω"]
+    rows = [f"{u},i{k},5,{k}".encode() for u in kept for k in range(3)]
+    log = tmp_path / "log.csv"
+    log.write_bytes(b"\n".join([*rows[:4], raw + b",i1,5,9", *rows[4:]]) + b"\n")
+    result = preprocess([log], tmp_path / "out", "--columns", "user,item,rating,timestamp")
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines() == [
+        f"error: {log}:5: {why}" + (" (save the log as UTF-8)" if "UTF-8" in why else "")
+        + "; correct the line, or pass --skip-bad-rows to leave out such lines (counted)"]
+    assert not list(tmp_path.glob("out*"))
+    result = preprocess([log], tmp_path / "out", "--columns", "user,item,rating,timestamp",
+                        "--skip-bad-rows")
+    assert result.returncode == 0, failure(result)
+    data = open_interactions(str(tmp_path / "out"))
+    assert data.meta.extra["bad_id"] == 1 and data.meta.extra["rows"] == len(rows) + 1
+    assert sum(data.meta.samples.values()) == len(rows)
+    users = (tmp_path / "out" / "users.txt").read_bytes().decode("utf-8").split("\n")
+    assert sorted(users) == sorted(["", *kept])  # each exactly, one a line
+
+
+def test_a_partial_folder_is_removed_only_when_a_stopped_run_made_it(tmp_path):
+    log = write_layout(tmp_path / "log", "u.data")
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    (partial / "notes.txt").write_text("mine")
+    result = preprocess([log], tmp_path / "out")
+    assert result.returncode == 2, failure(result)
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {partial}: exists and is not a stopped preprocess "
+                           f"interactions's work") and "move or remove it" in line
+    assert [p.name for p in partial.iterdir()] == ["notes.txt"] and not (tmp_path / "out").exists()
+    (partial / ".dlrm_hybrid_partial").write_text("export --retrieval\n")  # another command's
+    assert preprocess([log], tmp_path / "out").returncode == 2 and partial.exists()
+    (partial / ".dlrm_hybrid_partial").write_text("preprocess interactions\n")  # a stopped run's
+    result = preprocess([log], tmp_path / "out")
+    assert result.returncode == 0, failure(result)
+    assert not partial.exists() and not (tmp_path / "out" / ".dlrm_hybrid_partial").exists()
+
+
+# The issue's log: u1 watches a again after b and c, so a is in u1's train and test split
+REWATCH = ["u1,a,5,1", "u1,b,5,2", "u1,c,5,3", "u1,a,5,4",
+           "u2,b,5,1", "u2,c,5,2", "u2,d,5,3", "u2,e,5,4"]
+TINY_TWO_TOWER = ["--set", "model.kind=two_tower", "--set", "model.embedding_dim=4",
+                  "--set", "model.user_tower.mlp=[4]", "--set", "model.item_tower.mlp=[4]",
+                  "--set", "train.log_every=1", "--set", "optim.embedding=sgd",
+                  "--set", "train.eval_every=0"]
+
+
+def test_a_held_out_item_the_user_engaged_with_before_is_not_one_to_find(tmp_path):
+    """Serving never returns a user's earlier items, so evaluation does not count a re-watch:
+    u1's test item a is in its train split, and only u2 is evaluated on test."""
+    result = preprocess([write_log(tmp_path / "log.csv", REWATCH)], tmp_path / "data",
+                        "--columns", "user,item,rating,timestamp")
+    assert result.returncode == 0, failure(result)
+    assert "train=4 val=2 test=2" in result.stdout
+    run = tmp_path / "run"
+    result = run_cli(["train", *TINY_TWO_TOWER, "--set", f"data.path={tmp_path / 'data'}",
+                      "--set", "data.global_batch_size=4", "--set", "train.max_steps=1",
+                      "--set", f"train.run_dir={run}"])
+    assert result.returncode == 0, failure(result)
+    [evaluation] = [e for e in read_metrics(run) if "val_mrr" in e]
+    assert evaluation["users"] == 2  # validation: c and d are new to u1 and u2
+    result = run_cli(["eval", "--checkpoint", str(run / "checkpoints" / "step_1"),
+                      "--split", "test"])
+    assert result.returncode == 0, failure(result)
+    assert " users=1" in result.stdout.strip().splitlines()[-1], result.stdout
+
+
+def test_every_training_row_is_read_once_an_epoch(tmp_path):
+    """10 training rows, each the only engagement of its item, in global batches of 4: in 5
+    steps (2 epochs) every row is trained, and each again after step 1 (no row is left in an
+    epoch's partial last batch). An item's table row moves only in a step whose batch holds it."""
+    import torch
+
+    from dlrm_hybrid.train.inference import read_model_state
+
+    rows = [f"u{u},{item},5,{t}" for u in range(10)
+            for t, item in enumerate((f"own{u}", "shared_val", "shared_test"))]
+    result = preprocess([write_log(tmp_path / "log.csv", rows)], tmp_path / "data",
+                        "--columns", "user,item,rating,timestamp")
+    assert result.returncode == 0 and "train=10 val=10 test=10" in result.stdout, failure(result)
+    run = tmp_path / "run"
+    result = run_cli(["train", *TINY_TWO_TOWER, "--set", f"data.path={tmp_path / 'data'}",
+                      "--set", "data.global_batch_size=4", "--set", "train.max_steps=5",
+                      "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5",
+                      "--set", "retrieval.logq=false", "--set", f"train.run_dir={run}"])
+    assert result.returncode == 0, failure(result)
+    first, last = (read_model_state(run / "checkpoints" / f"step_{s}") for s in (1, 5))
+    [key] = [k for k in first if "item_id" in k and k.endswith("weight")]
+    moved = (first[key] != last[key]).any(dim=1)
+    own = torch.arange(2, 12)  # the 10 training items (ids 0, 1: the shared ones, 10 each)
+    assert moved[own].all(), moved

@@ -1,5 +1,6 @@
 """Split-binary datasets and the two loaders: same batches, slices, shuffling, bad files."""
 
+import itertools
 import math
 import shutil
 
@@ -10,6 +11,7 @@ import yaml
 
 from conftest import ROOT, read_metrics, train_with_each_loader
 from dlrm_hybrid.config import ConfigError, DataConfig, load_config
+from dlrm_hybrid.data.batch import ClickDataset, Columns
 from dlrm_hybrid.data.dali_loader import DaliLoader
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
@@ -194,3 +196,36 @@ def test_loader_errors_reach_the_training_loop():
     next(loader)
     with pytest.raises(DataError, match="disk gone"):
         next(loader)
+
+
+class RowNumbers(ClickDataset):
+    """A split of `n` rows whose one dense value is the row's number."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def num_samples(self, split: str) -> int:
+        return self.n
+
+    def columns(self, split: str, first: int, count: int) -> Columns:
+        index = np.arange(first, first + count)
+        return Columns(index[:, None].astype(np.float32), np.zeros(count, np.float32),
+                       index < self.n, [np.minimum(index, self.n - 1)[:, None]])
+
+
+@pytest.mark.parametrize("rows, batch, ranks, shuffle", [
+    (10, 4, 1, False), (10, 4, 2, True), (23, 6, 3, True), (24, 6, 2, True)])
+def test_every_training_row_is_read_once_an_epoch(rows, batch, ranks, shuffle):
+    """The rows the batches of 3 epochs touch, global batch after global batch: each run of
+    `rows` consecutive ones holds every row once (a partial last batch carries over into the
+    next epoch); shuffled epochs differ; a resumed reader goes on where the run was."""
+    data, steps = RowNumbers(rows), -(-3 * rows // batch)
+    per_rank = [[c.dense[:, 0].astype(int).tolist() for c in
+                 itertools.islice(rank_columns(data, "train", batch, r, ranks, shuffle, 5), steps)]
+                for r in range(ranks)]
+    read = [row for step in zip(*per_rank) for part in step for row in part]
+    epochs = [read[e * rows:(e + 1) * rows] for e in range(3)]
+    assert all(sorted(epoch) == list(range(rows)) for epoch in epochs), epochs
+    assert (epochs[0] != epochs[1]) == shuffle
+    resumed = rank_columns(data, "train", batch, ranks - 1, ranks, shuffle, 5, start_step=steps - 1)
+    assert next(resumed).dense[:, 0].astype(int).tolist() == per_rank[-1][-1]

@@ -163,6 +163,40 @@ def test_blocklist_and_an_unknown_blocked_item_warns(served):
         result.stderr
 
 
+def test_reciprocal_rank_fusion_orders_by_the_summed_reciprocal_ranks():
+    """Each item scores sum_s 1 / (60 + its rank in s): found twice low beats found once first;
+    ties in the order first found, by the sources' order."""
+    from dlrm_hybrid.serve.recommend import merge
+
+    lists = {"two_tower": np.array([5, 1, 2]), "history": np.array([2, 7]),
+             "pixie": np.array([1, 9, 5, 4])}
+    # 1: 1/62 + 1/61; 5: 1/61 + 1/63 = 2: 1/63 + 1/61 (5 found first); 7 = 9: 1/62; 4: 1/64
+    order, found_by = merge(lists)
+    assert order.tolist() == [1, 5, 2, 7, 9, 4]
+    assert found_by == {5: ["two_tower", "pixie"], 1: ["two_tower", "pixie"],
+                        2: ["two_tower", "history"], 7: ["history"], 9: ["pixie"], 4: ["pixie"]}
+    assert merge({"pixie": np.array([3, 8])})[0].tolist() == [3, 8]  # one source: its order
+
+
+def test_the_ranker_gets_the_fused_candidates_best_first(served):
+    """With a value model that ties every item (weight 0), `recommend` returns the merged list
+    itself: the reciprocal-rank fusion of what `retrieve` answers by the user tower and by the
+    user's history, each source's 10 best."""
+    rrf = {}
+    user = "u0"
+    for by in ([], ["--history", ",".join(sorted(served.seen[user]))]):
+        answer = json.loads(cli("retrieve", "--model", str(served.root / "R"), "--user", user,
+                                *by, "--k", "10", "--json").stdout)
+        for rank, item in enumerate(answer["items"], 1):
+            rrf[item] = rrf.get(item, 0.0) + 1.0 / (60 + rank)
+    got = recommend(served, "--user", user, "--sources", "two_tower,history", "--per-source",
+                    "10", "--rank-top", "20", "--k", "20", "--value", "watched=0",
+                    "--diversity", "off")["items"]
+    assert sorted(got) == sorted(rrf)
+    assert [rrf[i] for i in got] == sorted(rrf.values(), reverse=True)
+    assert len(set(rrf.values())) > 5  # the order is the fusion's, not ties'
+
+
 def test_diversity_no_two_of_a_category_in_a_row(served):
     ranked = recommend(served, "--user", "u2", *FUNNEL, "--k", "20", "--diversity", "off")
     diverse = recommend(served, "--user", "u2", *FUNNEL, "--k", "8")["items"]

@@ -33,3 +33,19 @@ def test_hit_rates_count_the_test_item_among_each_stages_first_k(bench):
                     "p50_ms=50.50 p99_ms=99.01")
     assert bench.value_text({"watched": 0.5, "liked": 1.0, "disliked": -2.0}) == \
         "0.5 P(watched) + 1 P(liked) - 2 P(disliked)"
+
+
+def test_the_test_items_asked_for_leave_out_re_watches(bench, tmp_path):
+    """A test item the user engaged with in train or validation is never returned (seen items
+    are left out), so the benchmark does not ask for it (docs/retrieval.md's rule)."""
+    from dlrm_hybrid.data.interaction_data import InteractionData, write_interactions
+    from dlrm_hybrid.data.interaction_meta import InteractionMeta
+
+    pairs = {"train": (np.array([0, 0, 1, 2]), np.array([1, 2, 3, 0])),
+             "val": (np.array([0, 1, 2]), np.array([3, 0, 4])),
+             "test": (np.array([0, 1, 2]), np.array([2, 4, 4]))}  # u0: train's 2; u2: val's 4
+    data = InteractionData(InteractionMeta(3, 5), pairs, np.zeros((3, 0), np.int64),
+                           np.zeros((5, 0), np.int64))
+    write_interactions(data, str(tmp_path / "log"))
+    users, items = bench.findable_test(tmp_path / "log")
+    assert users.tolist() == [1] and items.tolist() == [4]

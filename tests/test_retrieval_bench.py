@@ -21,15 +21,20 @@ def interactions(users: int, items: int, train, val, test) -> InteractionData:
                            np.zeros((items, 0), np.int64))
 
 
-def brute_force(scores: np.ndarray, data: InteractionData, ks) -> dict:
-    """test recall/hr/ndcg@K and mrr from the full score matrix, train and val items masked."""
+EARLIER = {"val": ("train",), "test": ("train", "val")}
+
+
+def brute_force(scores: np.ndarray, data: InteractionData, ks, split: str) -> dict:
+    """`split`'s recall/hr/ndcg@K and mrr from the full score matrix, the earlier splits' items
+    masked, and not relevant (a re-watch is never served)."""
     scores = scores.copy()
-    for split in ("train", "val"):
-        for u, i in zip(*data.pairs[split]):
-            scores[u, i] = -np.inf
+    earlier = {(int(u), int(i)) for s in EARLIER[split] for u, i in zip(*data.pairs[s])}
+    for u, i in earlier:
+        scores[u, i] = -np.inf
     relevant = {}
-    for u, i in zip(*data.pairs["test"]):
-        relevant.setdefault(int(u), set()).add(int(i))
+    for u, i in zip(*data.pairs[split]):
+        if (int(u), int(i)) not in earlier:
+            relevant.setdefault(int(u), set()).add(int(i))
     sums = {}
     for u, items in relevant.items():
         ranks = sorted(int((scores[u] > scores[u, i]).sum()) for i in items)
@@ -38,12 +43,13 @@ def brute_force(scores: np.ndarray, data: InteractionData, ks) -> dict:
             ideal = sum(1 / math.log2(j + 2) for j in range(min(len(items), k)))
             for name, value in (("recall", len(hits) / min(len(items), k)), ("hr", bool(hits)),
                                 ("ndcg", sum(1 / math.log2(r + 2) for r in hits) / ideal)):
-                sums[f"test_{name}@{k}"] = sums.get(f"test_{name}@{k}", 0) + value
-        sums["test_mrr"] = sums.get("test_mrr", 0) + 1 / (ranks[0] + 1)
-    return {k: v / len(relevant) for k, v in sums.items()}
+                sums[f"{split}_{name}@{k}"] = sums.get(f"{split}_{name}@{k}", 0) + value
+        sums[f"{split}_mrr"] = sums.get(f"{split}_mrr", 0) + 1 / (ranks[0] + 1)
+    return {k: v / len(relevant) for k, v in sums.items()}, len(relevant)
 
 
-def test_peer_metrics_are_the_brute_force_ranks_with_earlier_items_left_out():
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_peer_metrics_are_the_brute_force_ranks_with_earlier_items_left_out(split):
     rng = np.random.default_rng(3)
     users, items = 7, 12
     val = [(u, (u * 5 + 1) % items) for u in range(users)]
@@ -51,12 +57,14 @@ def test_peer_metrics_are_the_brute_force_ranks_with_earlier_items_left_out():
     later = set(val + test)
     train = [(u, int(i)) for u in range(users)
              for i in [i for i in rng.permutation(items) if (u, i) not in later][:3]]
+    val += [train[0], train[4]]  # re-watches: users 0 and 1 again with a training item
+    test += [train[7], val[3]]  # user 2 with a training item, user 3 with its val item
     data = interactions(users, items, train, val, test)
     vectors = rng.normal(size=(users, 4)), rng.normal(size=(items, 4))
     cfg = RetrievalConfig(eval_k=[1, 3, 5])
-    got = peers.evaluate_peer(vectors, data, cfg, "test", batch=4)  # users over two batches
-    want = brute_force(vectors[0] @ vectors[1].T, data, cfg.eval_k)
-    assert got["users"] == users
+    got = peers.evaluate_peer(vectors, data, cfg, split, batch=4)  # users over two batches
+    want, counted = brute_force(vectors[0] @ vectors[1].T, data, cfg.eval_k, split)
+    assert got["users"] == counted == users
     for key, value in want.items():
         assert got[key] == pytest.approx(value, abs=1e-12), key
 

@@ -289,3 +289,23 @@ def test_one_line_errors(trained, exported, ranker_checkpoint, tmp_path):
                                                str(tmp_path / "r"), "--retrieval", "--nlist", "4"])
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert (checkpoint / "meta.json").is_file()
+
+
+def test_export_removes_only_a_partial_folder_a_stopped_export_made(trained, tmp_path):
+    """`OUT.partial` that is not a stopped export's (no marker of it inside) is refused in one
+    line and left as it is; a stopped export's is replaced."""
+    root, checkpoint = trained
+    export = ["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "R"),
+              "--set", f"data.path={root / 'log'}", "--retrieval", "--index", "flat"]
+    partial = tmp_path / "R.partial"
+    partial.mkdir()
+    (partial / "notes.txt").write_text("mine")
+    line = _error(export)
+    assert line.startswith(f"error: {partial}: exists and is not a stopped export "
+                           f"--retrieval's work")
+    assert [p.name for p in partial.iterdir()] == ["notes.txt"] and not (tmp_path / "R").exists()
+    (partial / ".dlrm_hybrid_partial").write_text("export --retrieval\n")
+    result = run_cli(export)
+    assert result.returncode == 0, failure(result)
+    assert not partial.exists() and not (tmp_path / "R" / "notes.txt").exists()
+    assert not (tmp_path / "R" / ".dlrm_hybrid_partial").exists()

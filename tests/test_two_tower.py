@@ -156,7 +156,7 @@ class Vectors:
         return self
 
 
-def reference(scores: np.ndarray, seen: list, wanted: list, ks) -> dict:
+def reference(scores: np.ndarray, seen: list, wanted: list, ks, split: str) -> dict:
     """The metrics by sorting each user's whole row (seen items last), as their definitions say."""
     out = {f"{m}@{k}": 0.0 for k in ks for m in ("recall", "hr", "ndcg")}
     out["mrr"] = 0.0
@@ -172,12 +172,14 @@ def reference(scores: np.ndarray, seen: list, wanted: list, ks) -> dict:
             ideal = sum(1 / math.log2(i + 2) for i in range(min(len(wanted[u]), k)))
             out[f"ndcg@{k}"] += sum(1 / math.log2(p + 2) for p in hits) / ideal
         out["mrr"] += 1 / (min(position.values()) + 1)
-    return {f"test_{k}": v / len(users) for k, v in out.items()}
+    return {f"{split}_{k}": v / len(users) for k, v in out.items()}
 
 
-def test_the_evaluation_ranks_the_whole_corpus_exactly():
-    """Users with several relevant items, earlier splits' items left out, the corpus scored in
-    chunks that do not divide it, users in batches that do not divide them."""
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_the_evaluation_ranks_the_whole_corpus_exactly(split):
+    """Users with several relevant items, earlier splits' items left out (train for val; train
+    and val for test), a re-engagement (an earlier item again) not one to find, the corpus
+    scored in chunks that do not divide it, users in batches that do not divide them."""
     import torch
 
     from dlrm_hybrid.config import RetrievalConfig
@@ -188,25 +190,34 @@ def test_the_evaluation_ranks_the_whole_corpus_exactly():
 
     rng = np.random.default_rng(0)
     users, items, ks = 23, 40, (1, 3, 10)
-    pairs, seen, wanted = {}, [set() for _ in range(users)], [set() for _ in range(users)]
+    order = ("train", "val", "test")
+    pairs, engaged = {}, {s: [set() for _ in range(users)] for s in order}
     for u in range(users):
         drawn = rng.permutation(items)[:rng.integers(0, 12)]
         cut = sorted(rng.integers(0, len(drawn) + 1, 2))
-        for split, part in (("train", drawn[:cut[0]]), ("val", drawn[cut[0]:cut[1]]),
-                            ("test", drawn[cut[1]:])):
-            got = pairs.setdefault(split, ([], []))
+        parts = [drawn[:cut[0]], drawn[cut[0]:cut[1]], drawn[cut[1]:]]
+        # re-watches, an earlier split's item again later: train's in val or test, val's in test
+        earlier_part, later = [(0, 1), (0, 2), (1, 2)][u % 3]
+        if len(parts[earlier_part]):
+            parts[later] = np.append(parts[later], parts[earlier_part][0])
+        for name, part in zip(order, parts):
+            got = pairs.setdefault(name, ([], []))
             got[0].extend([u] * len(part))
             got[1].extend(part)
-            (wanted if split == "test" else seen)[u].update(part.tolist())
+            engaged[name][u].update(part.tolist())
     pairs = {s: (np.array(a, np.int64), np.array(b, np.int64)) for s, (a, b) in pairs.items()}
     data = InteractionData(InteractionMeta(users, items), pairs, np.zeros((users, 0), np.int64),
                            np.zeros((items, 0), np.int64))
+    earlier = order[:order.index(split)]
+    seen = [set().union(*(engaged[s][u] for s in earlier)) for u in range(users)]
+    wanted = [engaged[split][u] - seen[u] for u in range(users)]
+    assert sum(len(engaged[split][u] & seen[u]) for u in range(users)) >= 3  # re-watches
     user_vecs, item_vecs = rng.normal(size=(users, 4)), rng.normal(size=(items, 4))
     cfg = RetrievalConfig(eval_k=list(ks), eval_items_per_chunk=7)
     one_process = DistEnv(0, 1, 0, 1, "gloo", torch.device("cpu"))
     got = evaluate_retrieval(Vectors(user_vecs, item_vecs), data, cfg, one_process, batch=5,
-                             split="test")
-    want = reference(user_vecs @ item_vecs.T, seen, wanted, ks)
+                             split=split)
+    want = reference(user_vecs @ item_vecs.T, seen, wanted, ks, split)
     assert got.pop("users") == sum(1 for w in wanted if w)
     assert got == pytest.approx(want, rel=1e-12)
 

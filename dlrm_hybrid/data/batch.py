@@ -59,8 +59,24 @@ class ClickDataset:
     def columns(self, split: str, first: int, count: int) -> Columns:
         raise NotImplementedError
 
+    def slice_columns(self, split: str, piece) -> Columns:
+        """A rank's slice (data/slices.py's `Slice`): its runs of rows, one after the other."""
+        return stacked([self.columns(split, first, count) for first, count in piece.runs])
+
     def batch(self, split: str, first: int, count: int) -> "Batch":
         return Batch.from_columns(self.columns(split, first, count), self.spec.feature_names)
+
+
+def stacked(parts: Sequence[Columns]) -> Columns:
+    """numpy columns of consecutive parts as one (the rows of the first, then the next...)."""
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+    per_feature = lambda name: [np.concatenate(ts)  # noqa: E731
+                                for ts in zip(*[getattr(p, name) for p in parts])]
+    return Columns(cat("dense"), cat("labels"), cat("valid"), per_feature("ids"),
+                   None if parts[0].true_prob is None else cat("true_prob"),
+                   None if parts[0].lengths is None else per_feature("lengths"))
 
 
 @dataclass

@@ -23,10 +23,11 @@ import numpy as np
 import yaml
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.data.batch import ClickDataset, Columns
+from dlrm_hybrid.data.batch import ClickDataset, Columns, stacked
 from dlrm_hybrid.data.interaction_meta import (META_FILE, SPLITS, InteractionMeta, read_meta,
                                                tower_features)
 from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.partial_folder import finish_partial, start_partial
 
 class InteractionData(ClickDataset):
     """Engagement pairs per split and the side features of every user and item, in memory
@@ -59,22 +60,27 @@ class InteractionData(ClickDataset):
         index = np.arange(first, first + count)
         valid = index < len(users)
         index = np.minimum(index, len(users) - 1)
-        engaged = self.tower_columns(users[index].astype(np.int64),
-                                     items[index].astype(np.int64), valid)
+        return self.tower_columns(users[index].astype(np.int64), items[index].astype(np.int64),
+                                  valid)
+
+    def slice_columns(self, split: str, piece) -> Columns:
+        """A rank's slice of a global batch; in training, followed by its uniform negatives."""
+        engaged = super().slice_columns(split, piece)
         if split != "train" or not self.negatives[0]:
             return engaged
-        return _stacked(engaged, self._uniform_negatives(first, count))
+        count = sum(n for _, n in piece.runs)
+        return stacked([engaged, self._uniform_negatives(piece.step, piece.offset, count)])
 
     def set_uniform_negatives(self, count: int, global_batch: int, seed: int) -> None:
         """Training slices get their share of `count` items per global batch drawn uniformly
         from the corpus (mixed negative sampling), after their engagements: label 0 (negatives
-        only), user features empty. The draw depends on (seed, the global batch's place in the
-        split) only, so 1 rank and N ranks read the same global set."""
+        only), user features empty. The draw depends on (seed, the global batch's step) only,
+        so 1 rank and N ranks read the same global set."""
         self.negatives = (count, global_batch, seed)
 
-    def _uniform_negatives(self, first: int, count: int) -> Columns:
+    def _uniform_negatives(self, place: int, offset: int, count: int) -> Columns:
+        """This slice's share of global batch `place`'s draw (`offset`: where it starts)."""
         total, batch, seed = self.negatives
-        place, offset = divmod(first, batch)
         lo, rest_lo = divmod(offset * total, batch)
         hi, rest_hi = divmod((offset + count) * total, batch)
         if rest_lo or rest_hi:
@@ -115,23 +121,29 @@ class InteractionData(ClickDataset):
             self._engaged[splits] = self._csr(splits)
         return self._engaged[splits]
 
-    def _csr(self, splits: Tuple[str, ...]) -> Tuple[np.ndarray, np.ndarray]:
+    def findable(self, split: str, earlier: Tuple[str, ...]) -> Tuple[np.ndarray, np.ndarray]:
+        """CSR of the distinct items each user engaged with in `split` but in none of the
+        `earlier` splits: a re-engagement cannot be found, as serving never returns an item the
+        user engaged with before. What the evaluation asks to find."""
+        name = (split, "not", *earlier)
+        if name not in self._engaged:
+            self._engaged[name] = self._csr((split,), without=self._keys(earlier))
+        return self._engaged[name]
+
+    def _keys(self, splits: Tuple[str, ...]) -> np.ndarray:
+        """Sorted distinct user * items + item of the engagements of `splits`."""
         users = np.concatenate([self.pairs[s][0] for s in splits if s in self.pairs] or [[]])
         items = np.concatenate([self.pairs[s][1] for s in splits if s in self.pairs] or [[]])
-        key = np.unique(users.astype(np.int64) * self.items + items.astype(np.int64))
+        return np.unique(users.astype(np.int64) * self.items + items.astype(np.int64))
+
+    def _csr(self, splits: Tuple[str, ...], without: np.ndarray = np.zeros(0, np.int64)
+             ) -> Tuple[np.ndarray, np.ndarray]:
+        key = self._keys(splits)
+        key = key[~np.isin(key, without)]
         users, items = key // self.items, key % self.items
         indptr = np.zeros(self.users + 1, np.int64)
         np.add.at(indptr, users + 1, 1)
         return np.cumsum(indptr), items
-
-
-def _stacked(first: Columns, then: Columns) -> Columns:
-    """The rows of `first`, then those of `then`."""
-    cat = np.concatenate
-    return Columns(cat([first.dense, then.dense]), cat([first.labels, then.labels]),
-                   cat([first.valid, then.valid]),
-                   [cat(pair) for pair in zip(first.ids, then.ids)],
-                   lengths=[cat(pair) for pair in zip(first.lengths, then.lengths)])
 
 
 def open_interactions(path: str) -> InteractionData:
@@ -183,9 +195,7 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
     target = Path(path)
     if target.exists():
         raise DataError(f"{target}: already exists; choose another --output or remove it")
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # a write that was stopped
-    partial.mkdir(parents=True)
+    partial = start_partial(target, "preprocess interactions")
     try:
         for split, (users, items) in data.pairs.items():
             np.save(partial / f"{split}_user.npy", np.asarray(users, np.int32))
@@ -194,11 +204,11 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
         np.save(partial / "item_side.npy", np.asarray(data.item_side, np.int32))
         for name, raw in (("users.txt", raw_users), ("items.txt", raw_items)):
             if len(raw):
-                (partial / name).write_text("".join(f"{r}\n" for r in raw))
+                (partial / name).write_text("".join(f"{r}\n" for r in raw), encoding="utf-8")
         meta = data.meta
         meta.samples = {s: int(len(p[0])) for s, p in data.pairs.items()}
         (partial / META_FILE).write_text(yaml.safe_dump(meta.to_yaml(), sort_keys=False))
-        partial.replace(target)
+        finish_partial(partial, target)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -1,11 +1,15 @@
 """Interaction logs as they come, read into columns: CSV, TSV or `::`-separated rows of
 (user, item, [timestamp], [rating or label], [side columns]), and what counts as a positive.
 
-Layouts: MovieLens' rating files are recognised by name (`LAYOUTS`); any other file needs
---columns, a comma list of roles: user, item, timestamp, rating, label, user:NAME or item:NAME (a
-side feature of that tower) and _ (a column to ignore). A header line (a number column that is not
-a number, or the roles' own names) is skipped, and a UTF-8 byte-order mark dropped. Fields may be
-quoted ("a,b"). Ids and side values are kept as the file's bytes; numbers are float64.
+Layouts: MovieLens' rating files are recognised by their content (`known_layout`): ratings.csv
+by its header, whatever the file is called; u.data and ratings.dat, which have none, by a name of
+theirs and a first line of four numbers in their delimiter. Any other file needs --columns, a
+comma list of roles: user, item, timestamp, rating, label, user:NAME or item:NAME (a side feature
+of that tower) and _ (a column to ignore). A header line (a number column that is not a number,
+the roles' own names, or id columns named as ids are: `user_id`, `movieId`, ...) is skipped, and
+a UTF-8 byte-order mark dropped. Fields may be quoted ("a,b"). Ids and side values are kept as
+the file's bytes; numbers are float64. A user or item id must be UTF-8 text without a line
+separator (users.txt/items.txt hold one id a line): another is a bad row (`bad_id`).
 
 Speed: a clean file is parsed by numpy's C reader (`np.loadtxt`) in one call; only a file it
 refuses is read again line by line, to name its first bad line (FILE:LINE) or, with
@@ -31,10 +35,21 @@ ROLES = ("user", "item", "timestamp", "rating", "label")
 NUMBERS = ("timestamp", "rating", "label")
 IGNORED = "_"
 MOVIELENS = ("user", "item", "rating", "timestamp")
-LAYOUTS = {"u.data": ("\t", False), "ratings.dat": ("::", False), "ratings.csv": (",", True)}
+MOVIELENS_HEADER = ("userId", "movieId", "rating", "timestamp")  # ratings.csv's, any name
+HEADERLESS = {"u.data": "\t", "ratings.dat": "::"}  # MovieLens' files without a header
 BAD_KINDS = {"wrong_field_count": "{n} fields, the layout has {width} ({columns})",
              "empty_id": "the {what} is empty",
-             "bad_number": "the {what} is {value!r}, not a finite number"}
+             "bad_number": "the {what} is {value!r}, not a finite number",
+             "bad_id": "the {what} {value!r} {why}"}
+# str.splitlines() breaks a line at these: an id holding one would split in users.txt/items.txt
+LINE_BREAKS = re.compile("[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+# What an id column's header may read (lower case, `_`, `-` and spaces dropped): the role, a
+# word for what users or items are, either with `id` after it
+ID_NAMES = {"user": ("user", "customer", "visitor", "member", "reader", "viewer", "buyer",
+                     "client", "account", "person"),
+            "item": ("item", "movie", "product", "article", "video", "song", "track", "artist",
+                     "book", "isbn", "asin", "business", "post", "pin", "doc", "document", "news",
+                     "title", "sku", "game", "app", "recipe", "anime")}
 OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
        ">": operator.gt, "<": operator.lt}
 ID_WIDTH = 16  # bytes first tried for an id or side value; a wider one makes the file read again
@@ -113,18 +128,48 @@ def parse_positive(rule: Optional[str], layout: Sequence[str]) -> Positive:
 def layout_of(path: str, columns: Optional[Tuple[str, ...]], delimiter: Optional[str]
               ) -> Tuple[Tuple[str, ...], str, Optional[bool]]:
     """(roles, delimiter, header: True/False, or None to detect) of one input file."""
-    known = LAYOUTS.get(Path(path).name)
-    if columns is None and known is None:
-        raise UserError(f"{path}: not a MovieLens file name ({', '.join(LAYOUTS)}); say what its "
-                        f"columns are with --columns, e.g. --columns user,item,rating,timestamp")
-    if columns is None:
-        return MOVIELENS, delimiter or known[0], known[1]
-    return columns, delimiter or _sniff(path), None
+    if columns is not None:
+        return columns, delimiter or _sniff(path), None
+    known = known_layout(path)
+    if known is None:
+        raise UserError(f"{path}: not a MovieLens ratings file (ratings.csv's header "
+                        f"{','.join(MOVIELENS_HEADER)}, or {' / '.join(HEADERLESS)} rows); say "
+                        f"what its columns are with --columns, e.g. --columns "
+                        f"user,item,rating,timestamp")
+    return MOVIELENS, delimiter or known[0], known[1]
+
+
+def known_layout(path: str) -> Optional[Tuple[str, bool]]:
+    """(delimiter, header) of a MovieLens ratings file, told by its first line: ratings.csv's
+    header under any name; u.data's or ratings.dat's four numbers only under its own name (a
+    hint: four numbers alone do not say which is the user), or None."""
+    first = _first_line(path)
+    if [f.strip().lower() for f in first.split(",")] == [f.lower() for f in MOVIELENS_HEADER]:
+        return ",", True
+    delimiter = HEADERLESS.get(Path(path).name)
+    if delimiter is None:
+        return None
+    fields = first.split(delimiter)
+    if not first.strip() or (len(fields) == 4 and all(_is_number(f) for f in fields)):
+        return delimiter, False  # (an empty file: said later, as an empty log)
+    return None
+
+
+def _first_line(path: str) -> str:
+    """The first non-blank line, without a byte-order mark, as latin-1 text."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(1 << 16)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror}); check --input")
+    text = head.removeprefix(b"\xef\xbb\xbf").decode("latin-1").lstrip("\r\n")
+    return text.split("\n", 1)[0].rstrip("\r")
 
 
 def _sniff(path: str) -> str:
-    with open(path, "rb") as stream:
-        first = stream.readline()
+    first = _first_line(path).encode("latin-1")
+    if not first.strip():
+        return ","  # an empty file: said later, as an empty log
     for delimiter in ("::", "\t", ",", ";", "|"):
         if delimiter.encode() in first:
             return delimiter
@@ -210,9 +255,22 @@ def _columns(path: str, table: np.ndarray, layout: Sequence[str]) -> Log:
 
 
 def _clean(log: Log) -> bool:
-    """No empty id and no nan or infinite number (np.loadtxt reads both)."""
+    """No empty or unwritable id and no nan or infinite number (np.loadtxt reads them all)."""
     return (all((log.columns[r] != b"").all() for r in ("user", "item"))
-            and all(np.isfinite(log.columns[r]).all() for r in NUMBERS if r in log.columns))
+            and all(np.isfinite(log.columns[r]).all() for r in NUMBERS if r in log.columns)
+            and not any(_id_problem(raw) for r in ("user", "item")
+                        for raw in np.unique(log.columns[r]).tolist()))
+
+
+def _id_problem(raw: bytes) -> Optional[str]:
+    """Why an id cannot be written as one line of users.txt/items.txt and read back the same,
+    or None."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "is not UTF-8 text (save the log as UTF-8)"
+    found = LINE_BREAKS.search(text)
+    return None if found is None else f"holds a line break (U+{ord(found.group()):04X})"
 
 
 def _skip_header(text: str, layout: Sequence[str], delimiter: str, header: Optional[bool]
@@ -235,7 +293,16 @@ def _looks_like_header(fields: List[str], layout: Sequence[str]) -> bool:
         return False
     if any(f.strip().lower() == role for f, role in zip(fields, layout) if role != IGNORED):
         return True
+    if all(_names_ids(f, role) for f, role in zip(fields, layout) if role in ("user", "item")):
+        return True  # both id columns named as ids are (a row of ids needs no such luck)
     return any(not _is_number(f) for f, role in zip(fields, layout) if role in NUMBERS)
+
+
+def _names_ids(field: str, role: str) -> bool:
+    """Whether `field` reads as the name of `role`'s id column: user_id, userId, movie, ..."""
+    word = re.sub(r"[\s_\-]", "", field.lower())
+    return any(word in (name, f"{name}id", f"{name}s") for name in ID_NAMES[role]) or \
+        word == f"{role[0]}id"
 
 
 def _is_number(text: str) -> bool:
@@ -278,6 +345,11 @@ def _problem(fields: List[str], layout: Sequence[str]) -> Optional[Tuple[str, st
     for value, role in zip(fields, layout):
         if role in ("user", "item") and not value:
             return "empty_id", BAD_KINDS["empty_id"].format(what=f"{role} id")
+        why = _id_problem(value.encode("latin-1")) if role in ("user", "item") else None
+        if why:
+            raw = value.encode("latin-1")
+            shown = raw if why.startswith("is not") else raw.decode("utf-8")
+            return "bad_id", BAD_KINDS["bad_id"].format(what=f"{role} id", value=shown, why=why)
         if role in NUMBERS and not _is_number(value):
             return "bad_number", BAD_KINDS["bad_number"].format(what=role, value=value)
     return None

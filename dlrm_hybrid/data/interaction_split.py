@@ -6,8 +6,10 @@ side features and train/val/test splits -> a dataset folder (data/interaction_da
   the counts, not repeated until every count holds); the others are numbered by decreasing count
   of positives (ties: raw id order), their raw ids written in that order to users.txt/items.txt.
 - Side features (`user:NAME`, `item:NAME`): one value per user (item), from its most recent row
-  (timestamp, then file order), any row of the log, positive or not; values numbered by how
-  many users (items) have them, most first.
+  (timestamp, then file order), any row of the log, positive or not; with a time cut, its most
+  recent row before T1 (one table serves every split: none may see the future), a user (item)
+  without one getting a value of its own, unknown. Values numbered by how many users (items)
+  have them, most first.
 - Splits: leave-last-out per user, by timestamp (ties: file order; no timestamp column: file
   order): the last positive is test, the one before validation, the rest train; a user with
   fewer than 3 positives keeps them all in train. Or a global time cut at T1, T2: before T1
@@ -25,8 +27,8 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from dlrm_hybrid.data.interaction_log import (Log, Positive, parse_columns, parse_positive,
-                                              read_log)
+from dlrm_hybrid.data.interaction_log import (BAD_KINDS, Log, Positive, parse_columns,
+                                              parse_positive, read_log)
 from dlrm_hybrid.data.interaction_meta import SPLITS, InteractionMeta
 
 if TYPE_CHECKING:  # it imports torch: not at CLI start
@@ -92,18 +94,23 @@ def renumber(numbering: Numbering, kept: np.ndarray) -> Numbering:
 
 def side_features(ids: np.ndarray, count: int, chronology: np.ndarray,
                   values: Dict[str, np.ndarray]) -> Tuple[np.ndarray, Dict[str, int]]:
-    """[count, F] value ids of each entity's most recent row (`chronology`: rows oldest
-    first), and each feature's cardinality."""
+    """[count, F] value ids of each entity's most recent row of `chronology` (rows oldest
+    first), and each feature's cardinality; an entity without a row there gets a value of its
+    own (unknown), after the log's values."""
     order = chronology[ids[chronology] >= 0]
     latest = np.full(count, -1, np.int64)
     latest[ids[order]] = order  # numpy assigns in order: the last (most recent) row wins
+    known = latest >= 0
     table = np.zeros((count, len(values)), np.int32)
     cards = {}
     for j, (name, column) in enumerate(values.items()):
-        codes, uniques = factorize(column[latest])
-        mapping = by_frequency(codes, np.arange(count), len(uniques), np.ones(len(uniques), bool))
-        table[:, j] = mapping[codes]
-        cards[name] = len(uniques)
+        codes, uniques = factorize(column[latest[known]])
+        size = len(uniques) + int(not known.all())
+        every = np.full(count, len(uniques), np.int64)
+        every[known] = codes
+        mapping = by_frequency(every, np.arange(count), size, np.ones(size, bool))
+        table[:, j] = mapping[every]
+        cards[name] = size
     return table, cards
 
 
@@ -165,9 +172,12 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
     users, items = renumber(users, kept), renumber(items, kept)
     times = log.columns.get("timestamp")
     chronology = rows if times is None else np.lexsort((rows, times))
-    user_side, user_cards = side_features(users.codes, len(users.raw), chronology,
+    # a time cut's splits all read one table: from before the first cut, no split sees its
+    # own period's rows or later ones
+    past = chronology if split != "time" else chronology[times[chronology] < cut[0]]
+    user_side, user_cards = side_features(users.codes, len(users.raw), past,
                                           {n: log.columns[f"user:{n}"] for n in log.side("user")})
-    item_side, item_cards = side_features(items.codes, len(items.raw), chronology,
+    item_side, item_cards = side_features(items.codes, len(items.raw), past,
                                           {n: log.columns[f"item:{n}"] for n in log.side("item")})
     chronology = chronology[kept[chronology]]  # kept rows, oldest first
     u, i = users.codes, items.codes
@@ -290,17 +300,24 @@ def read_checked_log(args):
     columns = parse_columns(args.columns) if args.columns else None
     cut = parse_cut(args.cut, args.split)
     delimiter = "\t" if args.delimiter in ("tab", "\\t") else args.delimiter
-    return read_log(args.input, columns, delimiter, args.header, args.skip_bad_rows), cut
+    log = read_log(args.input, columns, delimiter, args.header, args.skip_bad_rows)
+    if not len(log):
+        skipped = sum(log.bad.values())
+        raise DataError(f"{', '.join(log.sources)}: no rows to read ("
+                        + (f"{skipped} bad rows skipped" if skipped else
+                           "empty, or a header line only") + "); give a log of interactions")
+    return log, cut
 
 
 def _text(raw: np.ndarray) -> List[str]:
-    return [value.decode("utf-8", errors="replace") for value in raw.tolist()]
+    """The raw ids as text: the reader let only UTF-8 ids without line breaks through."""
+    return [value.decode("utf-8") for value in raw.tolist()]
 
 
 def summary(meta: InteractionMeta, output: str, seconds: float) -> str:
     """One screen: what was read, kept and left out, and how it was split."""
     e = meta.extra
-    bad = {k: e[k] for k in ("wrong_field_count", "empty_id", "bad_number") if e.get(k)}
+    bad = {k: e[k] for k in BAD_KINDS if e.get(k)}
     sides = lambda side: ", ".join(f"{n} ({c})" for n, c in side.items()) or "none"  # noqa: E731
     kept = sum(meta.samples.values())
     return "\n".join([

@@ -13,42 +13,47 @@ from typing import ContextManager, Iterator, Optional, cast
 import torch
 
 from dlrm_hybrid.data.batch import Batch, Columns
-from dlrm_hybrid.data.slices import eval_slices, train_slices
+from dlrm_hybrid.data.slices import Slice, eval_slices, train_slices
 
 _DONE = object()
 
 
 def rank_slices(dataset, split: str, global_batch: int, rank: int, world_size: int,
-                shuffle: bool = False, seed: int = 0, start_step: int = 0) -> Iterator[int]:
-    """The first sample of each of this rank's slices (global_batch // world_size samples) in
-    order: endless for "train" (from `start_step` on: resuming reads no skipped data), one
-    pass (padded) otherwise."""
+                shuffle: bool = False, seed: int = 0, start_step: int = 0) -> Iterator[Slice]:
+    """This rank's slices (global_batch // world_size samples each) in order: endless for
+    "train" (from `start_step` on: resuming reads no skipped data), one pass (padded)
+    otherwise."""
     n = dataset.num_samples(split)
-    firsts = (train_slices(n, global_batch, rank, world_size, shuffle, seed) if split == "train"
+    slices = (train_slices(n, global_batch, rank, world_size, shuffle, seed) if split == "train"
               else eval_slices(n, global_batch, rank, world_size))
-    return itertools.islice(firsts, start_step, None)
+    return itertools.islice(slices, start_step, None)
 
 
 def rank_columns(dataset, split: str, global_batch: int, rank: int, world_size: int,
                  shuffle: bool = False, seed: int = 0, start_step: int = 0) -> Iterator[Columns]:
     """This rank's slices (`rank_slices`) as columns."""
-    for first in rank_slices(dataset, split, global_batch, rank, world_size, shuffle, seed,
+    for piece in rank_slices(dataset, split, global_batch, rank, world_size, shuffle, seed,
                              start_step):
-        yield dataset.columns(split, first, global_batch // world_size)
+        yield dataset.slice_columns(split, piece)
 
 
 def rank_batches(dataset, split: str, global_batch: int, rank: int, world_size: int,
                  shuffle: bool = False, seed: int = 0, start_step: int = 0,
                  device: Optional[torch.device] = None) -> Iterator[Batch]:
     """This rank's slices as model inputs: made on `device` by the dataset itself (one whose
-    `device_batches` is true), else on the host."""
+    `device_batches` is true), else on the host. A slice of several runs (a batch across an
+    epoch's end) is made on the host and moved."""
     args = (dataset, split, global_batch, rank, world_size, shuffle, seed, start_step)
     if device is None:
         for columns in rank_columns(*args):
             yield Batch.from_columns(columns, dataset.spec.feature_names)
         return
-    for first in rank_slices(*args):
-        yield dataset.batch(split, first, global_batch // world_size, device)
+    for piece in rank_slices(*args):
+        if len(piece.runs) == 1:
+            yield dataset.batch(split, *piece.runs[0], device)
+        else:
+            yield Batch.from_columns(dataset.slice_columns(split, piece),
+                                     dataset.spec.feature_names).to(device)
 
 
 class PrefetchLoader:

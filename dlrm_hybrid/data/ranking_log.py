@@ -33,7 +33,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from dlrm_hybrid.data.feature_spec import check_label_names
-from dlrm_hybrid.data.interaction_log import OPS, Log, Positive
+from dlrm_hybrid.data.interaction_log import BAD_KINDS, OPS, Log, Positive
 from dlrm_hybrid.data.interaction_meta import SPLITS
 from dlrm_hybrid.data.interaction_split import (Prepared, leave_last_out, prepare,
                                                 read_checked_log, split_pairs)
@@ -242,15 +242,14 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                 "numerical_features": list(DENSE),
                 "rows": {"read": meta.extra["rows"],
                          "kept": sum(v.engagements for v in splits.values()),
-                         **{k: meta.extra[k] for k in ("wrong_field_count", "empty_id",
-                                                       "bad_number", "below_min_count",
+                         **{k: meta.extra[k] for k in (*BAD_KINDS, "below_min_count",
                                                        "held_out")}},
                 "engagements": {SPLIT_FOLDERS[s]: v.engagements for s, v in splits.items()},
                 "engagements_without_negatives": sum(v.without_negatives for v in splits.values()),
                 "min_count": meta.extra["min_count"]}.items():
             writer.note(key, value)
         for name, raw in (("users.txt", prepared.raw_users), ("items.txt", prepared.raw_items)):
-            writer.add_file(name, "".join(f"{v.decode('utf-8', 'replace')}\n" for v in raw))
+            writer.add_file(name, "".join(f"{v.decode('utf-8')}\n" for v in raw))
 
 
 def run(args) -> None:
@@ -280,7 +279,7 @@ def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelR
     """What was read, kept and left out, each split's rows and label rates; a `done:` line."""
     e, meta = prepared.data.meta.extra, prepared.data.meta
     unsampled = sum(s.without_negatives for s in splits.values())
-    bad = sum(e[k] for k in ("wrong_field_count", "empty_id", "bad_number"))
+    bad = sum(e[k] for k in BAD_KINDS)
     kept = sum(s.engagements for s in splits.values())
     lines = [f"wrote {output} in {seconds:.1f} s (a ranking dataset: split-binary)",
              f"  read       {e['rows']:,} rows = {kept:,} engagements kept + {bad:,} bad rows "

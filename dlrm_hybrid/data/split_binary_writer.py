@@ -93,7 +93,7 @@ class SplitBinaryWriter:
 
     def add_file(self, name: str, text: str) -> None:
         """A file (a report, say) that moves into place with the dataset."""
-        (self.tmp / name).write_text(text)
+        (self.tmp / name).write_text(text, encoding="utf-8")
 
     def finish(self) -> None:
         for f in self._files.values():

@@ -9,6 +9,9 @@ splits (training, and validation when testing). That count is the relevant item'
 at each K and MRR follow from the positions, and the per-user sums are all-reduced, so 1 and N
 ranks give the same numbers (up to the order of float sums). Memory per user batch is bounded
 by one [users, chunk] score block and its comparison with the relevant items' scores.
+
+A relevant item the user engaged with in an earlier split (a re-watch) is not one to find:
+serving (`retrieve`, `recommend`) never returns a user's training items (docs/retrieval.md).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def evaluate_retrieval(dmp, dataset, retrieval_cfg, env, batch: int, split: str 
     try:
         items = corpus_vectors(dmp, dataset, env, batch)
         seen = dataset.engaged(EARLIER[split])
-        want = dataset.engaged((split,))
+        want = dataset.findable(split, EARLIER[split])
         users = np.flatnonzero(np.diff(want[0]))
         mine = np.array_split(users, env.world_size)[env.rank]
         ks = sorted(retrieval_cfg.eval_k)

@@ -32,8 +32,8 @@ class RankingFeatures:
                             f"and users.txt/items.txt)")
         self.path, self.names = path, names
         self.spec = fspec.spec
-        self.user_names = (root / "users.txt").read_text().splitlines()
-        self.item_names = (root / "items.txt").read_text().splitlines()
+        self.user_names = (root / "users.txt").read_text(encoding="utf-8").splitlines()
+        self.item_names = (root / "items.txt").read_text(encoding="utf-8").splitlines()
         self.user_of = {name: i for i, name in enumerate(self.user_names)}
         self.item_of = {name: i for i, name in enumerate(self.item_names)}
         user_cols = [f for f, n in enumerate(names) if n.startswith("user_") and f > 1]

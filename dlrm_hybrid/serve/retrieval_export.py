@@ -29,6 +29,7 @@ from dlrm_hybrid.data.source import open_dataset
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.compositional import FeatureLookup
 from dlrm_hybrid.model.two_tower import SIDES, TwoTower, build_two_tower
+from dlrm_hybrid.partial_folder import finish_partial, start_partial
 from dlrm_hybrid.retrieval.index import INDEX_FILE, IndexParams, build_index, write_index
 from dlrm_hybrid.serve.export import TABLE_PREFIX, load_dense_weights, read_checkpoint
 from dlrm_hybrid.serve.retrieve import (DESCRIPTION, FORMAT, ITEM_VECTORS, ITEMS, SEEN_INDPTR,
@@ -169,9 +170,7 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
                    "positive": dataset.meta.positive},
         "versions": {"dlrm_hybrid": __version__, "torch": str(torch.__version__)},
     }
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # a previous export that was stopped
-    partial.mkdir()
+    partial = start_partial(target, "export --retrieval")
     try:
         jit_save(jit_script(user_tower), str(partial / USER_TOWER))
         np.save(partial / ITEM_VECTORS, vectors)
@@ -182,7 +181,7 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
         for name in raw:
             shutil.copyfile(Path(dataset.root) / name, partial / name)
         (partial / DESCRIPTION).write_text(yaml.safe_dump(description, sort_keys=False))
-        partial.rename(target)
+        finish_partial(partial, target)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return description

@@ -161,7 +161,7 @@ def read_description(root: Path) -> dict:
 
 
 def read_raw_ids(path: Path) -> Optional[List[str]]:
-    return path.read_text().splitlines() if path.is_file() else None
+    return path.read_text(encoding="utf-8").splitlines() if path.is_file() else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
