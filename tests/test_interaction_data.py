@@ -108,6 +108,30 @@ def test_side_columns_become_tower_features_from_each_ones_latest_row(tmp_path):
     assert (tmp_path / "out" / "users.txt").read_text().split() == ["a", "b", "c"]
 
 
+def test_leave_last_out_side_features_come_from_before_each_users_held_out_rows(tmp_path):
+    """A user's validation and test rows, and its rows after them, are the held-out period:
+    its side features and those of items come from the rows before (a row-level side column
+    such as the device would otherwise give training the test row's value)."""
+    log = write_log(tmp_path / "log.tsv", [
+        "user\titem\ttimestamp\tdevice\tgenre",
+        "a\tx\t1\tphone\tdrama", "a\ty\t2\tphone\tdrama",  # a's train rows
+        "a\tx\t3\tweb\tnoir", "a\tz\t4\tweb\tnoir",  # a's validation and test rows
+        "b\ty\t5\tphone\tdrama", "b\tx\t6\tphone\tdrama", "b\tx\t7\tphone\tdrama",
+        "b\ty\t8\ttv\tcomedy", "b\tx\t9\ttv\tthriller"])  # b: t 8 val, t 9 test
+    result = preprocess([log], tmp_path / "out", "--columns",
+                        "user,item,timestamp,user:device,item:genre")
+    assert result.returncode == 0, failure(result)
+    data = open_interactions(str(tmp_path / "out"))
+    assert data.meta.samples == {"train": 5, "val": 2, "test": 2}
+    # both users' rows before their held-out ones say phone (their latest rows: web, tv)
+    assert data.meta.user_side == {"device": 1} and data.user_side[:, 0].tolist() == [0, 0]
+    # x and y: drama before (latest: thriller, comedy); z only in a test row: unknown
+    items = (tmp_path / "out" / "items.txt").read_text().split()
+    genre = {item: data.item_side[items.index(item), 0] for item in items}
+    assert data.meta.item_side == {"genre": 2}
+    assert genre["x"] == genre["y"] != genre["z"]
+
+
 def test_min_count_and_bad_rows_account_for_every_row(tmp_path):
     rng = np.random.default_rng(0)
     rows = [(f"u{u}", f"i{i}", int(r), t) for t, (u, i, r) in enumerate(zip(

@@ -6,10 +6,11 @@ side features and train/val/test splits -> a dataset folder (data/interaction_da
   the counts, not repeated until every count holds); the others are numbered by decreasing count
   of positives (ties: raw id order), their raw ids written in that order to users.txt/items.txt.
 - Side features (`user:NAME`, `item:NAME`): one value per user (item), from its most recent row
-  (timestamp, then file order), any row of the log, positive or not; with a time cut, its most
-  recent row before T1 (one table serves every split: none may see the future), a user (item)
-  without one getting a value of its own, unknown. Values numbered by how many users (items)
-  have them, most first.
+  (timestamp, then file order) of the past, positive or not: one table serves every split, so
+  none may see a held-out period. The past is, with a time cut, the rows before T1; leave-last-
+  out, each user's rows before its validation row (a user with nothing held out: all its rows).
+  A user (item) without a row there gets a value of its own, unknown. Values numbered by how many
+  users (items) have them, most first.
 - Splits: leave-last-out per user, by timestamp (ties: file order; no timestamp column: file
   order): the last positive is test, the one before validation, the rest train; a user with
   fewer than 3 positives keeps them all in train. Or a global time cut at T1, T2: before T1
@@ -114,6 +115,18 @@ def side_features(ids: np.ndarray, count: int, chronology: np.ndarray,
     return table, cards
 
 
+def before_held_out(users: np.ndarray, chronology: np.ndarray, split: np.ndarray) -> np.ndarray:
+    """The rows of `chronology` (oldest first) that come before their user's first held-out
+    (validation or test) row; all rows of a user with none, or of no kept user (id -1)."""
+    position = np.empty(len(users), np.int64)
+    position[chronology] = np.arange(len(chronology))
+    held = np.flatnonzero(split != TRAIN)
+    # one slot more than users: id -1 reads the last, which no held-out row lowers
+    first = np.full(int(users.max(initial=-1)) + 2, len(chronology), np.int64)
+    np.minimum.at(first, users[held], position[held])
+    return chronology[np.arange(len(chronology)) < first[users[chronology]]]
+
+
 def leave_last_out(users: np.ndarray, chronology: np.ndarray) -> Tuple[np.ndarray, int]:
     """(split of each row, users with fewer than 3 positives): per user, of the rows in
     `chronology` (oldest first), the last one test, the one before validation."""
@@ -171,24 +184,23 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
             & (item_counts >= min_count)[items.codes])
     users, items = renumber(users, kept), renumber(items, kept)
     times = log.columns.get("timestamp")
-    chronology = rows if times is None else np.lexsort((rows, times))
-    # a time cut's splits all read one table: from before the first cut, no split sees its
-    # own period's rows or later ones
-    past = chronology if split != "time" else chronology[times[chronology] < cut[0]]
-    user_side, user_cards = side_features(users.codes, len(users.raw), past,
-                                          {n: log.columns[f"user:{n}"] for n in log.side("user")})
-    item_side, item_cards = side_features(items.codes, len(items.raw), past,
-                                          {n: log.columns[f"item:{n}"] for n in log.side("item")})
-    chronology = chronology[kept[chronology]]  # kept rows, oldest first
+    every_row = rows if times is None else np.lexsort((rows, times))  # oldest first
+    chronology = every_row[kept[every_row]]
     u, i = users.codes, items.codes
     short = 0
     if split == "time":
         which = time_cut(times, cut)
         rule = f"time cut: train before {cut[0]:g} <= validation < {cut[1]:g} <= test"
+        past = every_row[times[every_row] < cut[0]]
     else:
         which, short = leave_last_out(u, chronology)
         rule = (f"leave-last-out by {'timestamp (ties: file order)' if times is not None else 'file order'}"
                 f"; users with < {SHORT} positives: all in train")
+        past = before_held_out(u, every_row, which)
+    user_side, user_cards = side_features(u, len(users.raw), past,
+                                          {n: log.columns[f"user:{n}"] for n in log.side("user")})
+    item_side, item_cards = side_features(i, len(items.raw), past,
+                                          {n: log.columns[f"item:{n}"] for n in log.side("item")})
     pairs, split_rows = split_pairs(
         chronology, which, u, i, seed,
         lambda name: f"the {name} split is empty ({rule}, {int(kept.sum())} positives kept); "
