@@ -28,7 +28,9 @@ from typing import List, Optional, Sequence
 from plan_time import many_tables
 from torchrec_planner import Bandwidths, plan_in_subprocess
 
-from dlrm_hybrid.config import load_config, parse_bytes
+from dlrm_hybrid.config import parse_bytes
+
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants, a2a_bytes, step_time
 from dlrm_hybrid.parallel.placement import STRATEGIES, Plan, PlacementError, format_bytes, plan_tables

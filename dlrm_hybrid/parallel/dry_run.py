@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
+from dlrm_hybrid.config import ConfigError, parse_bytes
+
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.parallel.dense_memory import describe_dense
 from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
