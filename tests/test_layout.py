@@ -8,6 +8,9 @@ changed alone.
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -132,7 +135,7 @@ def test_no_import_circles():
     new = sorted(found - KNOWN_CIRCLES)
     gone = sorted(KNOWN_CIRCLES - found)
     problems = [f"import circle: {describe(list(c), graph)}" for c in new]
-    problems += [f"known circle no longer there, remove it from KNOWN_CIRCLES: {' , '.join(c)}"
+    problems += [f"known circle no longer there, remove it from KNOWN_CIRCLES: {', '.join(c)}"
                  for c in gone]
     assert not problems, "\n".join(problems)
 
@@ -151,3 +154,15 @@ def test_circles_are_found(tmp_path):
     assert circles(graph) == [["dlrm_hybrid.a", "dlrm_hybrid.sub.b", "dlrm_hybrid.sub.c"]]
     assert cycle_in(circles(graph)[0], graph) == [
         "dlrm_hybrid.a", "dlrm_hybrid.sub.b", "dlrm_hybrid.sub.c", "dlrm_hybrid.a"]
+
+
+def test_loading_and_checking_a_config_imports_no_torch():
+    """Configs are checked before torch is imported (preflight, torchrun): the schema, the
+    checks and the loading stay torch-free."""
+    script = ("import sys\nfrom dlrm_hybrid.config_loading import load_config\n"
+              "load_config('configs/criteo_1tb_fl15.yaml', ['parallel.device=a100'], world_size=8)\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchrec')))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
