@@ -1,6 +1,7 @@
-"""Checks of a run configuration that its dataclasses' types cannot express: values against
-config.py's CHOICES, and across fields, one function per section in the order of `Config`
-(the model: ranker, compositional rules, DHEN, tasks, two-tower; then parallel, then train).
+"""Checks of a run configuration that its dataclasses' types cannot express: `validate` checks
+values against config.py's CHOICES and POSITIVE and calls the checks below, grouped by the
+section they guard in the order of `Config` (the model: ranker, compositional rules, DHEN,
+tasks, two-tower; then parallel; then train).
 
 Each problem is a one-line `ConfigError` naming the key and the fix. No torch here: configs are
 checked before it is imported.
