@@ -76,7 +76,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import logging
 
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.synthetic import SyntheticClicks
     from dlrm_hybrid.parallel.process_group import init_distributed
     from dlrm_hybrid.train.loop import train

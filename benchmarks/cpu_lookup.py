@@ -20,7 +20,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
 
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.source import open_dataset
 from dlrm_hybrid.parallel import cpu_lookup
 from dlrm_hybrid.parallel.host_memory import keep_freed_memory, use_huge_pages

@@ -86,7 +86,7 @@ def peak_rss() -> int:
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.source import make_loader, open_dataset
     from dlrm_hybrid.parallel.dense_memory import all_modes
     from dlrm_hybrid.parallel.process_group import init_distributed, shutdown

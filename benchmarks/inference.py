@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dlrm_hybrid.config import load_config  # noqa: E402
+from dlrm_hybrid.config_loading import load_config  # noqa: E402
 from dlrm_hybrid.data.source import open_dataset  # noqa: E402
 from dlrm_hybrid.model.dlrm import build_model  # noqa: E402
 from dlrm_hybrid.serve.export import QUANTIZATIONS, export_model  # noqa: E402

@@ -116,7 +116,7 @@ def train_quietly(cfg, env):
 
 def training_table(steps: int, batch: int, val: int) -> str:
     """(b): every interaction on both teachers; returns the summary line."""
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.parallel.process_group import init_distributed
 
     env = init_distributed("gloo")

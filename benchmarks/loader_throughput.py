@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from dlrm_hybrid.bench.roofline import synchronize
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.source import make_loader, open_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

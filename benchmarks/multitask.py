@@ -86,7 +86,7 @@ def train_run(data: List[str], steps: int, run_dir: str, env, test: bool
     """(final validation metrics, and with `test` the test split's, training seconds) of one
     run of configs/demo.yaml with `data` (the data and model.tasks settings) at `steps` steps;
     the run's own lines are not printed."""
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.train.inference import evaluate_checkpoint
     from dlrm_hybrid.train.loop import train
 
@@ -191,7 +191,7 @@ def step_cost(steps: int, rounds: int, env) -> str:
     batches; the models alternate, `steps` per round, and each keeps its fastest round."""
     import torch
 
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.source import open_dataset
     from dlrm_hybrid.train.loop import build_sharded_model
     from dlrm_hybrid.train.optim import build_optimizer

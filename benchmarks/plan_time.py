@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from dlrm_hybrid.parallel.cost_model import a2a_bytes
-from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables
+from dlrm_hybrid.parallel.greedy_search import STRATEGIES, plan_tables
 from dlrm_hybrid.parallel.tables import TableSpec
 
 CRITEO_1TB_FL15 = [7912889, 33823, 17139, 7339, 20046, 4, 7105, 1382, 63, 5554114, 582469, 245828,

@@ -33,10 +33,11 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.parallel.cost_model import DEVICES, step_time
-from dlrm_hybrid.parallel.placement import Plan, Shard, plan_tables
+from dlrm_hybrid.parallel.greedy_search import plan_tables
+from dlrm_hybrid.parallel.plan import Plan, Shard
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.parallel.tables import table_specs
 

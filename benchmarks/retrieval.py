@@ -291,7 +291,7 @@ def main() -> None:
                         help="a check that it runs: one grid point, one epoch")
     args = parser.parse_args()
 
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.source import open_dataset
     from dlrm_hybrid.retrieval.index import IndexParams
 

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from dlrm_hybrid.parallel.placement import Plan, Shard
+from dlrm_hybrid.parallel.plan import Plan, Shard
 from dlrm_hybrid.parallel.tables import TableSpec
 
 MENU = ("table_wise", "column_wise", "data_parallel")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dlrm_hybrid import curves, rank_failure
-from dlrm_hybrid.config import load_config, world_size_from_env
+from dlrm_hybrid.config_loading import load_config, world_size_from_env
 from dlrm_hybrid.data import day23, interaction_split, multi_hot, npy_days
 from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
 from dlrm_hybrid.errors import UserError

@@ -21,7 +21,7 @@ def check_launch(torchrun_args: List[str]) -> None:
     if launch is None or not launch[1] or launch[1][0] not in CHECKED_COMMANDS:
         return
     from dlrm_hybrid.cli import _parser
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.spec import data_spec
     from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 

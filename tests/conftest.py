@@ -125,7 +125,7 @@ def exported_val_scores(checkpoint: Path, exported: Path):
     in one unsharded model built from the checkpoint's config."""
     import torch
 
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.synthetic import SyntheticClicks
     from dlrm_hybrid.model.dlrm import build_model
 
@@ -156,7 +156,7 @@ def assert_eval_and_export_reproduce(checkpoint: Path, val_auc: float, exported:
 
 def train_with_each_loader(data_path, run_root: Path, env, batch: int, steps: int) -> dict:
     """{loader: TrainResult} of the demo model trained on `data_path`, shuffled, same seeds."""
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.train.loop import train
 
     results = {}

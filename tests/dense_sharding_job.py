@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from dlrm_hybrid.config import load_config  # noqa: E402
+from dlrm_hybrid.config_loading import load_config  # noqa: E402
 from dlrm_hybrid.data.source import open_dataset  # noqa: E402
 from dlrm_hybrid.parallel.dense_sharding import dense_param_names  # noqa: E402
 from dlrm_hybrid.parallel.process_group import init_distributed, shutdown  # noqa: E402

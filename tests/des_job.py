@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dlrm_hybrid.config import load_config  # noqa: E402
+from dlrm_hybrid.config_loading import load_config  # noqa: E402
 from dlrm_hybrid.parallel.process_group import init_distributed, shutdown  # noqa: E402
 from dlrm_hybrid.train.loop import train  # noqa: E402
 

@@ -215,7 +215,7 @@ def test_the_training_step_hands_its_loader_to_the_dense_graph(tmp_path, process
     """What `train.cuda_graphs` relies on: each step's capture would pause the very loader the
     step reads (on CPU the graph stays eager, but the guard is set all the same)."""
     from conftest import ROOT
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.source import make_loader, open_dataset
     from dlrm_hybrid.train.loop import build_sharded_model
     from dlrm_hybrid.train.optim import build_optimizer

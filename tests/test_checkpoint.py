@@ -13,7 +13,7 @@ import pytest
 from conftest import (ROOT, TORCHRUN, assert_eval_and_export_reproduce, failure, read_metrics,
                       run_cli)
 from shared_runs import DEMO_RUN, DEMO_STEPS, copy_of
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.errors import DataError, TrainingDiverged
 from dlrm_hybrid.train.loop import train

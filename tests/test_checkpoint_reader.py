@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from shared_runs import DEMO_STEPS
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.train.checkpoint_reader import SafeFileSystemReader, checkpoint_reader
 from dlrm_hybrid.train.loop import train

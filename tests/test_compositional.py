@@ -9,7 +9,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import ROOT, assert_eval_and_export_reproduce, failure, read_metrics, run_cli
-from dlrm_hybrid.config import CompositionalRule, ConfigError, load_config
+from dlrm_hybrid.config import CompositionalRule, ConfigError
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.model.composed_lookup import LookupIds
 from dlrm_hybrid.model.compositional import feature_lookups
 from dlrm_hybrid.model.dlrm import DLRM

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli
-from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
+from dlrm_hybrid.config import ConfigError, parse_bytes
+from dlrm_hybrid.config_loading import load_config
 
 
 def test_every_shipped_config_loads():

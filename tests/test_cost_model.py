@@ -5,7 +5,7 @@ import pytest
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.parallel.cost_model import (DEVICES, DeviceConstants, a2a_bytes, device_constants,
                                              device_kind, step_time)
-from dlrm_hybrid.parallel.placement import Plan, Shard
+from dlrm_hybrid.parallel.plan import Plan, Shard
 from dlrm_hybrid.parallel.tables import TableSpec
 
 # round numbers: bytes/s for memory, in host, across hosts; seconds per shard and per message

@@ -15,7 +15,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 from conftest import ROOT
 from shared_runs import equivalence_run
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.source import open_dataset
 from dlrm_hybrid.parallel import cpu_lookup
 from dlrm_hybrid.parallel.cpu_lookup import CpuSgdTBE, _all_modules, speed_up_cpu_tables

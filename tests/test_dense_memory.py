@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.parallel.dense_memory import Unit, dense_units, per_rank
 

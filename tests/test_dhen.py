@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import done_fields, failure, read_metrics, run_cli
-from dlrm_hybrid.config import DHEN_MODULES, DcnConfig, DhenConfig, load_config
+from dlrm_hybrid.config import DHEN_MODULES, DcnConfig, DhenConfig
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.model.dhen import DHEN, MODULES, DhenLayer
 from dlrm_hybrid.model.interactions import build_interaction
 

@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from conftest import ROOT, read_metrics, train_with_each_loader
-from dlrm_hybrid.config import ConfigError, DataConfig, load_config
+from dlrm_hybrid.config import ConfigError, DataConfig
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.batch import ClickDataset, Columns
 from dlrm_hybrid.data.dali_loader import DaliLoader
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, done_fields, failure, read_metrics, run_cli
-from dlrm_hybrid.config import ConfigError, load_config
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.multi_hot import make_multi_hot
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synth_dataset import write_synthetic

@@ -171,7 +171,8 @@ def test_the_value_model_may_change_on_resume(jobs, tmp_path):
      "train.target_auc: 0.8 works with one click label"),
 ])
 def test_task_settings_that_cannot_train_are_refused_in_one_line(sets, message):
-    from dlrm_hybrid.config import ConfigError, load_config
+    from dlrm_hybrid.config import ConfigError
+    from dlrm_hybrid.config_loading import load_config
 
     with pytest.raises(ConfigError) as error:
         load_config(None, sets)
@@ -259,7 +260,7 @@ def test_mmoe_heads_read_their_own_softmax_gated_mix_of_experts():
 
 
 def planted(tasks, **data):
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.synthetic import SyntheticClicks
 
     sets = [f"data.{k}={v}" for k, v in data.items()]

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import load_script
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 
 TASKS = ("click", "like", "see_less")
 PLANTED = ["data.label_missing=0.3"]

@@ -37,7 +37,7 @@ def planted(tmp_path_factory):
 
 
 def test_one_label_dataset_reads_as_click_unchanged(planted):
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.split_binary import SplitBinaryDataset
     from dlrm_hybrid.data.synthetic import SyntheticClicks
 

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from conftest import failure, run_cli
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.errors import DataError

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from conftest import run_cli
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.curves import read_run, run as plot
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.parallel.dense_memory import dense_units

@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_hybrid.parallel.placement import (STRATEGIES, PlacementError, column_split_counts,
-                                            plan_tables)
+from dlrm_hybrid.parallel.column_split import column_split_counts
+from dlrm_hybrid.parallel.greedy_search import STRATEGIES, plan_tables
+from dlrm_hybrid.parallel.plan import PlacementError
 from dlrm_hybrid.parallel.tables import REPLICABLE_OPTIMIZERS, TableSpec
 
 BATCH = 4096
@@ -214,7 +215,7 @@ def no_placement_exists(tables, world, budget, max_nodes=50_000):
 
 
 def nvidia_rule_fails(tables, world, budget):
-    """NVIDIA's rule as placement.py documents it, replayed: each table as the fewest column
+    """NVIDIA's rule as nvidia_heuristic.py documents it, replayed: each table as the fewest column
     shards that fit, largest table first, each shard to the rank (not holding that table, below
     ceil(shards / ranks)) with the most free memory, lower rank on ties; True if one does not fit."""
     pieces = []
@@ -239,7 +240,7 @@ def nvidia_rule_fails(tables, world, budget):
 
 
 # The greedy placer may miss a packing that exists only where the tables need most of the
-# memory (packing is NP-hard): its contract in placement.py, checked here below that fill.
+# memory (packing is NP-hard): its contract in greedy_search.py (plan_tables), checked here below that fill.
 GREEDY_EXACT_BELOW_FILL = 0.75
 
 table_lists = st.lists(st.tuples(st.integers(1, 10**6), st.sampled_from([1, 4, 6, 16, 20, 24, 128]),
@@ -401,7 +402,7 @@ def test_greedy_never_sends_more_all_to_all_bytes_than_nvidia():
     """Splits for speed duplicate each sample's ids to every shard: the search keeps the total
     within nvidia's (the memory-forced splits), here where splitting MLPerf DCNv2's 100-id table
     would otherwise lower the modeled step at a cost of 6% more bytes."""
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.spec import data_spec
     from dlrm_hybrid.parallel.cost_model import a2a_bytes
     from dlrm_hybrid.parallel.tables import table_specs

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_cli
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.parallel.placement import plan_tables
+from dlrm_hybrid.parallel.greedy_search import plan_tables
 from dlrm_hybrid.parallel.plan_file import check_plan, load_plan, save_plan
 from dlrm_hybrid.parallel.tables import TableSpec
 
@@ -387,7 +387,7 @@ def dense_block(stdout: str) -> dict:
 def test_plan_reports_dense_bytes_per_rank_and_fsdp_makes_a_tight_reserve_fit():
     """200KiB per rank holds neither the replicated DHEN with Adam nor hsdp's shards of 4 (one
     host), only fsdp's of 8: `plan` says so and still plans; under fsdp it fits."""
-    from dlrm_hybrid.parallel.placement import format_bytes
+    from dlrm_hybrid.parallel.plan import format_bytes
 
     ddp = run_cli(DHEN_PLAN)
     assert ddp.returncode == 0, ddp.stderr

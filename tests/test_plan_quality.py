@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import ROOT, load_script, failure, run_cli
-from dlrm_hybrid.parallel.placement import Plan, Shard
+from dlrm_hybrid.parallel.plan import Plan, Shard
 from dlrm_hybrid.parallel.tables import TableSpec
 
 torch = pytest.importorskip("torch")

@@ -89,7 +89,7 @@ def test_replicated_tables_on_two_ranks_train_as_one_rank(runs, optimizer):
     table's owner sees it) and the embedding optimizer's update, LR and schedule: 40 steps of
     losses and embedding LRs are one rank's. They exchange nothing: rank 0 sends the bytes
     of its own table-wise tables alone."""
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.parallel.exchange_bytes import exchange_bytes
     from dlrm_hybrid.parallel.plan_file import load_plan
 

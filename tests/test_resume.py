@@ -9,7 +9,8 @@ import torch
 from conftest import ROOT, failure, read_metrics, run_cli
 from shared_runs import DEMO_RUN, DEMO_STEPS, copy_of
 from test_checkpoint_reader import rehash
-from dlrm_hybrid.config import ConfigError, load_config
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.train.loop import train
 
 COMMON = ["checkpoint.resume=auto", "data.global_batch_size=256", "data.val_samples=2048",

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from conftest import ROOT, failure, run_cli
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.batch import Batch
 from dlrm_hybrid.data.planted_interactions import planted_interactions
 from dlrm_hybrid.data.interaction_data import open_interactions, write_interactions

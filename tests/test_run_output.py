@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import ROOT, failure, read_metrics
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.train.optim import lr_factor
 from dlrm_hybrid.train.progress import figures, shows_bar
 

@@ -18,7 +18,7 @@ from torchmetrics.functional.classification import binary_auroc
 
 from conftest import ROOT, failure, run_cli
 from shared_runs import DEMO_STEPS, DEMO_VAL_SAMPLES
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.errors import DataError, UserError

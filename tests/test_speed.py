@@ -13,7 +13,7 @@ from torchrec.models.dlrm import InteractionArch
 
 from conftest import ROOT, failure, read_metrics, run_cli
 from dlrm_hybrid.bench.roofline import measure_peaks
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.model.interactions import DotInteraction
 from dlrm_hybrid.train.cuda_graphs import DenseGraph
 from dlrm_hybrid.train.loop import train

@@ -99,7 +99,7 @@ def test_a_preempted_two_rank_run_checkpoints_and_resumes_to_the_same_losses(tmp
     """SIGTERM to the launch scripts' torchrun, as SLURM and Kubernetes send it: it passes it on,
     the ranks stop at one step, it exits 143 without a traceback, and the same command continues
     to the losses of an uninterrupted run."""
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.train.checkpoint import complete_checkpoints
     from dlrm_hybrid.train.loop import train
 

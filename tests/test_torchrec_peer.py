@@ -14,7 +14,7 @@ from torch.nn.functional import binary_cross_entropy_with_logits
 from conftest import ROOT, run_cli
 from dlrm_hybrid.model import alignment
 from dlrm_hybrid.bench.torchrec_peer import peer_model, torchrec_peer_step
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.source import open_dataset
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.dlrm import build_model

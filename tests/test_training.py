@@ -7,7 +7,8 @@ import torch
 import yaml
 
 from conftest import ROOT, read_metrics
-from dlrm_hybrid.config import ConfigError, load_config
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.source import open_dataset
 from dlrm_hybrid.train.inference import read_model_state
 from dlrm_hybrid.train.loop import build_sharded_model, train

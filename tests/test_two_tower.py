@@ -225,7 +225,7 @@ def test_the_evaluation_ranks_the_whole_corpus_exactly(split):
 def test_plan_shows_each_tower_without_importing_torch(tmp_path):
     """On the planted log's shape, and on an interaction folder (its tables' rows are the
     folder's, not data.users/items)."""
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.data.interaction_data import write_interactions
     from dlrm_hybrid.data.planted_interactions import planted_interactions
 

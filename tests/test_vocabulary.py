@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, failure, run_cli
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.criteo.vocabulary import DTYPE, FOLDER, KEY, Vocabulary
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.spec import DataSpec

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dlrm_hybrid.bench.torchrec_peer import torchrec_peer_step  # noqa: E402
-from dlrm_hybrid.config import load_config  # noqa: E402
+from dlrm_hybrid.config_loading import load_config  # noqa: E402
 from dlrm_hybrid.data.source import open_dataset  # noqa: E402
 from dlrm_hybrid.parallel.process_group import init_distributed, shutdown  # noqa: E402
 

@@ -17,7 +17,7 @@ from typing import Dict, List
 
 def run_variants(common: List[str], variants: Dict[str, List[str]]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from dlrm_hybrid.config import load_config
+    from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
     from dlrm_hybrid.train.loop import train
 

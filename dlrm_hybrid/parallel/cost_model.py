@@ -27,17 +27,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, FrozenSet, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
 from dlrm_hybrid.config import ConfigError
 
-if TYPE_CHECKING:
-    from dlrm_hybrid.parallel.placement import Plan
-
 Values = Union[np.ndarray, float]
 _FIXED_NOTE = "fixed costs are estimates (kernel launch ~5 us, NCCL message ~10 us)"
+
+
+class PlanView(Protocol):
+    """What the cost model reads of a plan: parallel/plan.py's `Plan`, which is built on this
+    module (so named here by its fields, not imported)."""
+
+    world_size: int
+    gpus_per_node: Optional[int]
+    batch_size: int
+    tables: Mapping[str, Any]  # name -> TableSpec
+    shards: Sequence[Any]  # Shards: table, rank, cols
+    replicated: FrozenSet[str]
 
 
 @dataclass(frozen=True)
@@ -180,7 +189,7 @@ def _parts(s: RankSums, layout: Layout, device: DeviceConstants) -> Tuple[Values
             allreduce)
 
 
-def layout_of(plan: "Plan") -> Layout:
+def layout_of(plan: PlanView) -> Layout:
     return make_layout(plan.world_size, plan.gpus_per_node, plan.batch_size,
                        [plan.tables[name] for name in sorted(plan.replicated)])
 
@@ -200,7 +209,7 @@ def replicated_update_bytes(table) -> float:
     return 2.0 * (table.bytes + table.rows * table.dim * 4)
 
 
-def rank_sums(plan: "Plan") -> RankSums:
+def rank_sums(plan: PlanView) -> RankSums:
     """The plan's per-rank sums (hosts broadcast to their ranks)."""
     world = plan.world_size
     per_host = plan.gpus_per_node or world
@@ -219,11 +228,11 @@ def shard_terms(table, cols: int, batch: int) -> Tuple[float, float, float]:
     return table.pooled_bytes(cols), table.id_bytes, table.shard_lookup_bytes(cols, batch)
 
 
-def step_time(plan: "Plan", device: DeviceConstants) -> StepTime:
+def step_time(plan: PlanView, device: DeviceConstants) -> StepTime:
     return rank_times(rank_sums(plan), layout_of(plan), device)
 
 
-def a2a_bytes(plan: "Plan") -> Tuple[np.ndarray, np.ndarray]:
+def a2a_bytes(plan: PlanView) -> Tuple[np.ndarray, np.ndarray]:
     """Bytes each rank sends per step in the all-to-all (forward and backward: ids, pooled
     vectors, gradients), inside its host and across hosts."""
     send_intra, _, send_inter, _ = _link_bytes(rank_sums(plan), layout_of(plan))

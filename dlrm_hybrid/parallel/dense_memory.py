@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 from dlrm_hybrid.config import ConfigError, parse_bytes
 from dlrm_hybrid.model.alignment import aligned
-from dlrm_hybrid.parallel.placement import format_bytes
+from dlrm_hybrid.parallel.plan import format_bytes
 
 Shape = Tuple[int, ...]
 STATE_BYTES = {"sgd": 0, "adagrad": 4, "adam": 8}  # per parameter: Adagrad's sum, Adam's 2 moments

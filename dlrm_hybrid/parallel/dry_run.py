@@ -8,12 +8,14 @@ import re
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from dlrm_hybrid.config import ConfigError, load_config, parse_bytes
+from dlrm_hybrid.config import ConfigError, parse_bytes
+
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.spec import data_spec
 from dlrm_hybrid.parallel.dense_memory import describe_dense
 from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
 from dlrm_hybrid.parallel.cost_model import DEVICES, device_constants
-from dlrm_hybrid.parallel.placement import STRATEGIES, plan_tables, search_rules
+from dlrm_hybrid.parallel.greedy_search import STRATEGIES, plan_tables, search_rules
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.model.compositional import lookups_of
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target

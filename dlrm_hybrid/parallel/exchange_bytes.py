@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.parallel.placement import Plan, format_bytes
+from dlrm_hybrid.parallel.plan import Plan, format_bytes
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from dlrm_hybrid.config import parse_bytes
 from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants, device_constants, device_kind
-from dlrm_hybrid.parallel.placement import Plan, plan_tables, search_rules
+from dlrm_hybrid.parallel.greedy_search import plan_tables, search_rules
+from dlrm_hybrid.parallel.plan import Plan
 from dlrm_hybrid.parallel.plan_file import check_plan, load_plan
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.tables import TableSpec

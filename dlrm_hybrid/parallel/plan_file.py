@@ -9,7 +9,8 @@ from typing import Dict, List
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants
-from dlrm_hybrid.parallel.placement import Plan, Shard, column_split_counts
+from dlrm_hybrid.parallel.column_split import column_split_counts
+from dlrm_hybrid.parallel.plan import Plan, Shard
 from dlrm_hybrid.parallel.tables import REPLICABLE_OPTIMIZERS, TableSpec
 
 SHARDINGS = ("table_wise", "column_wise", "data_parallel")  # what sharding.py hands torchrec

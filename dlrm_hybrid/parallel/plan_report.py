@@ -11,7 +11,8 @@ from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.model.compositional import FeatureLookup
 from dlrm_hybrid.model.compositional import describe as describe_lookup
 from dlrm_hybrid.parallel.cost_model import StepTime
-from dlrm_hybrid.parallel.placement import Plan, explain, format_bytes
+from dlrm_hybrid.parallel.explain import explain
+from dlrm_hybrid.parallel.plan import Plan, format_bytes
 from dlrm_hybrid.parallel.tables import BYTES_PER_WEIGHT, PER_SHARD_ROW_STATE, TableSpec
 
 

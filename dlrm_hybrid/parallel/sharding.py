@@ -28,7 +28,7 @@ from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
 from dlrm_hybrid.parallel.dense_memory import dense_layout
 from dlrm_hybrid.parallel.dense_sharding import dense_param_names, shard_dense
 from dlrm_hybrid.parallel.exchange import install_exchange
-from dlrm_hybrid.parallel.placement import Plan
+from dlrm_hybrid.parallel.plan import Plan
 
 INIT_ROW_BLOCK = 65536  # rows generated per seeded block
 

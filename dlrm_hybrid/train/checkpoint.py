@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dlrm_hybrid.compat import saved_files
-from dlrm_hybrid.config import ConfigError, load_config
+from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.parallel.exchange import make_replicas_current
 from dlrm_hybrid.train.checkpoint_digest import ALGORITHM, damaged_files, file_digest, file_digests

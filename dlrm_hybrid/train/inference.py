@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from dlrm_hybrid.config import load_config
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.retrieval.evaluate import evaluate_retrieval

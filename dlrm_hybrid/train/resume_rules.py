@@ -12,7 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from dlrm_hybrid.config import Config, ConfigError, load_config, task_names
+from dlrm_hybrid.config import Config, ConfigError, task_names
+
+from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.train.checkpoint import CONFIG, read_meta
 from dlrm_hybrid.train.dataset_identity import (dataset_identity, identity_changes,
                                                 readable_identity)

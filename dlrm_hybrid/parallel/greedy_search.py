@@ -21,16 +21,18 @@ Everything is deterministic: ties go to the lower rank, equal tables by name.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.parallel.column_split import (_column_widths, _no_room, _Piece, _shards_to_fit,
+                                               _split, _split_largest)
 from dlrm_hybrid.parallel.cost_model import (DEVICES, DeviceConstants, RankSums, StepTime,
-                                             a2a_bytes, make_layout, rank_times, rank_totals,
-                                             replicated_update_bytes, shard_terms, step_time)
+                                             make_layout, rank_times, rank_totals,
+                                             replicated_update_bytes, shard_terms)
+from dlrm_hybrid.parallel.nvidia_heuristic import _place_nvidia
+from dlrm_hybrid.parallel.plan import PlacementError, Plan, Shard, format_bytes
 from dlrm_hybrid.parallel.tables import PER_SHARD_ROW_STATE, REPLICABLE_OPTIMIZERS, TableSpec
 
 STRATEGIES = ("greedy", "nvidia")
@@ -38,88 +40,6 @@ MAX_PACKINGS = 16  # greedy's tries to pack, each splitting the largest table fu
 MAX_TRIALS = 32  # greedy's trials of another sharding for a table on the slowest rank
 MAX_GROUP = 256  # the most small tables greedy tries replicating together
 POLISH_MOVES = 64  # moves off the slowest rank after the first assignment (8 after a trial)
-
-
-class PlacementError(UserError):
-    """The tables cannot be placed within the per-rank memory budget."""
-
-
-@dataclass(frozen=True)
-class Shard:
-    table: str
-    rank: int
-    col_offset: int
-    cols: int
-
-
-@dataclass
-class Plan:
-    world_size: int
-    strategy: str
-    budget_bytes: int  # for embedding tables, per rank
-    batch_size: int  # global batch the traffic figures are for
-    tables: Dict[str, TableSpec]
-    shards: List[Shard]
-    gpus_per_node: Optional[int] = None
-    # Tables every rank holds whole (torchrec `data_parallel`): no shards, no all-to-all; their
-    # gradients are all-reduced instead.
-    replicated: FrozenSet[str] = frozenset()
-    device: DeviceConstants = DEVICES["h100"]  # what `step_time` models
-    # [3, world]: memory, all-to-all bytes sent (cost_model.a2a_bytes) and lookup bytes
-    loads: np.ndarray = field(init=False, repr=False)
-    _index: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self.replicated = frozenset(self.replicated)
-        self.loads = _rank_loads(self.tables, self.shards, self.world_size, self.batch_size)
-        for name in sorted(self.replicated):  # every rank: the whole table, its own samples
-            t = self.tables[name]
-            self.loads[0] += t.bytes
-            self.loads[2] += t.shard_lookup_bytes(t.dim, self.batch_size) / self.world_size
-        self.loads[1] = sum(a2a_bytes(self))
-
-    def shards_of(self, table: str) -> List[Shard]:
-        """The column shards of a table; none for a replicated one."""
-        return list(self._indexed()[0].get(table, ()))
-
-    def sharding_type(self, table: str) -> str:
-        if table in self.replicated:
-            return "data_parallel"
-        return "table_wise" if len(self.shards_of(table)) == 1 else "column_wise"
-
-    def shards_on(self, rank: int) -> List[Shard]:
-        return list(self._indexed()[1].get(rank, ()))
-
-    def tables_on(self, rank: int) -> List[str]:
-        return [s.table for s in self.shards_on(rank)]
-
-    def _indexed(self) -> Tuple[Dict[str, List[Shard]], Dict[int, List[Shard]]]:
-        """Shards by table and by rank, in shard order, made on first use (and again if `shards`
-        is replaced or grows): scanning all shards per call made writing the plan file of
-        10,000 tables take 11 s."""
-        made_from, made_len, by_table, by_rank = self._index or (None, 0, {}, {})
-        if made_from is not self.shards or made_len != len(self.shards):
-            by_table, by_rank = {}, {}
-            for s in self.shards:
-                by_table.setdefault(s.table, []).append(s)
-                by_rank.setdefault(s.rank, []).append(s)
-            self._index = (self.shards, len(self.shards), by_table, by_rank)
-        return by_table, by_rank
-
-    def host_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node if self.gpus_per_node else 0
-
-    def step_time(self) -> StepTime:
-        return step_time(self, self.device)
-
-    def imbalance(self) -> Dict[str, float]:
-        """max/mean over ranks of memory, all-to-all and lookup load (1.0 is perfect)."""
-        names = ("memory", "a2a", "lookup")
-        return {n: _max_over_mean(row) for n, row in zip(names, self.loads)}
-
-
-NO_REPLICATION = ("parallel.replicate is false, or the job asks for the des exchange or fp16, "
-                  "which replicated tables do not run with")
 
 
 def search_rules(cfg) -> Dict[str, bool]:
@@ -322,50 +242,6 @@ class _Search:
         return state
 
 
-@dataclass
-class Option:
-    """One way to shard a table, and the plan's modeled step time were it sharded so."""
-    sharding: str  # table_wise, column_wise xK, data_parallel
-    time: Optional[StepTime]  # None: it does not fit
-    ranks: str
-    chosen: bool
-    note: str = ""  # why the search would not take it
-
-
-def explain(plan: Plan, name: str, split_rowwise: bool = False,
-            replicate: bool = True) -> List[Option]:
-    """Every sharding of table `name` (each column split torchrec builds on these ranks, and
-    replication), placed by the greedy rule into the rest of `plan`, which stays as it is."""
-    search = _Search(list(plan.tables.values()), plan.world_size, plan.budget_bytes,
-                     plan.batch_size, "greedy", plan.gpus_per_node, plan.device, split_rowwise,
-                     replicate)
-    state = _State.of(plan, search)
-    t = plan.tables[name]
-    fewest = _shards_to_fit(t, plan.budget_bytes)
-    current = None if name in plan.replicated else len(plan.shards_of(name))
-    options = []
-    for count in [c for c in column_split_counts(t.dim) if c <= plan.world_size] + [None]:
-        if count is None and plan.world_size == 1:
-            continue
-        trial = state.copy()
-        fits = trial.apply(t, count)
-        label = "data_parallel" if count is None else \
-            "table_wise" if count == 1 else f"column_wise x{count}"
-        note = "does not fit" if not fits else ""
-        if count is None and t.optimizer not in REPLICABLE_OPTIMIZERS:
-            note = f"{t.optimizer}'s update of a replicated table is not the sharded one's"
-        elif count is None and not replicate:
-            note = NO_REPLICATION
-        elif count is not None and count > max(fewest, 1) and not search.can_split(t, count - 1) \
-                and fits:
-            note = (f"{t.optimizer} keeps state per row of each shard: the split changes its "
-                    f"updates (parallel.split_rowwise)")
-        ranks = "all" if count is None else ",".join(str(r) for r in trial.holders.get(name, []))
-        options.append(Option(label, trial.step() if fits else None, ranks, count == current,
-                              note))
-    return options
-
-
 def _a2a_sent(t: TableSpec, batch: int, world: int, per_sample: float) -> float:
     """Bytes all ranks send for a table whose shards take `per_sample` bytes per sample in and
     out: all but each owner's own 1/P of the batch."""
@@ -382,17 +258,6 @@ def _place_by_memory(tried: List[List[_Piece]], world: int, budget: int,
         except PlacementError:
             pass
     raise error
-
-
-def _split_largest(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int) -> bool:
-    """Cut the table with the largest shards into more of them. False when none can be."""
-    splittable = [(t.bytes / counts[t.name], t.name, more) for t in ordered
-                  if (more := len(_column_widths(t.dim, counts[t.name] + 1, world))) > counts[t.name]]
-    if not splittable:
-        return False
-    _, name, more = max(splittable)
-    counts[name] = more
-    return True
 
 
 class _State:
@@ -571,130 +436,3 @@ class _State:
         pieces = sorted(self.rank_of, key=lambda p: (order[p.table.name], p.col_offset))
         return self.search.make([Shard(p.table.name, self.rank_of[p], p.col_offset, p.cols)
                                  for p in pieces], self.replicated)
-
-
-# --- splitting ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Piece:
-    table: TableSpec
-    col_offset: int
-    cols: int
-    shard_count: int
-
-
-def _split(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int,
-           made: Dict[str, Tuple[int, List[_Piece]]]) -> List[_Piece]:
-    """Each table as `counts[name]` equal column shards (as near as the dim allows, at most one
-    per rank); `made` keeps each table's pieces for the next round, where most counts stay."""
-    pieces = []
-    for t in ordered:
-        count, mine = made.get(t.name, (0, []))
-        if count != counts[t.name]:
-            widths = _column_widths(t.dim, counts[t.name], max_count=world)
-            mine = [_Piece(t, i * widths[0], w, len(widths)) for i, w in enumerate(widths)]
-            made[t.name] = (counts[t.name], mine)
-        pieces += mine
-    return pieces
-
-
-def _shards_to_fit(table: TableSpec, budget: int) -> int:
-    """The fewest column shards whose widest fits in `budget` (or as many as the dim allows)."""
-    count = max(1, math.ceil(table.bytes / budget))
-    while count < table.dim and table.shard_bytes(max(_column_widths(table.dim, count))) > budget:
-        count += 1
-    return count
-
-
-def column_split_counts(dim: int) -> Tuple[int, ...]:
-    """The shard counts n into which torchrec's `column_wise(ranks=[...n ranks])` really splits a
-    table of `dim` columns: n must divide dim into widths divisible by 4 (fbgemm's row alignment,
-    CPU and CUDA). Any other n raises there, or silently gives fewer, wider shards on the first
-    ranks (`_find_base_dim`). Mirrored, not imported: torchrec's import would take `plan` from
-    0.25 s to 4.3 s; tests/test_placement.py checks the mirror against torchrec itself."""
-    return (1,) + tuple(n for n in range(2, dim // 4 + 1) if dim % n == 0 and (dim // n) % 4 == 0)
-
-
-@lru_cache(maxsize=None)
-def _column_widths(dim: int, count: int, max_count: int = 1 << 30) -> Tuple[int, ...]:
-    """Equal widths summing to `dim`, at least `count` of them where the dim and `max_count`
-    allow, split only as torchrec builds it (`column_split_counts`)."""
-    counts = [c for c in column_split_counts(dim) if c <= max_count]
-    chosen = next((c for c in counts if c >= count), counts[-1])
-    return (dim // chosen,) * chosen
-
-
-# --- loads and the nvidia rule ---------------------------------------------------------------
-
-def _shard_cost(table: TableSpec, cols: int, batch: int) -> Tuple[float, float, float]:
-    """Memory and lookup bytes (the all-to-all row is the cost model's, filled by `Plan`)."""
-    return float(table.shard_bytes(cols)), 0.0, float(table.shard_lookup_bytes(cols, batch))
-
-
-def _rank_loads(tables: Dict[str, TableSpec], shards: Sequence[Shard], world: int,
-                batch: int) -> np.ndarray:
-    """[3, world]: each rank's memory, (no) all-to-all and lookup bytes, added up in shard order
-    (`np.add.at` adds in index order, one at a time)."""
-    costs: Dict[Tuple[str, int], Tuple[float, float, float]] = {}
-    for s in shards:
-        if (s.table, s.cols) not in costs:
-            costs[s.table, s.cols] = _shard_cost(tables[s.table], s.cols, batch)
-    loads = np.zeros((3, world))
-    if shards:
-        each = np.array([costs[s.table, s.cols] for s in shards], dtype=np.float64)
-        ranks = np.array([s.rank for s in shards])  # not cast: a rank of 1.5 is an IndexError
-        for row, cost in zip(loads, each.T):
-            np.add.at(row, ranks, cost)
-    return loads
-
-
-def _place_nvidia(pieces: List[_Piece], world: int, budget: int,
-                  capped: bool = True) -> List[Shard]:
-    """Largest table first, each piece to the rank with the most free memory (below the cap
-    of ceil(pieces / ranks) unless `capped` is False)."""
-    cap = math.ceil(len(pieces) / world) if capped else len(pieces)
-    free = np.full(world, float(budget))
-    open_free = free.copy()  # free memory of the ranks below the cap, -inf at it
-    count = np.zeros(world, dtype=int)
-    holders: Dict[str, List[int]] = {}
-    shards = []
-    for piece in pieces:  # already largest table first
-        size = piece.table.shard_bytes(piece.cols)
-        taken = holders.setdefault(piece.table.name, [])
-        allowed = open_free
-        if taken:
-            allowed = open_free.copy()
-            allowed[taken] = -np.inf
-        rank = int(np.argmax(allowed))  # the most free memory, the lower rank on a tie
-        if allowed[rank] == -np.inf or size > free[rank]:
-            raise _no_room(piece, budget - free, budget, pieces)
-        free[rank] -= size
-        count[rank] += 1
-        open_free[rank] = free[rank] if count[rank] < cap else -np.inf
-        taken.append(rank)
-        shards.append(Shard(piece.table.name, rank, piece.col_offset, piece.cols))
-    return shards
-
-
-def _no_room(piece: _Piece, used: np.ndarray, budget: int, pieces: List[_Piece]) -> PlacementError:
-    t = piece.table
-    shard = f", shard of {piece.cols}/{t.dim} columns" if piece.shard_count > 1 else ""
-    need = sum(p.table.shard_bytes(p.cols) for p in pieces)
-    return PlacementError(
-        f"table {t.name} ({format_bytes(t.bytes)}: {t.rows:,} rows x {t.dim}, {t.precision}, "
-        f"{t.optimizer} state{shard}) does not fit: {len(used)} rank(s) of "
-        f"{format_bytes(budget)} have {format_bytes(len(used) * budget - used.sum())} free in "
-        f"total for tables needing {format_bytes(need)}")
-
-
-def _max_over_mean(row: np.ndarray) -> float:
-    mean = row.mean()
-    return float(row.max() / mean) if mean > 0 else 1.0
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f}{unit}" if unit != "B" else f"{int(n)}B"
-        n /= 1024
-    return f"{n:.1f}TiB"

@@ -1,0 +1,129 @@
+"""A placement: which rank owns which embedding table, or which columns of it, and which tables
+every rank holds whole (replicated, torchrec `data_parallel`), with each rank's memory,
+all-to-all and lookup load. The searches that make one: greedy_search.py (and
+nvidia_heuristic.py); its file: plan_file.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants, StepTime, a2a_bytes, step_time
+from dlrm_hybrid.parallel.tables import TableSpec
+
+
+class PlacementError(UserError):
+    """The tables cannot be placed within the per-rank memory budget."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    table: str
+    rank: int
+    col_offset: int
+    cols: int
+
+
+@dataclass
+class Plan:
+    world_size: int
+    strategy: str
+    budget_bytes: int  # for embedding tables, per rank
+    batch_size: int  # global batch the traffic figures are for
+    tables: Dict[str, TableSpec]
+    shards: List[Shard]
+    gpus_per_node: Optional[int] = None
+    # Tables every rank holds whole (torchrec `data_parallel`): no shards, no all-to-all; their
+    # gradients are all-reduced instead.
+    replicated: FrozenSet[str] = frozenset()
+    device: DeviceConstants = DEVICES["h100"]  # what `step_time` models
+    # [3, world]: memory, all-to-all bytes sent (cost_model.a2a_bytes) and lookup bytes
+    loads: np.ndarray = field(init=False, repr=False)
+    _index: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.replicated = frozenset(self.replicated)
+        self.loads = _rank_loads(self.tables, self.shards, self.world_size, self.batch_size)
+        for name in sorted(self.replicated):  # every rank: the whole table, its own samples
+            t = self.tables[name]
+            self.loads[0] += t.bytes
+            self.loads[2] += t.shard_lookup_bytes(t.dim, self.batch_size) / self.world_size
+        self.loads[1] = sum(a2a_bytes(self))
+
+    def shards_of(self, table: str) -> List[Shard]:
+        """The column shards of a table; none for a replicated one."""
+        return list(self._indexed()[0].get(table, ()))
+
+    def sharding_type(self, table: str) -> str:
+        if table in self.replicated:
+            return "data_parallel"
+        return "table_wise" if len(self.shards_of(table)) == 1 else "column_wise"
+
+    def shards_on(self, rank: int) -> List[Shard]:
+        return list(self._indexed()[1].get(rank, ()))
+
+    def tables_on(self, rank: int) -> List[str]:
+        return [s.table for s in self.shards_on(rank)]
+
+    def _indexed(self) -> Tuple[Dict[str, List[Shard]], Dict[int, List[Shard]]]:
+        """Shards by table and by rank, in shard order, made on first use (and again if `shards`
+        is replaced or grows): scanning all shards per call made writing the plan file of
+        10,000 tables take 11 s."""
+        made_from, made_len, by_table, by_rank = self._index or (None, 0, {}, {})
+        if made_from is not self.shards or made_len != len(self.shards):
+            by_table, by_rank = {}, {}
+            for s in self.shards:
+                by_table.setdefault(s.table, []).append(s)
+                by_rank.setdefault(s.rank, []).append(s)
+            self._index = (self.shards, len(self.shards), by_table, by_rank)
+        return by_table, by_rank
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node if self.gpus_per_node else 0
+
+    def step_time(self) -> StepTime:
+        return step_time(self, self.device)
+
+    def imbalance(self) -> Dict[str, float]:
+        """max/mean over ranks of memory, all-to-all and lookup load (1.0 is perfect)."""
+        names = ("memory", "a2a", "lookup")
+        return {n: _max_over_mean(row) for n, row in zip(names, self.loads)}
+
+
+def _shard_cost(table: TableSpec, cols: int, batch: int) -> Tuple[float, float, float]:
+    """Memory and lookup bytes (the all-to-all row is the cost model's, filled by `Plan`)."""
+    return float(table.shard_bytes(cols)), 0.0, float(table.shard_lookup_bytes(cols, batch))
+
+
+def _rank_loads(tables: Dict[str, TableSpec], shards: Sequence[Shard], world: int,
+                batch: int) -> np.ndarray:
+    """[3, world]: each rank's memory, (no) all-to-all and lookup bytes, added up in shard order
+    (`np.add.at` adds in index order, one at a time)."""
+    costs: Dict[Tuple[str, int], Tuple[float, float, float]] = {}
+    for s in shards:
+        if (s.table, s.cols) not in costs:
+            costs[s.table, s.cols] = _shard_cost(tables[s.table], s.cols, batch)
+    loads = np.zeros((3, world))
+    if shards:
+        each = np.array([costs[s.table, s.cols] for s in shards], dtype=np.float64)
+        ranks = np.array([s.rank for s in shards])  # not cast: a rank of 1.5 is an IndexError
+        for row, cost in zip(loads, each.T):
+            np.add.at(row, ranks, cost)
+    return loads
+
+
+def _max_over_mean(row: np.ndarray) -> float:
+    mean = row.mean()
+    return float(row.max() / mean) if mean > 0 else 1.0
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f}{unit}" if unit != "B" else f"{int(n)}B"
+        n /= 1024
+    return f"{n:.1f}TiB"
