@@ -32,6 +32,9 @@ torchrec 1.8.0, 1 and 2 gloo ranks (tests/test_torchrec_peer.py).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -62,12 +65,14 @@ def torchrec_peer_step(cfg, spec, env: DistEnv) -> "PeerStep":
     model = DLRMTrain(peer_model(cfg.model, spec, env.device, cfg.train.seed))
     # apply_optimizer_in_backward(optim.embedding's class, the tables, its LR and eps)
     attach_embedding_optimizer(model.model.sparse_arch, cfg.optim, env.device)
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=env.world_size, local_world_size=env.local_world_size,
-                          compute_device=env.device.type, hbm_cap=_free_device_memory(env.device)),
-        batch_size=cfg.data.global_batch_size // env.world_size)
-    plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(module=model, device=env.device, plan=plan)
+    with _planner_notices_quiet():
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=env.world_size, local_world_size=env.local_world_size,
+                              compute_device=env.device.type,
+                              hbm_cap=_free_device_memory(env.device)),
+            batch_size=cfg.data.global_batch_size // env.world_size)
+        plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
+        dmp = DistributedModelParallel(module=model, device=env.device, plan=plan)
     _init_tables_as_ours(dmp, cfg.model, spec, cfg.train.seed)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
     return PeerStep(dmp, TrainPipelineSparseDist(dmp, optimizer, env.device), schedule)
@@ -80,6 +85,30 @@ def _free_device_memory(device: torch.device):
         return None
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info(device)[0]
+
+
+@contextlib.contextmanager
+def _planner_notices_quiet():
+    """torchrec's planner and DMP notices about how the example builds them (a Topology made
+    directly, its storage reservation, a replicated table's missing sharding spec): a `bench`
+    user reads five lines that say nothing about the comparison."""
+    loggers = [logging.getLogger(name) for name in (
+        "torchrec.distributed.planner.types", "torchrec.distributed.planner.storage_reservations")]
+    levels = [logger.level for logger in loggers]
+    no_spec = lambda record: "Sharding spec not found" not in record.getMessage()  # noqa: E731
+    root = logging.getLogger()
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        root.addFilter(no_spec)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*HeuristicalStorageReservation",
+                                    category=FutureWarning)
+            yield
+    finally:
+        root.removeFilter(no_spec)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def peer_model(model_cfg, spec, device: torch.device, seed: int,
