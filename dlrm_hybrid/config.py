@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import yaml
 
 from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.output_paths import temporary_beside
 
 
 class ConfigError(UserError):
@@ -265,7 +266,7 @@ class Config:
 
     def save(self, path: Path) -> None:
         """Write atomically: a reader never sees half a file."""
-        partial = path.with_name(path.name + ".partial")
+        partial = temporary_beside(path)
         partial.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
         partial.replace(path)
 

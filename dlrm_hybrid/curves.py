@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from dlrm_hybrid.errors import UserError
-from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
+from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_target,
+                                      temporary_beside)
 
 METRICS = "metrics.jsonl"
 DEFAULT_NAME = "curves.png"
@@ -168,7 +169,7 @@ def _write(runs: List[Run], out: Path, kind: str) -> None:
                 ax.text(0.5, 0.5, _empty_reason(runs, attr), ha="center", va="center",
                         transform=ax.transAxes)
     fig.tight_layout()
-    partial = out.with_name(out.name + ".partial")
+    partial = temporary_beside(out)
     try:
         fig.savefig(partial, format=kind, dpi=DPI)
         partial.replace(out)

@@ -29,6 +29,14 @@ def refuse_overwriting_inputs(outputs: Sequence[Named], inputs: Sequence[Named],
                                 f"input; write it elsewhere")
 
 
+def temporary_beside(target: Path) -> Path:
+    """Where `target` is written before it is renamed into place: a hidden name of this process
+    beside it (`.NAME.partial-PID`). No file of the user's goes by it, so a write stopped half-way,
+    and the clean-up after it, leave the user's files (an `OUT.partial` of theirs included) as
+    they were."""
+    return target.with_name(f".{target.name}.partial-{os.getpid()}")
+
+
 def require_file_target(flag: str, path: str) -> None:
     """`path` can be written as a file: its folder exists and it is not a folder itself."""
     target = Path(path)

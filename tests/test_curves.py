@@ -203,7 +203,7 @@ def test_plot_one_run_default_out(plotted):
     assert image.shape[:2] == (HEIGHT, WIDTH)
     assert image[:, :, :3].std() > 0.05
     assert (_colour_pixels(image, C0) > 300).all()  # a curve in each of the four panels
-    assert not list(run_dir.glob("*.partial"))
+    assert not list(run_dir.glob("*.partial*"))
 
 
 def test_plot_overlays_several_runs_into_the_current_folder(tmp_path):
@@ -273,4 +273,4 @@ def test_plot_bad_input_is_one_line_and_writes_nothing(tmp_path, case, message):
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: plot: ") and message in line
     assert (out.read_bytes() if out.exists() else None) == before
-    assert not list(tmp_path.rglob("*.png")) and not list(tmp_path.rglob("*.partial"))
+    assert not list(tmp_path.rglob("*.png")) and not list(tmp_path.rglob("*.partial*"))

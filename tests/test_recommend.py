@@ -110,8 +110,11 @@ def batch(served, name: str, *args: str) -> list:
     users = served.root / "users.txt"
     users.write_bytes(b"\xef\xbb\xbf" + "\n\n".join(TARGETS).encode() + b"\n\n")
     out = served.root / name
+    mine = Path(f"{out}.partial")  # a file of the user's that only looks like a temporary one
+    mine.write_text("mine")
     result = cli("recommend", *served.inputs, "--users", str(users), "--out", str(out), *args)
-    assert f"users={len(TARGETS)}" in result.stdout and not Path(f"{out}.partial").exists()
+    assert f"users={len(TARGETS)}" in result.stdout and mine.read_text() == "mine"
+    assert not list(served.root.glob(f".{name}.partial*"))  # the temporary file is gone
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 

@@ -236,9 +236,12 @@ def test_retrieve_answers_without_the_trainer(trained, exported):
 def test_retrieve_a_batch_of_users_to_a_file(trained, exported, tmp_path):
     (tmp_path / "users.txt").write_text("\ufeffu5\n\nu7\n")  # a byte-order mark, a blank line
     out = tmp_path / "answers.jsonl"
+    mine = tmp_path / "answers.jsonl.partial"  # the user's own file, not a temporary one
+    mine.write_text("mine")
     result = run_cli(["retrieve", "--model", str(exported / "flat"), "--users",
                       str(tmp_path / "users.txt"), "--out", str(out), "--k", "10"])
     assert result.returncode == 0, failure(result)
+    assert mine.read_text() == "mine" and not list(tmp_path.glob(".answers.jsonl.partial*"))
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [a["user"] for a in lines] == ["u5", "u7"]
     vectors, users = np.load(exported / "flat" / "item_vectors.npy"), served_users(exported / "flat")

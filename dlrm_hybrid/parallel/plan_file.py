@@ -12,6 +12,7 @@ from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants
 from dlrm_hybrid.parallel.column_split import column_split_counts
 from dlrm_hybrid.parallel.plan import Plan, Shard
 from dlrm_hybrid.parallel.tables import REPLICABLE_OPTIMIZERS, TableSpec
+from dlrm_hybrid.output_paths import temporary_beside
 
 SHARDINGS = ("table_wise", "column_wise", "data_parallel")  # what sharding.py hands torchrec
 
@@ -41,7 +42,7 @@ def plan_to_dict(plan: Plan) -> dict:
 
 def save_plan(plan: Plan, path: Path) -> None:
     """Atomically: an interrupted write leaves no half plan."""
-    partial = path.with_name(path.name + ".partial")
+    partial = temporary_beside(path)
     try:
         partial.write_text(json.dumps(plan_to_dict(plan), indent=1) + "\n")
         partial.replace(path)

@@ -14,6 +14,7 @@ from dlrm_hybrid.parallel.cost_model import StepTime
 from dlrm_hybrid.parallel.explain import explain
 from dlrm_hybrid.parallel.plan import Plan, format_bytes
 from dlrm_hybrid.parallel.tables import BYTES_PER_WEIGHT, PER_SHARD_ROW_STATE, TableSpec
+from dlrm_hybrid.output_paths import temporary_beside
 
 
 def describe(plan: Plan) -> str:
@@ -211,7 +212,7 @@ def plot(plans: List[Plan], path: Path) -> None:
     fig.suptitle(f"{len(plans[0].tables)} tables on {plans[0].world_size} ranks, "
                  f"global batch {plans[0].batch_size:,}")
     fig.tight_layout()
-    partial = path.with_name(path.name + ".partial")
+    partial = temporary_beside(path)
     try:
         fig.savefig(partial, dpi=100, format=plot_format(path))
         partial.replace(path)

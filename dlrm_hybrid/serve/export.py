@@ -35,6 +35,7 @@ from dlrm_hybrid.serve.scoring_model import (ScoringModel, StackedCrossNet,
                                              StackedMixtureCrossNet)
 from dlrm_hybrid.train.checkpoint import check_checkpoint, checkpoint_config_path, read_meta
 from dlrm_hybrid.train.inference import read_model_state
+from dlrm_hybrid.output_paths import temporary_beside
 
 QUANTIZATIONS = ("fp32", "fp16", "int8", "int4")
 DESCRIPTION = "model.json"  # the description's name inside the file and the sidecar's suffix
@@ -286,7 +287,7 @@ def table_sizes(tables, precisions: Dict[str, str]) -> List[dict]:
 
 def _write_both(first: Path, write_first, second: Path, write_second) -> None:
     """Both files or neither: each is written beside its name, then both are renamed."""
-    partials = [p.with_name(p.name + ".partial") for p in (first, second)]
+    partials = [temporary_beside(p) for p in (first, second)]
     try:
         write_first(partials[0])
         write_second(partials[1])

@@ -32,6 +32,7 @@ from dlrm_hybrid.serve.export import (DESCRIPTION, FORMAT, FORMAT_FP32_CODED, FO
 from dlrm_hybrid.serve.raw_rows import raw_criteo_chunks
 from dlrm_hybrid.train.checkpoint import META
 from dlrm_hybrid.train.evaluate import auc_or_nan
+from dlrm_hybrid.output_paths import temporary_beside
 
 
 def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
@@ -113,7 +114,7 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
     cardinalities = [f["cardinality"] for f in description["features"]]
     chunks = _chunks(Path(data), split, description, batch_size, header, raw_criteo,
                      outputs.tasks if outputs.multi_task else None)
-    partials = [target.with_name(target.name + ".partial") for target in targets]
+    partials = [temporary_beside(target) for target in targets]
     scored, labels, requests = [], [], []
     try:
         with open(partials[0], "w") as stream, torch.inference_mode():

@@ -35,7 +35,8 @@ import numpy as np
 
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph.commands import add_walk_arguments, walk_params
-from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
+from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_target,
+                                      temporary_beside)
 
 if TYPE_CHECKING:
     from dlrm_hybrid.graph.pixie import PixieParams
@@ -452,7 +453,7 @@ def _lines(flag: str, path: str) -> List[str]:
 
 def _run_batch(recommender: Recommender, names: List[str], out: str) -> None:
     target = Path(out)
-    partial = target.with_name(target.name + ".partial")
+    partial = temporary_beside(target)
     try:
         with open(partial, "w") as stream:
             for name in names:

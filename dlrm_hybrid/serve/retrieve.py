@@ -27,7 +27,8 @@ import yaml
 
 from dlrm_hybrid.compat import jit_load
 from dlrm_hybrid.errors import UserError
-from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
+from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_target,
+                                      temporary_beside)
 
 FORMAT = "dlrm_hybrid retrieval 1"
 DESCRIPTION = "retrieval.yaml"
@@ -227,7 +228,7 @@ def _run_batch(args: argparse.Namespace) -> None:
     retriever = Retriever(args.model)
     users = np.array([retriever.user(n, args.dense_ids) for n in names], np.int64)
     target = Path(args.out)
-    partial = target.with_name(target.name + ".partial")
+    partial = temporary_beside(target)
     try:
         with open(partial, "w") as stream:
             for first in range(0, len(users), 1024):

@@ -20,6 +20,7 @@ from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
 from dlrm_hybrid.train.evaluate import evaluate
 from dlrm_hybrid.train.loop import build_sharded_model
 from dlrm_hybrid.train.metrics_log import MetricsLog, metrics_text
+from dlrm_hybrid.output_paths import temporary_beside
 
 
 def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[str], env,
@@ -59,7 +60,7 @@ def export_checkpoint(checkpoint: str, out: str) -> int:
     check_checkpoint(Path(checkpoint), print)
     state = read_model_state(Path(checkpoint))
     target = Path(out)
-    partial = target.with_name(target.name + ".partial")
+    partial = temporary_beside(target)
     torch.save(state, partial)
     partial.replace(target)
     return len(state)

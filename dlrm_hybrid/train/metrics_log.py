@@ -14,6 +14,7 @@ from tqdm import tqdm
 from dlrm_hybrid.parallel.plan_file import save_plan
 from dlrm_hybrid.parallel.plan_report import describe
 from dlrm_hybrid.train.tensorboard_log import TensorBoardSink, check_tensorboard
+from dlrm_hybrid.output_paths import temporary_beside
 
 
 class MetricsLog:
@@ -99,7 +100,7 @@ def supersede(path: Path, step: int) -> float:
             elapsed = event.get("elapsed_s", elapsed) if isinstance(event, dict) else elapsed
     kept.append(json.dumps({"step": step, "resumed": True, "superseded": superseded,
                             "time": time.time(), "elapsed_s": elapsed}))
-    partial = path.with_name(path.name + ".partial")
+    partial = temporary_beside(path)
     partial.write_text("".join(line + "\n" for line in kept))
     partial.replace(path)
     return elapsed
