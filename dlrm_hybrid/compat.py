@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import warnings
 from contextlib import contextmanager
+from typing import Any, Callable, Sequence
 
 
 class _FbgemmSelfCheckFilter(logging.Filter):
@@ -106,3 +107,14 @@ def jit_script(module):
 
     with _without_torchscript_notice():
         return torch.jit.script(module)
+
+
+def op_input_dtypes(prof) -> Callable[[Any], Sequence[str]]:
+    """A profiled op's input dtypes (record_shapes=True): the event's `input_dtypes` (torch
+    2.12 on); torch 2.11's FunctionEvent has none, so there from the kineto event of the same
+    id (its correlation id)."""
+    events = list(prof.events())
+    if not events or hasattr(events[0], "input_dtypes"):
+        return lambda event: event.input_dtypes or ()
+    dtypes = {k.correlation_id(): k.dtypes() for k in prof.profiler.kineto_results.events()}
+    return lambda event: dtypes.get(event.id, ())

@@ -11,7 +11,7 @@ from conftest import failure, run_cli
 from dlrm_hybrid.bench.kernels import Kernel, top_kernels
 
 BENCH = ["bench", "--config", "configs/demo.yaml", "--steps", "3", "--warmup", "1",
-         "--set", "data.global_batch_size=512"]
+         "--peers", "none", "--set", "data.global_batch_size=512"]
 
 
 def test_top_ops_on_cpu_count_a_matmuls_flops_and_calls_per_step():

@@ -8,10 +8,11 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dlrm_hybrid.compat import op_input_dtypes
 from dlrm_hybrid.errors import UserError
 
 TRACE_NAME = "trace.json"
@@ -65,14 +66,16 @@ def top_kernels(prof, steps: int, device: torch.device, top: int = TOP) -> List[
     op that launched each (a kernel replayed from a CUDA graph has no op: no FLOPs counted).
     On a CPU: ops by their own time."""
     totals: Dict[str, Kernel] = defaultdict(lambda: Kernel(""))
+    dtypes = op_input_dtypes(prof)
     for event in prof.events():
         if device.type == "cuda":
             kernels = [k for k in event.kernels if k.duration > 0]
             longest = max(kernels, key=lambda k: k.duration, default=None)
             for kernel in kernels:
-                _add(totals, kernel.name, kernel.duration, event if kernel is longest else None)
+                _add(totals, kernel.name, kernel.duration,
+                     (event, dtypes(event)) if kernel is longest else None)
         elif event.device_type == torch.autograd.DeviceType.CPU and event.self_cpu_time_total > 0:
-            _add(totals, event.name, event.self_cpu_time_total, event)
+            _add(totals, event.name, event.self_cpu_time_total, (event, dtypes(event)))
     rows = sorted(totals.values(), key=lambda k: k.ms, reverse=True)[:top]
     for row in rows:
         row.ms, row.calls, row.flops, row.bytes = (row.ms / 1e3 / steps, row.calls / steps,
@@ -80,15 +83,19 @@ def top_kernels(prof, steps: int, device: torch.device, top: int = TOP) -> List[
     return rows
 
 
-def _add(totals: Dict[str, Kernel], name: str, micros: float, op: Optional[object]) -> None:
+def _add(totals: Dict[str, Kernel], name: str, micros: float,
+         op: Optional[Tuple[object, Sequence[str]]]) -> None:
+    """Charge `micros` to kernel `name`, and the FLOPs and input bytes of `op` (the launching
+    event and its input dtypes), if given."""
     row = totals[name]
     row.name = name
     row.ms += micros
     row.calls += 1
     if op is not None:
-        row.flops += op.flops or 0
+        event, dtypes = op
+        row.flops += event.flops or 0
         row.bytes += sum(_numel(shape) * ELEMENT_BYTES.get(dtype, 0)
-                         for shape, dtype in zip(op.input_shapes, op.input_dtypes or ()))
+                         for shape, dtype in zip(event.input_shapes, dtypes))
 
 
 def _numel(shape) -> int:

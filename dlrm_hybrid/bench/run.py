@@ -18,6 +18,7 @@ from dlrm_hybrid.bench.kernels import kernel_table, save_profile, top_kernels
 from dlrm_hybrid.bench.roofline import (Peaks, Roofline, dense_flops_per_sample,
                                         embedding_bytes_per_sample, measure_peaks, synchronize)
 from dlrm_hybrid.bench.step_split import PARTS, step_split
+from dlrm_hybrid.bench.torchrec_peer import torchrec_models, torchrec_peer_step
 from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import makes_on_device, open_dataset
 from dlrm_hybrid.errors import UserError
@@ -105,10 +106,7 @@ PEER_FIELDS = {"reference": ("baseline_samples_per_s", "ratio"),
 
 
 def default_peers(cfg: Config) -> List[str]:
-    """The reference, and torchrec's stack where its DLRM models the config (a GPU-only
-    embedding optimizer is checked where the job starts)."""
-    from dlrm_hybrid.bench.torchrec_peer import torchrec_models
-
+    """The reference, and torchrec's stack where its DLRM models the config."""
     return ["reference", "torchrec"] if torchrec_models(cfg.model) else ["reference"]
 
 
@@ -120,8 +118,6 @@ def _peer_run(name: str, cfg: Config, spec, env: DistEnv, batches: List,
             step = reference_step(cfg.model, spec, cfg.optim.dense_lr, env.device)
             run = _Timed(step, [ReferenceBatch.of(b) for b in batches], env.device)
         else:
-            from dlrm_hybrid.bench.torchrec_peer import torchrec_peer_step
-
             run = _Timed(torchrec_peer_step(cfg, spec, env), batches, env.device)
         run.warm_up(warmup)
     except torch.OutOfMemoryError:
