@@ -31,7 +31,7 @@ from torchrec_planner import Bandwidths, plan_in_subprocess
 from dlrm_hybrid.config import parse_bytes
 
 from dlrm_hybrid.config_loading import load_config
-from dlrm_hybrid.data.spec import data_spec
+from dlrm_hybrid.data.configured_spec import data_spec
 from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants, a2a_bytes, step_time
 from dlrm_hybrid.parallel.greedy_search import STRATEGIES, plan_tables
 from dlrm_hybrid.parallel.plan import Plan, PlacementError, format_bytes

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from dlrm_hybrid.config_loading import load_config
-from dlrm_hybrid.data.spec import data_spec
+from dlrm_hybrid.data.configured_spec import data_spec
 from dlrm_hybrid.parallel.cost_model import DEVICES, step_time
 from dlrm_hybrid.parallel.greedy_search import plan_tables
 from dlrm_hybrid.parallel.plan import Plan, Shard

@@ -136,7 +136,7 @@ def findable_test(root: Path):
     """(users, items) of the test pairs whose item the user did not engage with in train or
     validation: a re-engagement is never returned (seen items are left out), as the
     evaluation's rule says (docs/retrieval.md)."""
-    from dlrm_hybrid.data.interaction_data import open_interactions
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
 
     data = open_interactions(str(root))
     indptr, items = data.findable("test", ("train", "val"))
@@ -153,7 +153,7 @@ def hit_rates(stages: List[Dict[str, np.ndarray]], wanted: np.ndarray) -> Dict[s
 def peers(retrieval: str, quick: bool) -> Dict[str, Dict[str, float]]:
     """Popularity, ALS and BPR (each setting chosen on validation): their test metrics."""
     from dlrm_hybrid.config import RetrievalConfig
-    from dlrm_hybrid.data.interaction_data import open_interactions
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
     from dlrm_hybrid.retrieval import peers as peer_models
 
     data, cfg = open_interactions(retrieval), RetrievalConfig(eval_k=list(CUTS))

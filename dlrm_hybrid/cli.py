@@ -13,7 +13,8 @@ from typing import List, Optional
 
 from dlrm_hybrid import curves, rank_failure
 from dlrm_hybrid.config_loading import load_config, world_size_from_env
-from dlrm_hybrid.data import day23, interaction_split, multi_hot, npy_days
+from dlrm_hybrid.data.criteo import day23, multi_hot, npy_days
+from dlrm_hybrid.data.interactions import preprocess_interactions
 from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph import commands as pixie_commands
@@ -143,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     day23.add_arguments(formats.add_parser(
         "day23", help="make day 23's first half validation, as MLPerf does, in a dataset "
                       "split the earlier way (in place)"))
-    interaction_split.add_arguments(formats.add_parser(
+    preprocess_interactions.add_arguments(formats.add_parser(
         "interactions", help="interaction logs (MovieLens, CSV/TSV) -> a retrieval dataset "
                              "(model.kind two_tower), or with --labels a ranking dataset"))
     return parser
@@ -257,8 +258,8 @@ def run_synth(args) -> None:
     refuse_overwriting_inputs([("--output", args.output)], [("--config", args.config)], "synth")
     cfg = load_config(args.config, args.overrides)
     if cfg.model.kind == "two_tower":  # the planted interaction log, as training generates it
-        from dlrm_hybrid.data.interaction_data import write_interactions
-        from dlrm_hybrid.data.planted_interactions import planted_interactions
+        from dlrm_hybrid.data.interactions.interaction_data import write_interactions
+        from dlrm_hybrid.data.interactions.planted_interactions import planted_interactions
 
         data = planted_interactions(cfg.data)
         write_interactions(data, args.output)
@@ -274,7 +275,7 @@ def run_preprocess(args) -> None:
         refuse_overwriting_inputs([("--output", args.output)], [("--input", p) for p in inputs],
                                   f"preprocess {args.format}")
     {"criteo": criteo_preprocess, "npy": npy_days, "multihot": multi_hot,
-     "day23": day23, "interactions": interaction_split}[args.format].run(args)
+     "day23": day23, "interactions": preprocess_interactions}[args.format].run(args)
 
 
 def run_bench(args) -> None:

@@ -138,7 +138,7 @@ class DataConfig:
     teacher_dim: int = 8  # width of the planted teacher's latent vectors
     teacher_scale: float = 1.0  # logit scale of the teacher: higher means an easier task
     teacher_order: int = 2  # 2: the teacher sums pairwise dots | 3: and three-way products
-    # two_tower's planted interactions (data/planted_interactions.py), when data.path is empty:
+    # two_tower's planted interactions (data/interactions/planted_interactions.py), when data.path is empty:
     users: int = 2000
     items: int = 1000
     interactions_per_user: int = 30  # engagements drawn per user before the leave-last-out split

@@ -22,7 +22,7 @@ def check_launch(torchrun_args: List[str]) -> None:
         return
     from dlrm_hybrid.cli import _parser
     from dlrm_hybrid.config_loading import load_config
-    from dlrm_hybrid.data.spec import data_spec
+    from dlrm_hybrid.data.configured_spec import data_spec
     from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 
     args = _parser().parse_args(launch[1])  # a usage error: argparse's message, exit 2

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, failure, run_cli
-from dlrm_hybrid.data.day23 import require_reference_rule, upgrade_day_23
+from dlrm_hybrid.data.criteo.day23 import require_reference_rule, upgrade_day_23
 from dlrm_hybrid.data.feature_spec import load_feature_spec
-from dlrm_hybrid.data.multi_hot import make_multi_hot
+from dlrm_hybrid.data.criteo.multi_hot import make_multi_hot
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter

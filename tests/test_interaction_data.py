@@ -11,8 +11,9 @@ import pytest
 
 from conftest import done_fields, failure, read_metrics, run_cli
 from dlrm_hybrid.config import DataConfig
-from dlrm_hybrid.data.interaction_data import open_interactions
-from dlrm_hybrid.data.planted_interactions import planted_interactions, teacher, teacher_scores
+from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+from dlrm_hybrid.data.interactions.planted_interactions import (planted_interactions, teacher,
+                                                                teacher_scores)
 
 # user, item, rating, timestamp. Positives (rating >= 4) per user, oldest first:
 # user 1: items 1 (t 10), 2 (t 20), 4 (t 40), 5 (t 40, after 4 in the file): val 4, test 5

@@ -17,16 +17,6 @@ from typing import Dict, List, Set
 PACKAGE = "dlrm_hybrid"
 ROOT = Path(__file__).resolve().parent.parent
 
-# The circles still there, each as its sorted modules. The list only shrinks: a circle not on it
-# fails the test, and so does one on it that no longer exists.
-KNOWN_CIRCLES = {
-    # issue 43: data/ reorganisation
-    ("dlrm_hybrid.data.feature_spec", "dlrm_hybrid.data.interaction_meta", "dlrm_hybrid.data.spec"),
-    ("dlrm_hybrid.data.criteo.native", "dlrm_hybrid.data.criteo.parse"),
-    ("dlrm_hybrid.data.interaction_split", "dlrm_hybrid.data.ranking_log"),
-}
-
-
 def module_files(root: Path = ROOT) -> Dict[str, Path]:
     """Every module of the package by its dotted name (a package by its own name)."""
     modules = {}
@@ -131,12 +121,7 @@ def test_the_import_graph_is_read():
 
 def test_no_import_circles():
     graph = import_graph()
-    found = {tuple(c) for c in circles(graph)}
-    new = sorted(found - KNOWN_CIRCLES)
-    gone = sorted(KNOWN_CIRCLES - found)
-    problems = [f"import circle: {describe(list(c), graph)}" for c in new]
-    problems += [f"known circle no longer there, remove it from KNOWN_CIRCLES: {', '.join(c)}"
-                 for c in gone]
+    problems = [f"import circle: {describe(c, graph)}" for c in circles(graph)]
     assert not problems, "\n".join(problems)
 
 

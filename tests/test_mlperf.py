@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, done_fields, failure, read_metrics, run_cli
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.config_loading import load_config
-from dlrm_hybrid.data.multi_hot import make_multi_hot
+from dlrm_hybrid.data.criteo.multi_hot import make_multi_hot
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.errors import TrainingDiverged

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import done_fields, failure, run_cli
-from dlrm_hybrid.data.interaction_data import open_interactions
+from dlrm_hybrid.data.interactions.interaction_data import open_interactions
 from dlrm_hybrid.errors import DataError, UserError
 from dlrm_hybrid.graph.bipartite import (Pruning, build_graph, dataset_digest, read_graph,
                                          user_entropy)

@@ -403,7 +403,7 @@ def test_greedy_never_sends_more_all_to_all_bytes_than_nvidia():
     within nvidia's (the memory-forced splits), here where splitting MLPerf DCNv2's 100-id table
     would otherwise lower the modeled step at a cost of 6% more bytes."""
     from dlrm_hybrid.config_loading import load_config
-    from dlrm_hybrid.data.spec import data_spec
+    from dlrm_hybrid.data.configured_spec import data_spec
     from dlrm_hybrid.parallel.cost_model import a2a_bytes
     from dlrm_hybrid.parallel.tables import table_specs
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.data import npy_days
+from dlrm_hybrid.data.criteo import npy_days
 from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess, splits, tasks
 from dlrm_hybrid.data.criteo.parse import NUM_FIELDS
 from dlrm_hybrid.data.criteo.preprocess import preprocess_criteo
@@ -511,7 +511,7 @@ def test_npy_then_multihot_commands_with_their_defaults(tmp_path):
     """`preprocess npy` and `preprocess multihot` as the MLPerf recipe runs them, defaults only
     (multihot's `--rows input` once always failed)."""
     from conftest import failure, run_cli
-    from dlrm_hybrid.data.multi_hot import MLPERF_HOTNESS
+    from dlrm_hybrid.data.criteo.multi_hot import MLPERF_HOTNESS
 
     rng = np.random.default_rng(8)
     (tmp_path / "npy").mkdir()

@@ -38,8 +38,8 @@ def test_hit_rates_count_the_test_item_among_each_stages_first_k(bench):
 def test_the_test_items_asked_for_leave_out_re_watches(bench, tmp_path):
     """A test item the user engaged with in train or validation is never returned (seen items
     are left out), so the benchmark does not ask for it (docs/retrieval.md's rule)."""
-    from dlrm_hybrid.data.interaction_data import InteractionData, write_interactions
-    from dlrm_hybrid.data.interaction_meta import InteractionMeta
+    from dlrm_hybrid.data.interactions.interaction_data import InteractionData, write_interactions
+    from dlrm_hybrid.data.interactions.interaction_meta import InteractionMeta
 
     pairs = {"train": (np.array([0, 0, 1, 2]), np.array([1, 2, 3, 0])),
              "val": (np.array([0, 1, 2]), np.array([3, 0, 4])),

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dlrm_hybrid.config import RetrievalConfig
-from dlrm_hybrid.data.interaction_data import InteractionData
-from dlrm_hybrid.data.interaction_meta import InteractionMeta
+from dlrm_hybrid.data.interactions.interaction_data import InteractionData
+from dlrm_hybrid.data.interactions.interaction_meta import InteractionMeta
 from dlrm_hybrid.retrieval import peers
 
 

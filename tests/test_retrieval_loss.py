@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dlrm_hybrid.config import ConfigError, RetrievalConfig
-from dlrm_hybrid.data.interaction_data import InteractionData
-from dlrm_hybrid.data.interaction_meta import InteractionMeta
+from dlrm_hybrid.data.interactions.interaction_data import InteractionData
+from dlrm_hybrid.data.interactions.interaction_meta import InteractionMeta
 from dlrm_hybrid.data.loader import rank_columns
 from dlrm_hybrid.retrieval.loss import InBatchSoftmax
 

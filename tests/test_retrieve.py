@@ -18,8 +18,8 @@ import yaml
 from conftest import ROOT, failure, run_cli
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.batch import Batch
-from dlrm_hybrid.data.planted_interactions import planted_interactions
-from dlrm_hybrid.data.interaction_data import open_interactions, write_interactions
+from dlrm_hybrid.data.interactions.planted_interactions import planted_interactions
+from dlrm_hybrid.data.interactions.interaction_data import open_interactions, write_interactions
 from dlrm_hybrid.model.two_tower import build_two_tower, split_towers
 from dlrm_hybrid.retrieval.index import (IndexParams, ann_recall, build_index, exact_top_k,
                                          query_latency, read_index, search)

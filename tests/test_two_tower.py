@@ -183,8 +183,8 @@ def test_the_evaluation_ranks_the_whole_corpus_exactly(split):
     import torch
 
     from dlrm_hybrid.config import RetrievalConfig
-    from dlrm_hybrid.data.interaction_data import InteractionData
-    from dlrm_hybrid.data.interaction_meta import InteractionMeta
+    from dlrm_hybrid.data.interactions.interaction_data import InteractionData
+    from dlrm_hybrid.data.interactions.interaction_meta import InteractionMeta
     from dlrm_hybrid.parallel.process_group import DistEnv
     from dlrm_hybrid.retrieval.evaluate import evaluate_retrieval
 
@@ -226,8 +226,8 @@ def test_plan_shows_each_tower_without_importing_torch(tmp_path):
     """On the planted log's shape, and on an interaction folder (its tables' rows are the
     folder's, not data.users/items)."""
     from dlrm_hybrid.config_loading import load_config
-    from dlrm_hybrid.data.interaction_data import write_interactions
-    from dlrm_hybrid.data.planted_interactions import planted_interactions
+    from dlrm_hybrid.data.interactions.interaction_data import write_interactions
+    from dlrm_hybrid.data.interactions.planted_interactions import planted_interactions
 
     config = tmp_path / "tt.yaml"
     config.write_text("model: {kind: two_tower, embedding_dim: 16}\n"

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dlrm_hybrid.data.interaction_data import InteractionData, open_interactions
-from dlrm_hybrid.data.interaction_meta import META_FILE, is_interaction_folder
+from dlrm_hybrid.data.interactions.interaction_data import InteractionData, open_interactions
+from dlrm_hybrid.data.interactions.interaction_meta import META_FILE, is_interaction_folder
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
 from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
-from dlrm_hybrid.data.planted_interactions import planted_interactions
+from dlrm_hybrid.data.interactions.planted_interactions import planted_interactions
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 from dlrm_hybrid.errors import DataError
 
 
 def open_dataset(data_cfg, model_cfg=None, retrieval_cfg=None):
     """The ranker's dataset, its labels those of `model_cfg.tasks` (one click label if none);
-    `model_cfg.kind` two_tower reads interaction logs (data/interaction_data.py), with the
+    `model_cfg.kind` two_tower reads interaction logs (data/interactions/interaction_data.py), with the
     side features its towers read, and for training (`retrieval_cfg` given) its training
     batches carry `retrieval.uniform_negatives`."""
     if model_cfg is not None and model_cfg.kind == "two_tower":

@@ -35,18 +35,3 @@ class DataSpec:
         return DataSpec(data_cfg.num_dense, list(data_cfg.cardinalities), hotness,
                         data_cfg.hotness_distribution == "uniform")
 
-
-def data_spec(data_cfg, model_cfg=None) -> DataSpec:
-    """The configured data's shape: a dataset's feature_spec.yaml (`data.path`) or the config's
-    synthetic tables, without opening any data file; for two_tower, an interaction log's
-    interactions.yaml or the planted one's."""
-    if model_cfg is not None and model_cfg.kind == "two_tower":
-        from dlrm_hybrid.data.interaction_meta import planted_meta, read_meta, tower_features
-
-        meta = read_meta(data_cfg.path) if data_cfg.path else planted_meta(data_cfg)
-        return tower_features(meta, model_cfg).spec()
-    if not data_cfg.path:
-        return DataSpec.from_config(data_cfg)
-    from dlrm_hybrid.data.feature_spec import load_feature_spec  # it imports this module
-
-    return load_feature_spec(data_cfg.path).spec

@@ -16,7 +16,7 @@ import numpy as np
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.batch import ClickDataset, Columns
-from dlrm_hybrid.data.day23 import require_no_interrupted_upgrade
+from dlrm_hybrid.data.criteo.day23 import require_no_interrupted_upgrade
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.errors import DataError
 

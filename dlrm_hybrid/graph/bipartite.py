@@ -211,8 +211,8 @@ def graph_from_dataset(path: str, pruning: Pruning, splits: Tuple[str, ...] = ("
     """The graph of an interaction dataset folder's `splits` (default train: evaluation's
     val/test items stay out of it); `category_feature` names the item side feature that holds
     categories ("" : the dataset's `category` if it has one)."""
-    from dlrm_hybrid.data.interaction_data import open_interactions
-    from dlrm_hybrid.data.interaction_meta import META_FILE, is_interaction_folder
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+    from dlrm_hybrid.data.interactions.interaction_meta import META_FILE, is_interaction_folder
 
     start = time.perf_counter()
     if not Path(path).exists():

@@ -18,7 +18,7 @@ from torch.nn.functional import normalize
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dlrm_hybrid.data.interaction_meta import ITEM_ID
+from dlrm_hybrid.data.interactions.interaction_meta import ITEM_ID
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.embeddings import embedding_tables

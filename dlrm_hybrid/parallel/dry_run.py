@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 from dlrm_hybrid.config import ConfigError, parse_bytes
 
 from dlrm_hybrid.config_loading import load_config
-from dlrm_hybrid.data.spec import data_spec
+from dlrm_hybrid.data.configured_spec import data_spec
 from dlrm_hybrid.parallel.dense_memory import describe_dense
 from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
 from dlrm_hybrid.parallel.cost_model import DEVICES, device_constants

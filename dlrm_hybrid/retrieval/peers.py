@@ -14,7 +14,7 @@ from typing import Dict, Tuple
 import numpy as np
 import torch
 
-from dlrm_hybrid.data.interaction_data import InteractionData
+from dlrm_hybrid.data.interactions.interaction_data import InteractionData
 
 Vectors = Tuple[np.ndarray, np.ndarray]  # (users [U, E], items [I, E]); score = their dot product
 

@@ -23,7 +23,7 @@ from torchrec.modules.crossnet import LowRankMixtureCrossNet
 from dlrm_hybrid.compat import jit_save, jit_script
 from dlrm_hybrid.config import task_names
 from dlrm_hybrid.config_loading import load_config
-from dlrm_hybrid.data.spec import data_spec
+from dlrm_hybrid.data.configured_spec import data_spec
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.compositional import FeatureLookup, Part
 from dlrm_hybrid.model.cross import WithInput

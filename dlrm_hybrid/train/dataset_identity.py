@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from dlrm_hybrid.data.feature_spec import SINGLE_TASK, load_feature_spec
-from dlrm_hybrid.data.interaction_meta import is_interaction_folder, read_meta
+from dlrm_hybrid.data.interactions.interaction_meta import is_interaction_folder, read_meta
 from dlrm_hybrid.errors import UserError
 
 HEAD_BYTES = 64 * 1024

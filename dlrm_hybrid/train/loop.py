@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_hybrid.config import Config, ConfigError
-from dlrm_hybrid.data.day23 import require_reference_rule
+from dlrm_hybrid.data.criteo.day23 import require_reference_rule
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
 from dlrm_hybrid.model.dlrm import build_model
 from dlrm_hybrid.model.two_tower import build_two_tower

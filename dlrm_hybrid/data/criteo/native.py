@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from dlrm_hybrid.data.criteo import parse
 from dlrm_hybrid.data.criteo.parse import NUM_CATEGORICAL, NUM_NUMERICAL, Chunk
 
 LUT_SIZE = 1 << 16  # csrc/criteo.c's: integers below it take their float16 from a table
@@ -63,6 +64,11 @@ def _log_table() -> np.ndarray:
 
 def _log1p3(x: np.ndarray) -> np.ndarray:
     return np.log(x + 3.0).astype(np.float16).view(np.uint16)
+
+
+def parse_fast(data: bytes, pad_short: bool = False) -> Chunk:
+    """`parse.parse_lines`, in C where the library was built (the same result, faster)."""
+    return (parse_lines if available() else parse.parse_lines)(data, pad_short)
 
 
 def parse_lines(data: bytes, pad_short: bool = False) -> Chunk:

@@ -136,8 +136,3 @@ def _parse_hex(buf: np.ndarray, s: np.ndarray, e: np.ndarray) -> Tuple[np.ndarra
     x = (x | (x >> 16)) & 0x00000000FFFFFFFF
     return np.where(length == 0, -1, x.astype(np.int64)), ok.all(axis=1)
 
-
-def parse_fast(data: bytes, pad_short: bool = False) -> Chunk:
-    """`parse_lines`, in C where the library was built (native.py: the same result, faster)."""
-    from dlrm_hybrid.data.criteo import native
-    return (native.parse_lines if native.available() else parse_lines)(data, pad_short)

@@ -33,16 +33,17 @@ import numpy as np
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.criteo import budget, counts, numbering, tasks as task_plan
+from dlrm_hybrid.data.criteo.native import parse_fast
 from dlrm_hybrid.data.criteo.parse import (KINDS, NUM_CATEGORICAL, NUM_FIELDS, NUM_NUMERICAL,
-                                          REASONS, WRONG_FIELD_COUNT, parse_fast)
+                                           REASONS, WRONG_FIELD_COUNT)
 from dlrm_hybrid.data.criteo.progress import JobProgress
 from dlrm_hybrid.data.criteo.splits import (add_split_arguments, check_days, check_splits_filled,
-                                           day_number, resolve_split, split_counts, split_jobs)
+                                            day_number, resolve_split, split_counts, split_jobs)
 from dlrm_hybrid.data.criteo.tasks import Task, read_lines
 from dlrm_hybrid.data.criteo.vocabulary import FOLDER, KEY, Vocabulary, file_name
 from dlrm_hybrid.data.criteo.work import WorkFolder, identity, write_json
 from dlrm_hybrid.data.criteo.write import WriteJob, size_files, split_files, write_task
-from dlrm_hybrid.data.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
+from dlrm_hybrid.data.criteo.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
 from dlrm_hybrid.data.feature_spec import SPLITS, FeatureSpec
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import REPORT, check_new_output

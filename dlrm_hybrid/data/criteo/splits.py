@@ -22,7 +22,7 @@ import numpy as np
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.criteo.tasks import Task
-from dlrm_hybrid.data.day23 import validation_rows
+from dlrm_hybrid.data.criteo.day23 import validation_rows
 from dlrm_hybrid.data.feature_spec import SPLITS
 from dlrm_hybrid.errors import DataError
 

@@ -15,7 +15,8 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from dlrm_hybrid.data.criteo.parse import NUM_CATEGORICAL, NUM_NUMERICAL, parse_fast
+from dlrm_hybrid.data.criteo.native import parse_fast
+from dlrm_hybrid.data.criteo.parse import NUM_CATEGORICAL, NUM_NUMERICAL
 from dlrm_hybrid.data.criteo.splits import SplitRule, split_codes
 from dlrm_hybrid.data.criteo.tasks import Task, read_lines
 from dlrm_hybrid.data.criteo.vocabulary import DTYPE, Vocabulary, file_name

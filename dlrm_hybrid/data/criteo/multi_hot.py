@@ -22,7 +22,7 @@ from typing import List, Optional
 import numpy as np
 
 from dlrm_hybrid.config import ConfigError
-from dlrm_hybrid.data.day23 import RULE_KEY, UNRECORDED, recorded_rule
+from dlrm_hybrid.data.criteo.day23 import RULE_KEY, UNRECORDED, recorded_rule
 from dlrm_hybrid.data.feature_spec import LABEL
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter

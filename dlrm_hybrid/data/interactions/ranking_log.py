@@ -33,10 +33,10 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from dlrm_hybrid.data.feature_spec import check_label_names
-from dlrm_hybrid.data.interaction_log import BAD_KINDS, OPS, Log, Positive
-from dlrm_hybrid.data.interaction_meta import SPLITS
-from dlrm_hybrid.data.interaction_split import (Prepared, leave_last_out, prepare,
-                                                read_checked_log, split_pairs)
+from dlrm_hybrid.data.interactions.interaction_log import BAD_KINDS, OPS, Log, Positive
+from dlrm_hybrid.data.interactions.interaction_meta import SPLITS
+from dlrm_hybrid.data.interactions.interaction_split import (Prepared, leave_last_out, prepare,
+                                                             read_checked_log, split_pairs)
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.errors import DataError, UserError
 
@@ -145,7 +145,7 @@ def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], neg
 def holdout_keys(folder: str, prepared: Prepared) -> np.ndarray:
     """user * items + item, in `prepared`'s ids, of the validation and test pairs of `folder`,
     a retrieval dataset of the same log, matched by the raw ids of its users.txt/items.txt."""
-    from dlrm_hybrid.data.interaction_meta import is_interaction_folder
+    from dlrm_hybrid.data.interactions.interaction_meta import is_interaction_folder
 
     root = Path(folder)
     hint = "give the retrieval dataset `preprocess interactions` (no --labels) made of this log"
@@ -178,7 +178,7 @@ def hold_out(prepared: Prepared, log: Log, keys: np.ndarray, folder: str, seed: 
     as `prepare` splits (leave-last-out over the rest: each user's last remaining engagement is
     test; a time cut keeps its splits). Ids stay the whole log's: every item keeps its id.
     meta.extra: the rows held out, and the users all in train now."""
-    from dlrm_hybrid.data.interaction_data import InteractionData
+    from dlrm_hybrid.data.interactions.interaction_data import InteractionData
 
     data, extra = prepared.data, prepared.data.meta.extra
     split_of, user_of, item_of = (np.full(len(log), -1, t) for t in (np.int8, np.int64, np.int64))

@@ -24,8 +24,8 @@ import yaml
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.batch import ClickDataset, Columns, stacked
-from dlrm_hybrid.data.interaction_meta import (META_FILE, SPLITS, InteractionMeta, read_meta,
-                                               tower_features)
+from dlrm_hybrid.data.interactions.interaction_meta import (META_FILE, SPLITS, InteractionMeta,
+                                                            read_meta, tower_features)
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.partial_folder import finish_partial, start_partial
 

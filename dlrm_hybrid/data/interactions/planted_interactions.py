@@ -18,8 +18,9 @@ from typing import Dict
 
 import numpy as np
 
-from dlrm_hybrid.data.interaction_data import InteractionData
-from dlrm_hybrid.data.interaction_meta import ITEM_CATEGORIES, USER_SEGMENTS, planted_meta
+from dlrm_hybrid.data.interactions.interaction_data import InteractionData
+from dlrm_hybrid.data.interactions.interaction_meta import (ITEM_CATEGORIES, USER_SEGMENTS,
+                                                            planted_meta)
 
 CEILING_K = (10, 50, 100)
 USERS_PER_CHUNK = 1024  # users scored at once by `ranking_metrics`: bounds its memory
