@@ -12,14 +12,13 @@ import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from dlrm_hybrid.config_loading import load_config
-from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
+from dlrm_hybrid.data.source import open_dataset, require_samples
 from dlrm_hybrid.errors import DataError
-from dlrm_hybrid.retrieval.evaluate import evaluate_retrieval
 from dlrm_hybrid.train.checkpoint import check_checkpoint, checkpoint_config_path, load_checkpoint
 from dlrm_hybrid.train.checkpoint_reader import checkpoint_reader
-from dlrm_hybrid.train.evaluate import evaluate
 from dlrm_hybrid.train.loop import build_sharded_model
 from dlrm_hybrid.train.metrics_log import MetricsLog, metrics_text
+from dlrm_hybrid.train.model_kinds import model_kind
 from dlrm_hybrid.output_paths import temporary_beside
 
 
@@ -41,14 +40,7 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     require_samples(dataset, (split,), "eval")
     dmp, _ = build_sharded_model(cfg, dataset.spec, env, log.say)
     step = load_checkpoint(path, dmp)["step"]
-    if cfg.model.kind == "two_tower":  # recall, HR, NDCG and MRR over the whole corpus
-        metrics = evaluate_retrieval(dmp, dataset, cfg.retrieval, env,
-                                     cfg.data.global_batch_size // env.world_size, split)
-    else:
-        batches = make_loader(cfg.data, dataset, split, env)
-        metrics = evaluate(dmp, batches, env, prefix=f"{split}_", 
-                           tasks=[t.name for t in cfg.model.tasks])
-        batches.close()
+    metrics = model_kind(cfg).evaluate(dmp, dataset, env, split)
     if metrics is not None:
         log.say(f"eval: checkpoint={path} step={step} split={split} {metrics_text(metrics)}")
     return metrics

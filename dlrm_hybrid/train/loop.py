@@ -17,17 +17,13 @@ import torch.distributed as dist
 from dlrm_hybrid.config import Config, ConfigError
 from dlrm_hybrid.data.criteo.day23 import require_reference_rule
 from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
-from dlrm_hybrid.model.dlrm import build_model
-from dlrm_hybrid.model.two_tower import build_two_tower
 from dlrm_hybrid.parallel.dense_memory import dense_layout, require_dense_fits
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
-from dlrm_hybrid.parallel.plan_report import describe, describe_lookups, describe_towers
+from dlrm_hybrid.parallel.plan_report import describe, describe_lookups
 from dlrm_hybrid.parallel.process_group import DistEnv
 from dlrm_hybrid.parallel.sharding import applied_sharding, init_tables, shard_model
 from dlrm_hybrid.parallel.tables import table_specs
-from dlrm_hybrid.retrieval.evaluate import evaluate_retrieval
-from dlrm_hybrid.train.evaluate import evaluate
 from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
                                           intact_checkpoint_to_resume, load_checkpoint,
                                           new_run_id, run_of, save_checkpoint)
@@ -36,6 +32,7 @@ from dlrm_hybrid.train.resume_rules import check_same_experiment
 from dlrm_hybrid.train.divergence import DivergenceGuard
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
 from dlrm_hybrid.train.mlperf_log import MLPerfLog
+from dlrm_hybrid.train.model_kinds import ModelKind, model_kind
 from dlrm_hybrid.train.optim import (advance_schedule, attach_embedding_optimizer, build_optimizer,
                                      current_lrs)
 from dlrm_hybrid.train.progress import Progress
@@ -70,6 +67,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     dataset = open_dataset(cfg.data, cfg.model, cfg.retrieval)
     require_samples(dataset, ("train", "val"), "training")
     run = run_schedule(cfg, dataset.num_samples("train"))
+    kind = model_kind(cfg)
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
     train_step = TrainStep(dmp, optimizer, schedule, cfg.train, env.device)
@@ -133,7 +131,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
             log.say(f"checkpoint: {path}")
         if run.evaluates_at(step):
             train_step.pause()
-            metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
+            metrics = evaluate_and_log(dmp, dataset, kind, env, log, step, mlperf, run)
             if target.reached(metrics, env):
                 mlperf.run_stop(True, run.epoch_num(step))
                 break
@@ -156,7 +154,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     if stopped:
         raise stopped_at(step, stopped, path, cfg, log)
     if not target.hit:
-        metrics = evaluate_and_log(dmp, dataset, cfg, env, log, step, mlperf, run)
+        metrics = evaluate_and_log(dmp, dataset, kind, env, log, step, mlperf, run)
         mlperf.run_stop(target.reached(metrics, env), run.epoch_num(step))
     if target.wanted:
         log.record({"step": step, "target_auc": target.target_auc, "target_reached": target.hit,
@@ -208,19 +206,17 @@ def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> Tuple[int, st
 
 
 def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], None]):
-    """The DLRM with its tables placed, sharded and initialised, the dense modules
-    data-parallel as `parallel.dense` says (DDP, or FSDP2's fsdp/hsdp)."""
+    """The model `model.kind` names with its tables placed, sharded and initialised, the dense
+    modules data-parallel as `parallel.dense` says (DDP, or FSDP2's fsdp/hsdp)."""
     require_dense_fits(cfg, spec, env.world_size, env.local_world_size)  # before building it
+    kind = model_kind(cfg)
     torch.manual_seed(cfg.train.seed)  # the dense layers: identical on every rank
-    model = (build_two_tower(cfg, spec) if cfg.model.kind == "two_tower"
-             else build_model(cfg.model, spec))
+    model = kind.build(spec)
     attach_embedding_optimizer(model.embedding_bags, cfg.optim, env.device)
     plan = job_plan(cfg, table_specs(cfg, spec), env)
     say(describe(plan))
-    if cfg.model.kind == "two_tower":
-        say(describe_towers(plan, model.lookups))
-    if cfg.model.tasks:
-        say(describe_tasks(cfg.model))
+    for line in kind.plan_lines(plan, model):
+        say(line)
     replaced = describe_lookups(model.lookups, cfg)
     if replaced:
         say(replaced)
@@ -232,28 +228,11 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
     return dmp, plan
 
 
-def describe_tasks(model_cfg) -> str:
-    """One line: the tasks, their loss weights and heads, and what the heads read."""
-    tasks = ", ".join(f"{t.name} (weight {t.weight:g}, head {[*t.head, 1]})"
-                      for t in model_cfg.tasks)
-    trunk = f"the shared trunk {model_cfg.top_mlp[:-1]}"
-    mmoe = model_cfg.mmoe
-    reads = (f"{mmoe.experts} gated experts {mmoe.expert_mlp} over {trunk}" if mmoe.experts
-             else trunk)
-    return f"tasks: {tasks}; the heads read {reads}"
-
-
-def evaluate_and_log(dmp, dataset, cfg: Config, env: DistEnv, log: MetricsLog, step: int,
+def evaluate_and_log(dmp, dataset, kind: ModelKind, env: DistEnv, log: MetricsLog, step: int,
                      mlperf: MLPerfLog, run: RunSchedule) -> Dict[str, float]:
     mlperf.eval_start(run.epoch_num(step))
     start = time.perf_counter()
-    if cfg.model.kind == "two_tower":
-        metrics = evaluate_retrieval(dmp, dataset, cfg.retrieval, env,
-                                     cfg.data.global_batch_size // env.world_size)
-    else:
-        batches = make_loader(cfg.data, dataset, "val", env)
-        metrics = evaluate(dmp, batches, env, tasks=[t.name for t in cfg.model.tasks])
-        batches.close()
+    metrics = kind.evaluate(dmp, dataset, env)
     if metrics is None:
         return {}
     if "val_auc" in metrics:

@@ -1,0 +1,88 @@
+"""What differs between the model kinds that `model.kind` names: the ranker (`dlrm`, one task or
+several) and the two-tower retrieval model (`two_tower`). `model_kind(cfg)` picks one; the
+training loop and `eval` call it and never ask `model.kind` themselves. Everything else (placing,
+sharding, the step, checkpoints) is the same for both: each model computes its own loss in its
+forward."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Dict, List, Optional, Union
+
+from dlrm_hybrid.config import Config
+from dlrm_hybrid.data.source import make_loader
+from dlrm_hybrid.model.dlrm import DLRM, build_model
+from dlrm_hybrid.model.two_tower import TwoTower, build_two_tower
+from dlrm_hybrid.parallel.plan_report import describe_towers
+from dlrm_hybrid.retrieval.evaluate import evaluate_retrieval
+from dlrm_hybrid.train.evaluate import evaluate
+
+Model = Union[DLRM, TwoTower]
+
+
+class ModelKind(ABC):
+    """One model kind: how to build it, what the run says about it after the plan, and how to
+    evaluate it."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    @abstractmethod
+    def build(self, spec) -> Model:
+        """The unsharded model over a dataset's features (`spec`), its tables on the meta device."""
+
+    @abstractmethod
+    def plan_lines(self, plan, model: Model) -> List[str]:
+        """What the run prints about this kind of model after the plan's table."""
+
+    @abstractmethod
+    def evaluate(self, dmp, dataset, env, split: str = "val") -> Optional[Dict[str, float]]:
+        """The metrics of `split`, named `<split>_...`, on rank 0 (None elsewhere)."""
+
+
+class RankerKind(ModelKind):
+    """The DLRM: a click probability per task; AUC and log loss per task."""
+
+    def build(self, spec) -> Model:
+        return build_model(self.cfg.model, spec)
+
+    def plan_lines(self, plan, model: Model) -> List[str]:
+        return [describe_tasks(self.cfg.model)] if self.cfg.model.tasks else []
+
+    def evaluate(self, dmp, dataset, env, split: str = "val") -> Optional[Dict[str, float]]:
+        batches = make_loader(self.cfg.data, dataset, split, env)
+        metrics = evaluate(dmp, batches, env, prefix=f"{split}_",
+                           tasks=[t.name for t in self.cfg.model.tasks])
+        batches.close()
+        return metrics
+
+
+class TwoTowerKind(ModelKind):
+    """The user and item towers: where each tower's tables went; recall, HR, NDCG and MRR over
+    the whole item corpus."""
+
+    def build(self, spec) -> Model:
+        return build_two_tower(self.cfg, spec)
+
+    def plan_lines(self, plan, model: Model) -> List[str]:
+        return [describe_towers(plan, model.lookups)]
+
+    def evaluate(self, dmp, dataset, env, split: str = "val") -> Optional[Dict[str, float]]:
+        return evaluate_retrieval(dmp, dataset, self.cfg.retrieval, env,
+                                  self.cfg.data.global_batch_size // env.world_size, split)
+
+
+def model_kind(cfg: Config) -> ModelKind:
+    """The kind `model.kind` names (the config's validation allows only these)."""
+    return TwoTowerKind(cfg) if cfg.model.kind == "two_tower" else RankerKind(cfg)
+
+
+def describe_tasks(model_cfg) -> str:
+    """One line: the tasks, their loss weights and heads, and what the heads read."""
+    tasks = ", ".join(f"{t.name} (weight {t.weight:g}, head {[*t.head, 1]})"
+                      for t in model_cfg.tasks)
+    trunk = f"the shared trunk {model_cfg.top_mlp[:-1]}"
+    mmoe = model_cfg.mmoe
+    reads = (f"{mmoe.experts} gated experts {mmoe.expert_mlp} over {trunk}" if mmoe.experts
+             else trunk)
+    return f"tasks: {tasks}; the heads read {reads}"
