@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_hybrid.data.criteo.preprocess import preprocess_criteo, summary_line
+from dlrm_hybrid.data.criteo.preprocess import preprocess_criteo
+from dlrm_hybrid.data.criteo.preprocess_report import summary_line
 
 VOCABULARIES = np.array([7912889, 33823, 17139, 7339, 20046, 4, 7105, 1382, 63, 5554114, 582469,
                          245828, 11, 2209, 10667, 104, 4, 968, 15, 8165896, 2675940, 7156453,

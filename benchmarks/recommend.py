@@ -105,7 +105,7 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     import torch
 
     from dlrm_hybrid.graph.pixie import PixieParams
-    from dlrm_hybrid.serve.recommend import Recommender, RecommendSettings
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
 
     torch.set_num_threads(1)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

@@ -10,9 +10,10 @@ import pytest
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.criteo import npy_days
-from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess, splits, tasks
+from dlrm_hybrid.data.criteo import input_sample, preprocess as criteo_preprocess, splits, tasks
 from dlrm_hybrid.data.criteo.parse import NUM_FIELDS
 from dlrm_hybrid.data.criteo.preprocess import preprocess_criteo
+from dlrm_hybrid.data.criteo.preprocess_job import Job
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
@@ -223,12 +224,12 @@ def test_an_interrupted_run_leaves_no_output_and_the_same_command_finishes_it(
     def interrupted(*args):
         raise exception("interrupted")
 
-    real_write = criteo_preprocess.Job.write
-    monkeypatch.setattr(criteo_preprocess.Job, "write", interrupted)
+    real_write = Job.write
+    monkeypatch.setattr(Job, "write", interrupted)
     with pytest.raises(exception):
         preprocess_criteo(inputs, tmp_path / "out", workers=2)
     assert only_inputs_left(tmp_path, ["train.txt", "clean", ".out.preprocess"])
-    monkeypatch.setattr(criteo_preprocess.Job, "write", real_write)
+    monkeypatch.setattr(Job, "write", real_write)
     again = preprocess_criteo(inputs, tmp_path / "out", workers=2)
     assert again["resumed_steps"] == len(tasks.plan_tasks([str(p) for p in inputs], 40_000)) + 1
     assert dataset_files(tmp_path / "out") == dataset_files(tmp_path / "clean")
@@ -331,7 +332,7 @@ def test_day_files_without_day_23_are_refused_before_reading(tmp_path, monkeypat
     """They once gave empty validation and test splits, and training crashed at its first
     evaluation."""
     days = [write_day(tmp_path / "day_0.gz", range(40)), write_day(tmp_path / "day_1.gz", range(9))]
-    monkeypatch.setattr(criteo_preprocess, "read_lines", None)  # nothing may be read
+    monkeypatch.setattr(input_sample, "read_lines", None)  # nothing may be read
     with pytest.raises(ConfigError, match=r"^--input: no day_23 among days 0,1, .*add "
                                           r"day_23\.gz or use --split hash") as error:
         preprocess_criteo(days, tmp_path / "out", workers=1)

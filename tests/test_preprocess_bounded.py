@@ -161,8 +161,8 @@ def test_partial_work_of_other_settings_is_refused_unless_restarted(logs, tmp_pa
     def fail(*args):
         raise KeyboardInterrupt
 
-    from dlrm_hybrid.data.criteo import preprocess
-    monkeypatch.setattr(preprocess.Job, "write", fail)
+    from dlrm_hybrid.data.criteo.preprocess_job import Job
+    monkeypatch.setattr(Job, "write", fail)
     with pytest.raises(KeyboardInterrupt):
         preprocess_criteo([logs / "day_23"], tmp_path / "out", workers=1, split="hash")
     monkeypatch.undo()

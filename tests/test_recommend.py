@@ -169,7 +169,7 @@ def test_blocklist_and_an_unknown_blocked_item_warns(served):
 def test_reciprocal_rank_fusion_orders_by_the_summed_reciprocal_ranks():
     """Each item scores sum_s 1 / (60 + its rank in s): found twice low beats found once first;
     ties in the order first found, by the sources' order."""
-    from dlrm_hybrid.serve.recommend import merge
+    from dlrm_hybrid.serve.rank_fusion import merge
 
     lists = {"two_tower": np.array([5, 1, 2]), "history": np.array([2, 7]),
              "pixie": np.array([1, 9, 5, 4])}

@@ -33,7 +33,7 @@ from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.criteo.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
 from dlrm_hybrid.data.criteo.budget import own_peak_rss
 from dlrm_hybrid.data.criteo.parse import NUM_CATEGORICAL, NUM_NUMERICAL
-from dlrm_hybrid.data.criteo.preprocess import summary_line
+from dlrm_hybrid.data.criteo.preprocess_report import summary_line
 from dlrm_hybrid.data.criteo.progress import Progress
 from dlrm_hybrid.data.criteo.splits import (SPLIT_MODES, SplitRule, add_split_arguments,
                                             check_days, check_splits_filled, day_rule, split_codes)

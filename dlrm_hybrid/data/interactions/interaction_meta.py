@@ -1,4 +1,4 @@
-"""What an interaction-log dataset folder is (data/interaction_data.py reads its arrays):
+"""What an interaction-log dataset folder is (interaction_data.py reads its arrays):
 interactions.yaml's fields, and the features each tower reads. Plain Python and numpy-free
 for `plan`, which must not import torch."""
 

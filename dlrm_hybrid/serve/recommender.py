@@ -1,0 +1,241 @@
+"""The `recommend` funnel (`Recommender`): a user's top K as the recsys survey describes it
+(Instagram Explore's, Pinterest's): candidates from several sources, a heavy ranker on the few
+hundred best, a value model, final rules.
+
+1. Sources, each `per_source` items best first, the excluded (seen) items left out:
+   two_tower, the user tower's vector searched in the item index (serve/retrieve.py); history,
+   each history item's neighbours in the same index, merged by their max; pixie, a Pixie walk
+   from the history items on the item-user graph (graph/pixie.py).
+2. Merge: each item once, with every source that found it, ordered by reciprocal-rank fusion
+   (rank_fusion.py).
+3. Rank: the first `rank_top` merged items through the multi-task ranker (an `export`ed file),
+   ordered by the value model sum_t w_t p_t (ties: merged order).
+4. Rules: the blocklist out; diversity, no two items of one category in a row (greedily the next
+   best item whose category differs from the last taken; when none is left, the rest in order);
+   the first K.
+
+Ids are the retrieval folder's dense ids throughout: the graph must come from the same dataset
+(graph.yaml's dataset digest is checked against the folder's seen items). The ranker reads its
+own dataset's ids, reached through the raw ids.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.serve.rank_fusion import merge
+from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_ranker,
+                                                open_retriever, trained_on, value_model_weights)
+
+if TYPE_CHECKING:
+    from dlrm_hybrid.graph.pixie import PixieParams
+
+SOURCES = ("two_tower", "history", "pixie")
+STAGES = (*SOURCES, "merged", "ranked")
+DIVERSITY = ("auto", "on", "off")
+
+
+def _walk_defaults() -> "PixieParams":
+    from dlrm_hybrid.graph.pixie import PixieParams
+
+    return PixieParams()
+
+
+@dataclass
+class RecommendSettings:
+    k: int = 20
+    sources: Tuple[str, ...] = SOURCES
+    per_source: int = 200  # candidates each source gives
+    rank_top: int = 300  # merged candidates the ranker scores
+    value: Optional[Dict[str, float]] = None  # task -> weight; None: the ranker's value_model
+    drop_seen: bool = True
+    blocklist: Tuple[str, ...] = ()  # raw item ids
+    diversity: str = "auto"  # auto: on where the graph knows the items' categories
+    pixie: "PixieParams" = field(default_factory=_walk_defaults)
+    device: str = "cpu"
+
+    def check(self) -> None:
+        if self.k < 1:
+            raise UserError(f"--k: must be at least 1, got {self.k}")
+        unknown = [s for s in self.sources if s not in SOURCES]
+        if unknown or not self.sources or len(set(self.sources)) < len(self.sources):
+            raise UserError(f"--sources: {','.join(self.sources)!r}; give some of "
+                            f"{','.join(SOURCES)}, each once")
+        if self.per_source < 1:
+            raise UserError(f"--per-source: must be at least 1, got {self.per_source}")
+        if self.rank_top < self.k:
+            raise UserError(f"--rank-top: {self.rank_top} is less than --k {self.k}; the ranker "
+                            f"must score at least the K items returned")
+        if self.diversity not in DIVERSITY:
+            raise UserError(f"--diversity: {self.diversity!r}; give one of {', '.join(DIVERSITY)}")
+        self.pixie.check()
+
+
+@dataclass
+class Recommendation:
+    """One request's answer: `items` (dense ids, final order) with their `value`, their tasks'
+    `probabilities` [K, T] and the `sources` that found each; `stages`: each stage's list, best
+    first (a source left out: empty); `ms`: each stage's milliseconds; `names`: the raw ids of
+    `items` (from `recommend`)."""
+
+    items: np.ndarray
+    value: np.ndarray
+    probabilities: np.ndarray
+    tasks: List[str]
+    sources: List[List[str]]
+    stages: Dict[str, np.ndarray]
+    ms: Dict[str, float]
+    names: List[str] = field(default_factory=list)
+
+
+class Recommender:
+    """The retrieval folder, the graph, the ranker and its dataset's features, loaded and
+    checked against each other once; then requests."""
+
+    def __init__(self, retrieval: str, pixie: str, ranker: str, ranker_data: Optional[str] = None,
+                 settings: Optional[RecommendSettings] = None) -> None:
+        from dlrm_hybrid.graph.bipartite import read_graph
+        from dlrm_hybrid.graph.pixie import PixieWalker
+        from dlrm_hybrid.serve.ranking_features import RankingFeatures
+
+        self.settings = settings = settings or RecommendSettings()
+        settings.check()
+        self.retriever = open_retriever(retrieval)
+        graph = read_graph(pixie)
+        check_graph(graph.description, self.retriever, pixie)
+        self.walker = PixieWalker(graph, settings.device)
+        self.ranker, description = open_ranker(ranker)
+        self.tasks: List[str] = list(description["tasks"])
+        self.features = RankingFeatures(ranker_data or trained_on(description, ranker))
+        check_ranker(description, self.features, ranker)
+        self.ranking_item = _mapped(self.retriever.item_names, self.features.item_of)
+        missing = np.flatnonzero(self.ranking_item < 0)
+        if len(missing):
+            raise UserError(f"--ranker: {len(missing)} of the retrieval model's items are not in "
+                            f"{self.features.path}/items.txt (e.g. "
+                            f"{self.retriever.item_names[missing[0]]!r}): the ranker was trained "
+                            f"on other data; give one trained on the same log")
+        self.ranking_user = _mapped(self.retriever.user_names, self.features.user_of)
+        self.weights = value_model_weights(settings.value, self.tasks, description)
+        self.category = None if settings.diversity == "off" else graph.item_category
+        if settings.diversity == "on" and self.category is None:
+            raise UserError(f"--diversity on: {pixie} has no item categories; build the graph "
+                            f"with --category-feature, or use --diversity off")
+        known = [self.retriever.item_of[n] for n in settings.blocklist
+                 if n in self.retriever.item_of]
+        self.blocked = np.unique(np.array(known, np.int64))
+        self.unknown_blocklist = [n for n in settings.blocklist if n not in self.retriever.item_of]
+
+    def recommend(self, user: str, history: Optional[Sequence[str]] = None) -> Recommendation:
+        """`user`'s top K by raw ids; `history` (raw item ids, most recent first) in place of
+        their training items; the training items (and the history) left out unless the settings
+        keep the seen items."""
+        if user not in self.retriever.user_of:
+            raise UserError(f"--user: unknown user {user!r}: not in the retrieval model's "
+                            f"users.txt (the raw ids of its training log)")
+        u = self.retriever.user_of[user]
+        if history is None:
+            items = self.retriever.seen(u)
+        else:
+            unknown = [name for name in history if name not in self.retriever.item_of]
+            if unknown:
+                raise UserError(f"--history: unknown item {unknown[0]!r}: not in the retrieval "
+                                f"model's items.txt")
+            if not history:
+                raise UserError("--history: names no items; give item ids I1,I2,...")
+            items = np.array([self.retriever.item_of[name] for name in history], np.int64)
+        exclude = (np.union1d(self.retriever.seen(u), items) if self.settings.drop_seen
+                   else np.zeros(0, np.int64))
+        answer = self.recommend_dense(u, items, exclude)
+        answer.names = [self.retriever.item_names[i] for i in answer.items]
+        return answer
+
+    def recommend_dense(self, user: int, history: np.ndarray,
+                        exclude: np.ndarray) -> Recommendation:
+        """`user`'s top K (retrieval dense ids throughout), the sources walking from `history`,
+        every stage leaving `exclude` out."""
+        s, ms, stages = self.settings, {}, {}
+        history = np.asarray(history, np.int64)
+        exclude = np.asarray(exclude, np.int64)
+        for source in SOURCES:
+            start = time.perf_counter()
+            stages[source] = (self._source(source, user, history, exclude)
+                              if source in s.sources else np.zeros(0, np.int64))
+            ms[source] = _since(start)
+        start = time.perf_counter()
+        stages["merged"], found_by = merge({src: stages[src] for src in s.sources})
+        ms["merge"] = _since(start)
+        start = time.perf_counter()
+        stages["ranked"], probabilities, value = self._rank(user, stages["merged"][:s.rank_top])
+        ms["rank"] = _since(start)
+        start = time.perf_counter()
+        keep = np.flatnonzero(~np.isin(stages["ranked"], self.blocked))
+        if self.category is not None:
+            keep = keep[diversify(self.category[stages["ranked"][keep]], s.k)]
+        keep = keep[:s.k]
+        ms["rules"] = _since(start)
+        items = stages["ranked"][keep]
+        return Recommendation(items, value[keep], probabilities[keep], self.tasks,
+                              [found_by[int(i)] for i in items], stages, ms)
+
+    def _source(self, source: str, user: int, history: np.ndarray,
+                exclude: np.ndarray) -> np.ndarray:
+        per = self.settings.per_source
+        if source == "two_tower":
+            [(items, _)] = self.retriever.for_users(np.array([user]), per, exclude=[exclude])
+            return items
+        if not len(history):
+            return np.zeros(0, np.int64)
+        if source == "history":
+            return self.retriever.from_history(history, per, exclude=exclude)[0]
+        walk = self.walker.walk(history, params=self.settings.pixie, keep_queries=True)
+        return walk.items[~np.isin(walk.items, exclude)][:per].astype(np.int64)
+
+    def _rank(self, user: int, items: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`items` ordered by the value model (ties: their order), with [N, T] probabilities
+        and [N] values."""
+        import torch
+
+        if not len(items):
+            return items, np.zeros((0, len(self.tasks)), np.float32), np.zeros(0, np.float32)
+        ranking_user = int(self.ranking_user[user])
+        if ranking_user < 0:
+            raise UserError(f"--user: {self.retriever.user_names[user]!r} is not in "
+                            f"{self.features.path}/users.txt, the ranker's dataset: it was made "
+                            f"from another log; give the ranking dataset of the retrieval log")
+        dense, ids = self.features.rows(ranking_user, self.ranking_item[items])
+        with torch.inference_mode():
+            probabilities, value = self.ranker.score_with_value(
+                torch.from_numpy(dense), torch.from_numpy(ids), None, self.weights)
+        probabilities, value = probabilities.numpy(), value.numpy()
+        order = np.argsort(-value, kind="stable")
+        return items[order], probabilities[order], value[order]
+
+
+def diversify(categories: np.ndarray, k: int) -> np.ndarray:
+    """The first `k` positions of a list whose items have `categories`, reordered so that no two
+    in a row share a category: each time the best left whose category differs from the last
+    taken; when every one left shares it, the rest in order."""
+    left, taken = list(range(len(categories))), []
+    while left and len(taken) < k:
+        last = categories[taken[-1]] if taken else None
+        pick = next((j for j in left if categories[j] != last), None)
+        if pick is None:
+            taken.extend(left)
+            break
+        taken.append(pick)
+        left.remove(pick)
+    return np.array(taken[:k], np.int64)
+
+
+def _since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 3)
+
+
+def _mapped(names: List[str], index: Dict[str, int]) -> np.ndarray:
+    return np.array([index.get(name, -1) for name in names], np.int64)
