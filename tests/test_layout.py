@@ -9,6 +9,7 @@ changed alone.
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,41 @@ def test_loading_and_checking_a_config_imports_no_torch():
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+MAX_LINES = 450
+
+
+def test_no_module_is_a_700_line_room():
+    """One concept per module: past MAX_LINES a module holds several and should be split."""
+    long = {name: n for name, path in module_files().items()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def layout_sections(page: str) -> Dict[str, Set[str]]:
+    """docs/layout.md's module names by folder ("" for the top level): each section lists the
+    modules of the folders its heading names, as `name.py` or `folder/name.py`."""
+    found: Dict[str, Set[str]] = {}
+    for part in re.split(r"\n#{2,3} ", page)[1:]:
+        heading, _, body = part.partition("\n")
+        folders = [f.rstrip("/") for f in re.findall(r"`([\w/]+/)`", heading)] or [""]
+        for name in re.findall(r"`([\w/]+\.py)`", body):
+            folder, _, module = name.rpartition("/")
+            for owner in ([folder] if folder else folders):
+                found.setdefault(owner, set()).add(module)
+    return found
+
+
+def test_docs_layout_names_every_module():
+    """docs/layout.md is the map a newcomer reads: every module of the tree is on it, in its
+    folder's section, and every module on it is in the tree."""
+    listed = layout_sections((ROOT / "docs" / "layout.md").read_text())
+    tree: Dict[str, Set[str]] = {}
+    for name, path in module_files().items():
+        if path.name != "__init__.py":
+            tree.setdefault("/".join(name.split(".")[1:-1]), set()).add(path.name)
+    unnamed = {f: sorted(m - listed.get(f, set())) for f, m in tree.items() if m - listed.get(f, set())}
+    gone = {f: sorted(m - tree.get(f, set())) for f, m in listed.items() if m - tree.get(f, set())}
+    assert not unnamed, f"docs/layout.md does not name: {unnamed}"
+    assert not gone, f"docs/layout.md names modules that are not there: {gone}"
