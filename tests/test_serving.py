@@ -123,9 +123,9 @@ def test_each_precision_loads_without_this_package_and_scores_like_the_trained_m
     assert fp32_bytes == rows_total * dims * 4
 
 
-def test_the_readme_snippet_scores_an_exported_file(exported, tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    block = next(b for b in readme.split("```python")[1:] if "torch.jit.load" in b)
+def test_the_serving_doc_snippet_scores_an_exported_file(exported, tmp_path):
+    doc = (ROOT / "docs" / "serving.md").read_text()
+    block = next(b for b in doc.split("```python")[1:] if "torch.jit.load" in b)
     snippet = textwrap.dedent(block.split("```")[0])
     (tmp_path / "model.pt").write_bytes((exported / "int8.pt").read_bytes())
     rows = np.load(exported / "rows.npz")
