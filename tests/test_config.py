@@ -1,5 +1,6 @@
 """Config loading, overrides, and the one-line errors (exit code 2) a user sees for bad input."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,23 @@ def test_configuration_doc_documents_every_config_key():
 
     missing = [key for key in keys(load_config(None).to_dict()) if f"`{key}`" not in doc]
     assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_configuration_doc_gives_each_key_its_default():
+    """The table's default column is what a config that leaves the key out gets."""
+    import yaml
+
+    defaults = load_config(None).to_dict()
+    wrong = []
+    for key, cell in re.findall(r"^\| `([\w.]+)` \| ([^|]*) \|", (ROOT / "docs" / "configuration.md")
+                                .read_text(), re.M):
+        value = defaults
+        for part in key.split("."):
+            value = value[part]
+        written = yaml.safe_load(cell)
+        if written != value and not (isinstance(value, float) and float(written) == value):
+            wrong.append(f"{key}: doc {cell.strip()}, code {value!r}")
+    assert not wrong, wrong
 
 
 def test_forcing_nccl_without_gpus_is_a_one_line_error(tmp_path):
