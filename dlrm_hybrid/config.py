@@ -72,6 +72,14 @@ class TowerConfig:
     embedding_dim: int = 0  # of this tower's tables; 0: model.embedding_dim
     mlp: List[int] = field(default_factory=lambda: [64, 32])  # the last is the output width
     normalize: bool = True  # L2-normalise the output (the score is then a cosine)
+    # The user tower only (model/history_encoder.py): ids (its features, as above) |
+    # history_mean (the mean of the user's last `history_length` items' vectors, looked up in
+    # the item table) | history_attention (those items in order through a causal transformer)
+    encoder: str = "ids"
+    history_length: int = 50  # history_*: the most recent training items read
+    attention_layers: int = 2  # history_attention: transformer layers
+    attention_heads: int = 2  # ... heads (the item table's width must be divisible by it)
+    dropout: float = 0.0  # history_attention: the transformer's dropout in training
 
 
 @dataclass
@@ -273,6 +281,8 @@ class Config:
 
 CHOICES = {
     "model.kind": ("dlrm", "two_tower"),
+    "model.user_tower.encoder": ("ids", "history_mean", "history_attention"),
+    "model.item_tower.encoder": ("ids",),
     "model.embedding_precision": ("fp32", "fp16"),
     "model.interaction": ("dot", "cat", "dcn", "fm", "dhen"),
     "model.dcn.structure": ("stacked", "parallel"),
@@ -299,7 +309,9 @@ POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.
             "model.embedding_dim", "data.teacher_dim", "train.log_every", "train.stop_grace_s",
             "model.dcn.layers", "model.dcn.rank", "model.dcn.experts", "model.dhen.layers",
             "model.dhen.heads", "model.temperature", "data.users", "data.items",
-            "data.interactions_per_user", "retrieval.eval_items_per_chunk")
+            "data.interactions_per_user", "retrieval.eval_items_per_chunk",
+            "model.user_tower.history_length", "model.user_tower.attention_layers",
+            "model.user_tower.attention_heads")
 
 DHEN_MODULES = ("linear", "self_attention", "conv", "dot", "dcn")  # model/dhen.py's MODULES
 
