@@ -76,12 +76,12 @@ LOSSES = {  # name -> retrieval settings; each row adds one option to the defaul
     "+ 1024 uniform negatives": {"uniform_negatives": 1024},
     "+ cross-batch memory 2048": {"cross_batch_memory": 2048},
 }
-HISTORY = {"model.user_tower.history_length": 50}  # the last 50 training items (before the row)
 HISTORY_TOWERS = {  # name -> (settings, epochs); settings chosen on validation (benchmarks/README.md)
-    "history mean": ({**HISTORY, "model.user_tower.encoder": "history_mean",
-                      "model.temperature": 0.05}, 8),
-    "history attention": ({**HISTORY, "model.user_tower.encoder": "history_attention",
-                           "model.user_tower.dropout": 0.2, "model.temperature": 0.05}, 8),
+    "history mean": ({"model.user_tower.encoder": "history_mean",
+                      "model.user_tower.history_length": 50, "model.temperature": 0.2}, 10),
+    "history attention": ({"model.user_tower.encoder": "history_attention",
+                           "model.user_tower.history_length": 20, "model.user_tower.dropout": 0.1,
+                           "model.temperature": 0.1}, 6),
 }
 PEER_GRIDS = {
     "ALS": [{"factors": f, "regularization": r} for f in (32, 64, 128) for r in (0.01, 0.1)],

@@ -72,9 +72,16 @@ class TowerConfig:
     embedding_dim: int = 0  # of this tower's tables; 0: model.embedding_dim
     mlp: List[int] = field(default_factory=lambda: [64, 32])  # the last is the output width
     normalize: bool = True  # L2-normalise the output (the score is then a cosine)
-    # The user tower only (model/history_encoder.py): ids (its features, as above) |
-    # history_mean (the mean of the user's last `history_length` items' vectors, looked up in
-    # the item table) | history_attention (those items in order through a causal transformer)
+
+
+@dataclass
+class UserTowerConfig(TowerConfig):
+    """The user tower: a tower as above, or one that reads the user's history
+    (model/history_encoder.py)."""
+
+    # ids (its features, as above) | history_mean (the mean of the user's last
+    # `history_length` items' vectors, looked up in the item table) | history_attention (those
+    # items in order through a causal transformer)
     encoder: str = "ids"
     history_length: int = 50  # history_*: the most recent training items read
     attention_layers: int = 2  # history_attention: transformer layers
@@ -116,7 +123,7 @@ class ModelConfig:
     dcn: DcnConfig = field(default_factory=DcnConfig)
     dhen: DhenConfig = field(default_factory=DhenConfig)
     compositional: List[CompositionalRule] = field(default_factory=list)  # hashing trick, QR
-    user_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
+    user_tower: UserTowerConfig = field(default_factory=UserTowerConfig)  # two_tower
     item_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
     temperature: float = 0.05  # two_tower: score = <user, item> / temperature
     # Multi-task ranking: one head per task replaces the top MLP's last layer (the layers
@@ -282,7 +289,6 @@ class Config:
 CHOICES = {
     "model.kind": ("dlrm", "two_tower"),
     "model.user_tower.encoder": ("ids", "history_mean", "history_attention"),
-    "model.item_tower.encoder": ("ids",),
     "model.embedding_precision": ("fp32", "fp16"),
     "model.interaction": ("dot", "cat", "dcn", "fm", "dhen"),
     "model.dcn.structure": ("stacked", "parallel"),

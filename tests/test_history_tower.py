@@ -204,7 +204,7 @@ def test_history_settings_that_cannot_work_are_one_line_errors(log):
     for setting, says in (("model.user_tower.embedding_dim=16", "reads the item table"),
                           ("model.user_tower.attention_heads=3", "does not divide"),
                           ("model.user_tower.features=[user_id]", "reads the user's history"),
-                          ("model.item_tower.encoder=history_mean", "model.item_tower.encoder")):
+                          ("model.item_tower.encoder=history_mean", "model.item_tower")):
         result = run_cli(["plan", "--config", str(log / "tt.yaml"), "--set", setting])
         assert result.returncode == 2 and says in result.stderr, (setting, result.stderr)
 
