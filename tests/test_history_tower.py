@@ -135,7 +135,10 @@ def test_a_folder_without_timeline_positions_serves_ids_only(log, tmp_path):
 
     shutil.copytree(log / "data", tmp_path / "old")
     (tmp_path / "old" / "train_position.npy").unlink()
-    assert open_interactions(str(tmp_path / "old")).train_position is None
+    old = open_interactions(str(tmp_path / "old"))
+    assert old.train_position is None
+    ids = old.for_model(load_config(str(log / "tt.yaml"), ["model.user_tower.encoder=ids"]).model)
+    assert ids.spec.feature_names == ["user_id", "item_id"] and ids.columns("train", 0, 4).ids
     result = run_cli(["train", "--config", str(log / "tt.yaml"), "--set",
                       f"data.path={tmp_path / 'old'}", "--set", f"train.run_dir={tmp_path / 'r'}"])
     assert result.returncode != 0
@@ -207,6 +210,10 @@ def test_history_settings_that_cannot_work_are_one_line_errors(log):
                           ("model.item_tower.encoder=history_mean", "model.item_tower")):
         result = run_cli(["plan", "--config", str(log / "tt.yaml"), "--set", setting])
         assert result.returncode == 2 and says in result.stderr, (setting, result.stderr)
+    result = run_cli(["plan", "--config", str(log / "tt.yaml"), "--world-size", "2"])
+    assert result.returncode == 0, failure(result)
+    assert (f"user tower: no tables of its own, the last {LENGTH} items of the user's history "
+            f"looked up in t_item_id") in result.stdout
 
 
 def test_the_ids_tower_keeps_the_users_features():
