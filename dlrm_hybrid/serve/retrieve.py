@@ -85,8 +85,7 @@ class Retriever:
         """[U, E] user-tower vectors of dense user ids (a history tower: of their training
         items in time order)."""
         if self.history_length:
-            indptr, items = self.timelines
-            return self.history_vectors([items[indptr[u]:indptr[u + 1]] for u in users])
+            return self.history_vectors([self.timeline(u) for u in users])
         ids = np.column_stack([users, self.user_side[users]]).astype(np.int64)
         return self._tower(ids)
 
@@ -124,8 +123,18 @@ class Retriever:
         excluded = np.zeros(0, np.int64)
         if not keep_seen:
             excluded = np.union1d(history, self.seen(user) if user is not None else excluded)
-        [ranked] = self._top(self.history_vectors([history]), k, exact, [excluded])
+        [ranked] = self.for_histories([history], k, exact, [excluded])
         return ranked
+
+    def for_histories(self, histories: Sequence[np.ndarray], k: int, exact: bool,
+                      exclude: Sequence[np.ndarray]) -> List[Ranked]:
+        """A history tower's top `k` for each history (oldest first), `exclude` left out."""
+        return self._top(self.history_vectors(histories), k, exact, exclude)
+
+    def timeline(self, user: int) -> np.ndarray:
+        """A history tower's stored history of `user`: the training items, oldest first."""
+        indptr, items = self.timelines
+        return items[indptr[user]:indptr[user + 1]]
 
     def from_history(self, history: np.ndarray, k: int, user: Optional[int] = None,
                      exact: bool = False, keep_seen: bool = False,
