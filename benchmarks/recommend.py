@@ -117,7 +117,11 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     def ask(user: int):
         seen = rec.retriever.seen(user)
         history = np.concatenate([[val[user]] if user in val else [], seen]).astype(np.int64)
-        return rec.recommend_dense(user, history, np.unique(history))
+        timeline = None  # a history tower: the training items in time order, then validation's
+        if rec.retriever.history_length:
+            timeline = np.concatenate([rec.retriever.timeline(user),
+                                       [val[user]] if user in val else []]).astype(np.int64)
+        return rec.recommend_dense(user, history, np.unique(history), timeline)
 
     for user in users[:WARMUP]:
         ask(int(user))

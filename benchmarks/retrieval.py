@@ -2,7 +2,7 @@
 baseline and `implicit`'s ALS and BPR, on the same leave-last-out split, scored by one metric.
 
     .venv/bin/python benchmarks/retrieval.py [--data FILE | --dataset DIR] [--name NAME]
-        [--positive 'rating>=4'] [--ranks 2] [--quick]
+        [--positive 'rating>=4'] [--ranks 2] [--towers all|history] [--quick]
 
 --data: any interaction log `preprocess interactions` reads (MovieLens' u.data, ratings.dat,
 ratings.csv, ...); it is preprocessed into a temporary folder (positive = rating >= 4,
@@ -16,19 +16,25 @@ ceiling.
 2. Each loss option (LOSSES, those the config offers) with the chosen hyperparameters, trained
    through the CLI on --ranks gloo ranks (dlrm_hybrid.torchrun); validation metrics and
    samples/s from the run's metrics.jsonl, TEST metrics from `eval --split test`.
-3. Peers on the same training split (dlrm_hybrid/retrieval/peers.py): popularity; ALS and BPR,
+3. History towers (HISTORY_TOWERS: the user tower reads the user's last items, mean or causal
+   attention, model.user_tower.encoder): each trained once on --ranks ranks with its settings
+   (chosen by hand on VALIDATION), evaluated and checkpointed after every epoch; the checkpoint
+   of the best validation recall@10 is tested. `--towers history` runs these and the peers only.
+4. Peers on the same training split (dlrm_hybrid/retrieval/peers.py): popularity; ALS and BPR,
    each with a small grid chosen on validation; scored by retrieval/evaluate.py on test.
-4. ANN against exact search: the validation-best loss option exported (`export --retrieval
+5. ANN against exact search: the validation-best loss option exported (`export --retrieval
    --index hnsw`); IVF and HNSW (retrieval/index.py's defaults) against exact top-100 for the
    test users' tower vectors, and ms per query (one query per call).
 
 Prints the CPU, a markdown table and last the summary line:
 
     retrieval: data=NAME users=N items=N two_tower_recall@10=X two_tower_recall@100=X
+        history_tower_recall@10=X history_mean_recall@10=X history_attention_recall@10=X
         popularity_recall@10=X peer_recall@10=X ann_recall_vs_exact=X
 
-(two_tower: the validation-best loss option; peer: the validation-best of ALS and BPR; ann:
-HNSW recall@100 against exact.)
+(two_tower: the validation-best loss option; history_tower: the validation-best history
+tower; peer: the validation-best of ALS and BPR; ann: HNSW recall@100 against exact. With
+`--towers history` the two_tower and ann fields are left out.)
 """
 
 from __future__ import annotations
@@ -69,6 +75,13 @@ LOSSES = {  # name -> retrieval settings; each row adds one option to the defaul
     "+ logQ + hits removed (default)": {},
     "+ 1024 uniform negatives": {"uniform_negatives": 1024},
     "+ cross-batch memory 2048": {"cross_batch_memory": 2048},
+}
+HISTORY_TOWERS = {  # name -> (settings, epochs); settings chosen on validation (benchmarks/README.md)
+    "history mean": ({"model.user_tower.encoder": "history_mean",
+                      "model.user_tower.history_length": 50, "model.temperature": 0.2}, 10),
+    "history attention": ({"model.user_tower.encoder": "history_attention",
+                           "model.user_tower.history_length": 20, "model.user_tower.dropout": 0.1,
+                           "model.temperature": 0.1}, 6),
 }
 PEER_GRIDS = {
     "ALS": [{"factors": f, "regularization": r} for f in (32, 64, 128) for r in (0.01, 0.1)],
@@ -221,6 +234,32 @@ def ann_vs_exact(run_dir: Path, step: int, scratch: Path, data) -> Dict[str, flo
     return out
 
 
+def history_rows(data_cfg, train_samples: int, scratch: Path, args) -> Tuple[list, dict]:
+    """Each history tower trained once on `args.ranks` ranks, a checkpoint and a validation
+    after every epoch; the validation-best epoch's checkpoint tested. (table rows, {name:
+    metrics})."""
+    rows, found = [], {}
+    for i, (name, (sets, epochs)) in enumerate(HISTORY_TOWERS.items()):
+        epochs = 1 if args.quick else epochs
+        config, run_dir = scratch / f"history_{i}.yaml", scratch / f"history_{i}"
+        per_epoch = -(-train_samples // BASE["data"]["global_batch_size"])
+        write_config(config, data_cfg, epochs, train_samples,
+                     {**sets, "checkpoint.every": per_epoch, "checkpoint.keep": epochs},
+                     eval_epochs=1)
+        curve, run = train_two_tower(config, run_dir, args.ranks)
+        best = max(curve, key=lambda e: e["val_recall@10"])
+        m = {**best, **run, **test_metrics(run_dir, best["step"])}
+        found[name] = m
+        setting = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in sets.items())
+        rows.append(row(name.replace("history", "history tower,"),
+                        f"{setting}, {best['step'] // per_epoch} of {epochs} epochs", m,
+                        f"{m['samples_per_s']:,.0f} ({args.ranks} ranks)", m["seconds"]))
+        print(f"  {name}: val recall@10 {m['val_recall@10']:.4f} after "
+              f"{best['step'] // per_epoch} epochs, test recall@10 {m['test_recall@10']:.4f} "
+              f"({m['seconds']:.0f} s)", flush=True)
+    return rows, found
+
+
 def row(model: str, setting: str, m: Dict[str, float], speed: str = "",
         seconds: Optional[float] = None) -> str:
     def get(key: str) -> str:
@@ -287,6 +326,8 @@ def main() -> None:
                         "folder, e.g. ml-100k; planted)")
     parser.add_argument("--positive", default="rating>=4", help="what counts as an engagement")
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks of the loss runs")
+    parser.add_argument("--towers", choices=("all", "history"), default="all",
+                        help="history: the history towers and the peers only")
     parser.add_argument("--quick", action="store_true",
                         help="a check that it runs: one grid point, one epoch")
     args = parser.parse_args()
@@ -307,11 +348,15 @@ def main() -> None:
         print(f"data {name}: {data.users} users, {data.items} items, engagements train "
               f"{train_samples} / val {data.num_samples('val')} / test {test_users}; split: "
               f"{data.meta.split_rule}; positive: {data.meta.positive}", flush=True)
-        rows, tower = two_tower_rows(data_cfg, train_samples, scratch, args)
+        rows, tower = ([], {}) if args.towers == "history" else two_tower_rows(
+            data_cfg, train_samples, scratch, args)
+        print("history towers (validation after each epoch):", flush=True)
+        history, by_history = history_rows(data_cfg, train_samples, scratch, args)
         more, found = peer_rows(data, cfg.retrieval)
-        best_loss = max(tower, key=lambda k: tower[k][0]["val_recall@10"])
-        chosen, run_dir = tower[best_loss]
-        ann = ann_vs_exact(run_dir, chosen["step"], scratch, data)
+        if tower:
+            best_loss = max(tower, key=lambda k: tower[k][0]["val_recall@10"])
+            chosen, run_dir = tower[best_loss]
+            ann = ann_vs_exact(run_dir, chosen["step"], scratch, data)
     best_peer = max(("ALS", "BPR"), key=lambda k: found[k]["val_recall@10"])
     hnsw, ivf = IndexParams("hnsw"), IndexParams("ivf")
     print(f"\n{name}: {data.users} users, {data.items} items; {data.meta.split_rule}; positive "
@@ -320,7 +365,16 @@ def main() -> None:
     print("| model | loss / setting | val recall@10 | test recall@10 | test recall@50 | "
           "test recall@100 | test NDCG@10 | test MRR | train samples/s | train s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    print("\n".join(rows + more))
+    print("\n".join(rows + history + more))
+    best_history = max(by_history, key=lambda k: by_history[k]["val_recall@10"])
+    histories = (f"history_tower_recall@10={by_history[best_history]['test_recall@10']:.4f} "
+                 + " ".join(f"{k.replace(' ', '_')}_recall@10={m['test_recall@10']:.4f}"
+                            for k, m in by_history.items()))
+    peers = (f"popularity_recall@10={found['popularity']['test_recall@10']:.4f} "
+             f"peer_recall@10={found[best_peer]['test_recall@10']:.4f}")
+    if not tower:
+        print(f"retrieval: data={name} users={data.users} items={data.items} {histories} {peers}")
+        return
     print(f"\nANN vs exact top-{K_ANN} ({best_loss}, {test_users} test users, {data.items} "
           f"items): HNSW (M {hnsw.hnsw_m}, efConstruction {hnsw.ef_construction}, efSearch "
           f"{hnsw.ef_search}) recall {ann['hnsw_recall']:.4f}; IVF (round(sqrt(items)) lists, "
@@ -329,9 +383,7 @@ def main() -> None:
                       for kind in ("flat", "ivf", "hnsw")))
     print(f"retrieval: data={name} users={data.users} items={data.items} "
           f"two_tower_recall@10={chosen['test_recall@10']:.4f} "
-          f"two_tower_recall@100={chosen['test_recall@100']:.4f} "
-          f"popularity_recall@10={found['popularity']['test_recall@10']:.4f} "
-          f"peer_recall@10={found[best_peer]['test_recall@10']:.4f} "
+          f"two_tower_recall@100={chosen['test_recall@100']:.4f} {histories} {peers} "
           f"ann_recall_vs_exact={ann['hnsw_recall']:.4f}")
 
 

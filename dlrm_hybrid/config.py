@@ -75,6 +75,21 @@ class TowerConfig:
 
 
 @dataclass
+class UserTowerConfig(TowerConfig):
+    """The user tower: a tower as above, or one that reads the user's history
+    (model/history_encoder.py)."""
+
+    # ids (its features, as above) | history_mean (the mean of the user's last
+    # `history_length` items' vectors, looked up in the item table) | history_attention (those
+    # items in order through a causal transformer)
+    encoder: str = "ids"
+    history_length: int = 50  # history_*: the most recent training items read
+    attention_layers: int = 2  # history_attention: transformer layers
+    attention_heads: int = 2  # ... heads (the item table's width must be divisible by it)
+    dropout: float = 0.0  # history_attention: the transformer's dropout in training
+
+
+@dataclass
 class TaskConfig:
     """One engagement a multi-task ranker predicts (model/task_heads.py): the dataset's label of
     this name, its weight in the loss, and its head's hidden widths (a last layer of width 1,
@@ -108,7 +123,7 @@ class ModelConfig:
     dcn: DcnConfig = field(default_factory=DcnConfig)
     dhen: DhenConfig = field(default_factory=DhenConfig)
     compositional: List[CompositionalRule] = field(default_factory=list)  # hashing trick, QR
-    user_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
+    user_tower: UserTowerConfig = field(default_factory=UserTowerConfig)  # two_tower
     item_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
     temperature: float = 0.05  # two_tower: score = <user, item> / temperature
     # Multi-task ranking: one head per task replaces the top MLP's last layer (the layers
@@ -273,6 +288,7 @@ class Config:
 
 CHOICES = {
     "model.kind": ("dlrm", "two_tower"),
+    "model.user_tower.encoder": ("ids", "history_mean", "history_attention"),
     "model.embedding_precision": ("fp32", "fp16"),
     "model.interaction": ("dot", "cat", "dcn", "fm", "dhen"),
     "model.dcn.structure": ("stacked", "parallel"),
@@ -299,7 +315,9 @@ POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.
             "model.embedding_dim", "data.teacher_dim", "train.log_every", "train.stop_grace_s",
             "model.dcn.layers", "model.dcn.rank", "model.dcn.experts", "model.dhen.layers",
             "model.dhen.heads", "model.temperature", "data.users", "data.items",
-            "data.interactions_per_user", "retrieval.eval_items_per_chunk")
+            "data.interactions_per_user", "retrieval.eval_items_per_chunk",
+            "model.user_tower.history_length", "model.user_tower.attention_layers",
+            "model.user_tower.attention_heads")
 
 DHEN_MODULES = ("linear", "self_attention", "conv", "dot", "dcn")  # model/dhen.py's MODULES
 

@@ -214,6 +214,7 @@ def _validate_two_tower(cfg: Config, world_size: int) -> None:
         if tower.embedding_dim < 0 or dim % 4:
             raise ConfigError(f"model.{side}.embedding_dim: {dim} is not a positive multiple of 4, "
                               f"which fbgemm's embedding tables need; use e.g. 32")
+    _validate_history(m)
     if m.user_tower.mlp[-1] != m.item_tower.mlp[-1]:
         raise ConfigError(f"model.item_tower.mlp: its output width {m.item_tower.mlp[-1]} must "
                           f"equal model.user_tower.mlp's {m.user_tower.mlp[-1]} (their dot product "
@@ -243,6 +244,25 @@ def _validate_two_tower(cfg: Config, world_size: int) -> None:
         if asked:
             raise ConfigError(f"{key}: {_get(cfg, key)!r} is for the ranker; model.kind "
                               f"two_tower trains without it (leave {key} at its default)")
+
+
+def _validate_history(m) -> None:
+    """A history user tower reads the item table: its width, no user features of its own."""
+    user = m.user_tower
+    if user.encoder == "ids":
+        return
+    item_dim = m.item_tower.embedding_dim or m.embedding_dim
+    if user.embedding_dim and user.embedding_dim != item_dim:
+        raise ConfigError(f"model.user_tower.embedding_dim: {user.embedding_dim}; the "
+                          f"{user.encoder} tower reads the item table ({item_dim} wide), leave it 0")
+    if user.features:
+        raise ConfigError(f"model.user_tower.features: {user.encoder} reads the user's history "
+                          f"only, leave it empty (or use encoder ids)")
+    if user.encoder == "history_attention" and item_dim % user.attention_heads:
+        raise ConfigError(f"model.user_tower.attention_heads: {user.attention_heads} does not "
+                          f"divide the item table's width {item_dim}; use e.g. 2")
+    if not 0 <= user.dropout < 1:
+        raise ConfigError(f"model.user_tower.dropout: {user.dropout} is not in [0, 1); use e.g. 0.1")
 
 
 # --- parallel --------------------------------------------------------------------------------

@@ -302,3 +302,33 @@ def test_bad_input_is_one_line(served, broken, args, says):
     assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)
     assert result.stderr.startswith(f"error: {says.format(root=root)}"), result.stderr
     assert sorted(p.name for p in served.root.iterdir()) == before  # nothing written
+
+
+def test_a_history_tower_source_reads_the_history_given_with_the_request(served):
+    """With a history user tower (model.user_tower.encoder), the two_tower source is the
+    tower over the request's history (given most recent first, read oldest first), else over
+    the user's stored training items in time order."""
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    root = served.root
+    cli("train", "--config", str(root / "tt.yaml"), "--set", f"data.path={root / 'ret'}",
+        "--set", f"train.run_dir={root / 'th'}", "--set", "train.max_steps=20",
+        "--set", "model.user_tower.encoder=history_attention",
+        "--set", "model.user_tower.history_length=6")
+    cli("export", "--checkpoint", str(root / "th/checkpoints/step_20"), "--out",
+        str(root / "RH"), "--retrieval", "--index", "flat")
+    rec = Recommender(str(root / "RH"), str(root / "G"), str(root / "M.pt"),
+                      settings=RecommendSettings(k=5, per_source=10, rank_top=20))
+    retriever, user = rec.retriever, rec.retriever.user_of["u5"]
+    given = ["i3", "i40", "i17"]  # most recent first
+    answer = rec.recommend("u5", given)
+    dense = np.array([retriever.item_of[i] for i in given])
+    exclude = np.union1d(retriever.seen(user), dense)
+    [(want, _)] = retriever.for_histories([dense[::-1]], 10, False, [exclude])
+    assert np.array_equal(answer.stages["two_tower"], want)
+    [(backwards, _)] = retriever.for_histories([dense], 10, False, [exclude])
+    assert not np.array_equal(backwards, want)  # the order is read
+    stored = rec.recommend("u5").stages["two_tower"]
+    [(from_log, _)] = retriever.for_users(np.array([user]), 10,
+                                          exclude=[retriever.seen(user)])
+    assert np.array_equal(stored, from_log) and not np.array_equal(stored, want)

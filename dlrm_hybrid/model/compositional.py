@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.data.interactions.interaction_meta import HISTORY, ITEM_ID
 
 
 @dataclass(frozen=True)
@@ -171,19 +172,33 @@ def _names(names: Sequence[str]) -> str:
 def lookups_of(model_cfg, spec) -> List[FeatureLookup]:
     """The lookups of a config's model over a dataset's features (`spec`: a DataSpec). A
     two-tower model's are its user tower's features then its item tower's, each at its
-    tower's embedding width."""
+    tower's embedding width. A history user tower (`model.user_tower.encoder`) has no table of
+    its own: its history slots are more keys of the item table (`item_id`'s part), so they are
+    looked up, sharded and trained as that table."""
     if model_cfg.kind != "two_tower":
         return feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
                                model_cfg.embedding_dim, model_cfg.compositional,
                                first_order=model_cfg.interaction == "fm")
+    history = [n for n in spec.feature_names if n.startswith(HISTORY)]
     lookups = []
     for side in ("user", "item"):
         dim = getattr(model_cfg, f"{side}_tower").embedding_dim or model_cfg.embedding_dim
-        mine = [i for i, name in enumerate(spec.feature_names) if name.startswith(f"{side}_")]
+        mine = [i for i, name in enumerate(spec.feature_names)
+                if name.startswith(f"{side}_") and name not in history]
         lookups += feature_lookups([spec.feature_names[i] for i in mine],
                                    [spec.cardinalities[i] for i in mine],
                                    [spec.hotness[i] for i in mine], dim, model_cfg.compositional)
-    return lookups
+    return [_with_history(lookup, history) if lookup.feature == ITEM_ID else lookup
+            for lookup in lookups] if history else lookups
+
+
+def _with_history(item: FeatureLookup, history: List[str]) -> FeatureLookup:
+    """The item id's lookup, its table also looked up by the history slots."""
+    if item.technique != "full":
+        raise ConfigError(f"model.compositional: a history user tower reads the item table "
+                          f"whole; leave {ITEM_ID} out of the rules (it is {item.technique} here)")
+    (part,) = item.parts
+    return replace(item, parts=(replace(part, keys=(*part.keys, *history)),))
 
 
 def describe(lookup: FeatureLookup) -> Optional[str]:

@@ -5,6 +5,10 @@ MLP to one vector; the score of a (user, item) pair is their dot product over a 
 Both towers' tables live in one EmbeddingBagCollection, so the placer, torchrec's sharding, the
 id and pooled-vector exchanges, the fused optimizers and checkpoints treat them as the ranker's.
 Training takes a batch of engagements and returns the in-batch softmax loss (retrieval/loss.py).
+
+A history user tower (`model.user_tower.encoder` history_mean | history_attention) reads the
+user's recent items instead of the user's features: its slots are keys of the item table, and
+model/history_encoder.py turns their vectors into the MLP's input.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from torch.nn.functional import normalize
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dlrm_hybrid.data.interactions.interaction_meta import ITEM_ID
+from dlrm_hybrid.data.interactions.interaction_meta import HISTORY, ITEM_ID
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.embeddings import embedding_tables
+from dlrm_hybrid.model.history_encoder import history_encoder
 from dlrm_hybrid.retrieval.loss import InBatchSoftmax
 
 SIDES = ("user", "item")
@@ -55,16 +60,23 @@ class TwoTower(nn.Module):
         self.side_dims: Dict[str, int] = {}  # a tower's table width: compositional parts' slots
         self.combine = nn.ModuleDict()
         mlps, self.normalize = {}, {}
+        # a history tower's slots: the item table's keys after item_id's own
+        self.history_keys = [k for lookup in lookups for part in lookup.parts
+                             for k in part.keys if k.startswith(HISTORY)]
+        self.history = (history_encoder(towers["user"], lookups[0].dim) if self.history_keys
+                        else None)
         for side in SIDES:
             mine = [lookup for lookup in lookups if lookup.feature.startswith(f"{side}_")]
             self.side_keys[side] = [k for lookup in mine for part in lookup.tables
-                                    for k in part.keys]
-            self.side_dims[side] = mine[0].dim
+                                    for k in part.keys if not k.startswith(HISTORY)]
+            self.side_dims[side] = mine[0].dim if mine else 0
             _, combine = composed_lookup(mine)
             if combine is not None:
                 self.combine[side] = combine
             tower = towers[side]
-            mlps[side] = tower_mlp(sum(lookup.dim for lookup in mine), tower.mlp)
+            width = (sum(lookup.dim for lookup in mine) if mine or self.history is None
+                     else lookups[0].dim)
+            mlps[side] = tower_mlp(width, tower.mlp)
             self.normalize[side] = tower.normalize
         self.user_mlp, self.item_mlp = mlps["user"], mlps["item"]
         self.loss = loss
@@ -79,7 +91,7 @@ class TwoTower(nn.Module):
         if is_fx_symbolic_tracing():  # torchrec's train pipeline: it looks for the lookup's input
             return self.embedding_bags(self._lookup_input(sparse))
         pooled = self.embedding_bags(self._lookup_input(sparse))
-        user, item = self.towers(pooled, labels is not None)
+        user, item = self.towers(pooled, labels is not None, self.history_counts(sparse))
         if labels is None:
             return torch.cat([user, item], 1)
         return self.loss(user, item, sparse[ITEM_ID].values(), labels)
@@ -87,17 +99,31 @@ class TwoTower(nn.Module):
     def _lookup_input(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return sparse if self.lookup_ids is None else self.lookup_ids(sparse)
 
-    def towers(self, pooled: KeyedTensor, training: bool = False
-               ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Each tower's output vector [B, E] from the pooled embeddings."""
+    def history_counts(self, sparse: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+        """[B] each sample's history length (its non-empty slots), for a history tower."""
+        if self.history is None:
+            return None
+        keys = sparse.keys()
+        lengths = sparse.lengths().view(len(keys), -1)
+        return lengths[[keys.index(k) for k in self.history_keys]].sum(0)
+
+    def towers(self, pooled: KeyedTensor, training: bool = False,
+               counts: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each tower's output vector [B, E] from the pooled embeddings (and, for a history
+        tower, each sample's history length)."""
         values = pooled.values()
         if training and self.embedding_grad_transform is not None and values.requires_grad:
             values = self.embedding_grad_transform(values)
-        columns, start = {}, 0
-        for key, width in zip(pooled.keys(), pooled.length_per_key()):
-            columns[key], start = values[:, start:start + width], start + width
+        # one split (its backward one concatenation): a slice per key would each allocate the
+        # whole gradient's width in the backward, which 51 keys of a history made 20x slower
+        columns = dict(zip(pooled.keys(), values.split(pooled.length_per_key(), 1)))
         out = []
         for side, mlp in zip(SIDES, (self.user_mlp, self.item_mlp)):
+            if side == "user" and self.history is not None:
+                items = torch.stack([columns[k] for k in self.history_keys], 1)
+                x = mlp(self.history(items, counts))
+                out.append(normalize(x, dim=1) if self.normalize[side] else x)
+                continue
             x = torch.cat([columns[k] for k in self.side_keys[side]], 1)
             if side in self.combine:
                 x = self.combine[side](x.view(x.shape[0], -1, self.side_dims[side])).flatten(1)

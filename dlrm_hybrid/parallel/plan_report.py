@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List, Union
 
 from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.data.interactions.interaction_meta import HISTORY
 from dlrm_hybrid.model.compositional import FeatureLookup
 from dlrm_hybrid.model.compositional import describe as describe_lookup
 from dlrm_hybrid.parallel.cost_model import StepTime
@@ -140,6 +141,13 @@ def describe_towers(plan: Plan, lookups: List[FeatureLookup]) -> str:
     for side in ("user", "item"):
         names = [part.table for lookup in lookups if lookup.feature.startswith(f"{side}_")
                  for part in lookup.tables]
+        history = [(part.table, len(part.keys) - 1) for lookup in lookups
+                   for part in lookup.parts if len(part.keys) > 1 and part.keys[-1].startswith(
+                       HISTORY)]
+        if side == "user" and history:
+            table, length = history[0]
+            lines.append(f"user tower: no tables of its own, the last {length} items of the "
+                         f"user's history looked up in {table} ({_where(plan, table)})")
         if not names:
             continue
         specs = [plan.tables[n] for n in names]

@@ -70,7 +70,7 @@ def table_specs(cfg, spec) -> List[TableSpec]:
     """The tables a config's model has over a dataset's features (`spec`: a DataSpec): one per
     feature, or its parts (model/compositional.py), each part seeing all of its feature's ids."""
     m = cfg.model
+    hotness = dict(zip(spec.feature_names, spec.mean_hotness))
     return [TableSpec(part.table, part.rows, part.dim, m.embedding_precision, cfg.optim.embedding,
-                      hot, lookup.slots)
-            for lookup, hot in zip(lookups_of(m, spec), spec.mean_hotness)
-            for part in lookup.tables]
+                      hotness[lookup.feature], lookup.slots)
+            for lookup in lookups_of(m, spec) for part in lookup.tables]

@@ -88,7 +88,7 @@ def evaluate_retrieval(dmp, dataset, retrieval_cfg, env, batch: int, split: str 
             dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         for s in range(int(steps.item())):
             chunk = mine[s * batch:(s + 1) * batch]
-            user_vecs = _user_vectors(dmp, dataset, chunk, batch, env)
+            user_vecs = _user_vectors(dmp, dataset, chunk, batch, env, split)
             sums += _batch_sums(user_vecs[:len(chunk)], items, _csr_rows(*want, chunk),
                                 _csr_rows(*seen, chunk), ks, retrieval_cfg.eval_items_per_chunk)
     finally:
@@ -119,11 +119,12 @@ def ceiling(dataset, split: str, prefix: str) -> Dict[str, float]:
             if key.startswith(mark) and (split == "val" or not key.startswith("ceiling_val_"))}
 
 
-def _user_vectors(dmp, dataset, users: np.ndarray, batch: int, env) -> torch.Tensor:
-    """User-tower vectors of `users` (a padded batch, so every rank runs the same lookups)."""
+def _user_vectors(dmp, dataset, users: np.ndarray, batch: int, env, split: str) -> torch.Tensor:
+    """User-tower vectors of `users` (a padded batch, so every rank runs the same lookups); a
+    history tower reads what each user did before `split`."""
     padded = np.zeros(batch, np.int64)
     padded[:len(users)] = users
-    columns = dataset.tower_columns(padded, np.zeros(batch, np.int64), np.arange(batch) < len(users))
+    columns = dataset.user_columns(padded, np.arange(batch) < len(users), split)
     b = Batch.from_columns(columns, dataset.spec.feature_names).to(env.device)
     user, _ = split_towers(dmp(b.dense, b.sparse))
     return user

@@ -151,20 +151,22 @@ class Recommender:
             items = np.array([self.retriever.item_of[name] for name in history], np.int64)
         exclude = (np.union1d(self.retriever.seen(u), items) if self.settings.drop_seen
                    else np.zeros(0, np.int64))
-        answer = self.recommend_dense(u, items, exclude)
+        # a history tower reads the given history oldest first; none given: the stored one
+        answer = self.recommend_dense(u, items, exclude, None if history is None else items[::-1])
         answer.names = [self.retriever.item_names[i] for i in answer.items]
         return answer
 
-    def recommend_dense(self, user: int, history: np.ndarray,
-                        exclude: np.ndarray) -> Recommendation:
+    def recommend_dense(self, user: int, history: np.ndarray, exclude: np.ndarray,
+                        timeline: Optional[np.ndarray] = None) -> Recommendation:
         """`user`'s top K (retrieval dense ids throughout), the sources walking from `history`,
-        every stage leaving `exclude` out."""
+        every stage leaving `exclude` out. A history tower (two_tower source) reads `timeline`
+        (the user's items, oldest first; None: the user's stored training items)."""
         s, ms, stages = self.settings, {}, {}
         history = np.asarray(history, np.int64)
         exclude = np.asarray(exclude, np.int64)
         for source in SOURCES:
             start = time.perf_counter()
-            stages[source] = (self._source(source, user, history, exclude)
+            stages[source] = (self._source(source, user, history, exclude, timeline)
                               if source in s.sources else np.zeros(0, np.int64))
             ms[source] = _since(start)
         start = time.perf_counter()
@@ -183,9 +185,12 @@ class Recommender:
         return Recommendation(items, value[keep], probabilities[keep], self.tasks,
                               [found_by[int(i)] for i in items], stages, ms)
 
-    def _source(self, source: str, user: int, history: np.ndarray,
-                exclude: np.ndarray) -> np.ndarray:
+    def _source(self, source: str, user: int, history: np.ndarray, exclude: np.ndarray,
+                timeline: Optional[np.ndarray] = None) -> np.ndarray:
         per = self.settings.per_source
+        if source == "two_tower" and self.retriever.history_length and timeline is not None:
+            [(items, _)] = self.retriever.for_histories([timeline], per, False, [exclude])
+            return items
         if source == "two_tower":
             [(items, _)] = self.retriever.for_users(np.array([user]), per, exclude=[exclude])
             return items

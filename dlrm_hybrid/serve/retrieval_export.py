@@ -1,11 +1,15 @@
 """`export --retrieval`: a two_tower checkpoint -> a folder `retrieve` serves from:
 
     user_tower.pt       the user tower, TorchScript: plain embedding tables and its MLP, so
-                        torch.jit.load reads it without this package (or torchrec, fbgemm)
+                        torch.jit.load reads it without this package (or torchrec, fbgemm);
+                        a history tower (model.user_tower.encoder history_*) takes the
+                        user's last items instead of the user's ids (HistoryTower)
     item_vectors.npy    [items, E] float32: the item tower over the whole corpus
     index.faiss         those vectors in a FAISS inner-product index (retrieval/index.py)
     user_side.npy       [users, F] the side features the user tower reads, by dense user id
     seen_indptr.npy, seen_items.npy   each user's training items (CSR), left out of answers
+    history_indptr.npy, history_items.npy   a history tower's: each user's training items in
+                                            time order (CSR), the history of `--user`
     users.txt, items.txt              raw ids in dense-id order (where the dataset has them)
     retrieval.yaml      what the folder holds: sizes, features, the index and its settings
 
@@ -26,14 +30,16 @@ from torch.nn.functional import normalize
 from dlrm_hybrid import __version__
 from dlrm_hybrid.compat import jit_save, jit_script
 from dlrm_hybrid.data.source import open_dataset
+from dlrm_hybrid.data.interactions.interaction_meta import ITEM_ID
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.compositional import FeatureLookup
 from dlrm_hybrid.model.two_tower import SIDES, TwoTower, build_two_tower
 from dlrm_hybrid.partial_folder import finish_partial, start_partial
 from dlrm_hybrid.retrieval.index import INDEX_FILE, IndexParams, build_index, write_index
 from dlrm_hybrid.serve.export import TABLE_PREFIX, load_dense_weights, read_checkpoint
-from dlrm_hybrid.serve.retrieve import (DESCRIPTION, FORMAT, ITEM_VECTORS, ITEMS, SEEN_INDPTR,
-                                        SEEN_ITEMS, USER_SIDE, USER_TOWER, USERS)
+from dlrm_hybrid.serve.retrieve import (DESCRIPTION, FORMAT, HISTORY_INDPTR, HISTORY_ITEMS,
+                                        ITEM_VECTORS, ITEMS, SEEN_INDPTR, SEEN_ITEMS, USER_SIDE,
+                                        USER_TOWER, USERS)
 from dlrm_hybrid.train.checkpoint import read_meta
 
 CORPUS_CHUNK = 65536  # items through the item tower at once
@@ -104,6 +110,45 @@ class Tower(nn.Module):
         return normalize(out, dim=1) if self.normalized else out
 
 
+class HistoryTower(nn.Module):
+    """forward(history [B, L] int64: each user's last L items' dense ids, oldest first, then -1
+    past the history's end) -> [B, E]: the item table's vectors of the history through the
+    trained history encoder (model/history_encoder.py) and the user MLP."""
+
+    def __init__(self, table: torch.Tensor, encoder: nn.Module, mlp: nn.Module,
+                 normalized: bool) -> None:
+        super().__init__()
+        self.table = nn.Embedding.from_pretrained(table.float().clone(), freeze=True)
+        self.encoder = encoder
+        self.mlp = mlp
+        self.normalized = normalized
+        self.length = int(encoder.length)
+
+    def forward(self, history: torch.Tensor) -> torch.Tensor:
+        if history.dim() != 2 or history.shape[1] != self.length:
+            raise ValueError(f"history: expected [B, {self.length}] item ids (-1 past a "
+                             f"history's end), got {list(history.shape)}")
+        items = self.table.weight.shape[0]
+        if bool(((history < -1) | (history >= items)).any()):
+            raise ValueError(f"history: item ids are 0..{items - 1}, or -1 past the end")
+        used = history >= 0
+        counts = used.sum(1)
+        slots = torch.arange(self.length, device=history.device)
+        if bool((used != (slots[None, :] < counts[:, None])).any()):
+            raise ValueError("history: each row's items come first, then -1 to its end")
+        vectors = self.table(history.clamp(min=0))
+        out = self.mlp(self.encoder(vectors, counts))
+        return normalize(out, dim=1) if self.normalized else out
+
+
+def history_tower(model: TwoTower, weights: Dict[str, torch.Tensor]) -> HistoryTower:
+    """A history user tower of `model` (its encoder and MLP loaded) over the item table."""
+    (part,) = [lookup for lookup in model.lookups if lookup.feature == ITEM_ID][0].parts
+    return HistoryTower(weights[f"{TABLE_PREFIX}{part.table}.weight"], model.history.eval(),
+                        model.user_mlp.eval(), model.normalize["user"]
+                        ).eval().requires_grad_(False)
+
+
 def tower(model: TwoTower, side: str, weights: Dict[str, torch.Tensor]) -> Tower:
     """`side`'s tower of `model` (its MLP loaded: load_dense_weights) with the checkpoint's
     tables, as plain modules."""
@@ -148,20 +193,28 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
     model = build_two_tower(cfg, spec)
     del model.loss  # and its state (e.g. logQ's item frequencies): training's, not served
     load_dense_weights(model, {k: v for k, v in weights.items() if not k.startswith("loss.")})
-    user_tower, item_tower = (tower(model, side, weights) for side in SIDES)
+    item_tower = tower(model, "item", weights)
+    histories = dataset.histories
+    user_tower = (tower(model, "user", weights) if histories is None
+                  else history_tower(model, weights))
     vectors = corpus_vectors(item_tower, np.asarray(dataset.item_side))
     seen_indptr, seen_items = dataset.engaged(("train",))
     raw = [name for name in (USERS, ITEMS) if dataset.root and (Path(dataset.root) / name).is_file()]
     description = {
         "format": FORMAT,
-        "load": "user = torch.jit.load('user_tower.pt')(ids [B, F] int64) -> [B, E]; "
-                "items = numpy.load('item_vectors.npy'); index = faiss.read_index('index.faiss')",
+        "load": f"user = torch.jit.load('user_tower.pt')({'ids [B, F]' if histories is None else 'history [B, L]'} "
+                "int64) -> [B, E]; items = numpy.load('item_vectors.npy'); "
+                "index = faiss.read_index('index.faiss')",
         "score": "inner product of user and item vectors (the training logit times "
                  f"model.temperature = {cfg.model.temperature})",
         "users": int(dataset.users), "items": int(dataset.items), "dim": int(vectors.shape[1]),
         "normalized": {side: bool(model.normalize[side]) for side in SIDES},
-        "user_features": [{"name": name, "cardinality": int(rows)}
-                          for name, rows in zip(user_tower.names, user_tower.cardinalities)],
+        "user_features": ([] if histories is not None else
+                          [{"name": name, "cardinality": int(rows)}
+                           for name, rows in zip(user_tower.names, user_tower.cardinalities)]),
+        "user_history": (None if histories is None else
+                         {"encoder": cfg.model.user_tower.encoder, "length": histories.length,
+                          "input": "[B, length] dense item ids, oldest first, -1 past the end"}),
         "index": params.stated(),
         "seen": "each user's items in the training split",
         "raw_ids": bool(raw),
@@ -177,6 +230,9 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
         np.save(partial / USER_SIDE, np.asarray(dataset.user_side, np.int64))
         np.save(partial / SEEN_INDPTR, seen_indptr.astype(np.int64))
         np.save(partial / SEEN_ITEMS, seen_items.astype(np.int64))
+        if histories is not None:
+            np.save(partial / HISTORY_INDPTR, histories.indptr)
+            np.save(partial / HISTORY_ITEMS, histories.items)
         write_index(build_index(vectors, params), str(partial / INDEX_FILE))
         for name in raw:
             shutil.copyfile(Path(dataset.root) / name, partial / name)

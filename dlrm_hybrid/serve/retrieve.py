@@ -7,6 +7,11 @@ into one, an item scoring the MAX of its scores against the history items (an it
 of them ranks as high as it is near it; a sum would favour items near their centre). The
 user's training items, and the history items, are left out unless `--keep-seen`.
 
+A history user tower (model.user_tower.encoder history_*) reads a history instead of the
+user's features: `--user U` gives it U's training items in time order, `--history I1,I2,...`
+(oldest first) the items given with the request, for a known user or one the model never saw
+(`--user` left out).
+
 Scores are inner products <query vector, item vector> (cosines when the towers normalise; the
 training logit is that over model.temperature). This module needs torch, numpy, faiss and yaml
 only, not the trainer: a serving host runs `python -m dlrm_hybrid.serve.retrieve` (or the CLI's
@@ -34,6 +39,7 @@ FORMAT = "dlrm_hybrid retrieval 1"
 DESCRIPTION = "retrieval.yaml"
 USER_TOWER, ITEM_VECTORS, USER_SIDE = "user_tower.pt", "item_vectors.npy", "user_side.npy"
 SEEN_INDPTR, SEEN_ITEMS = "seen_indptr.npy", "seen_items.npy"  # CSR: each user's training items
+HISTORY_INDPTR, HISTORY_ITEMS = "history_indptr.npy", "history_items.npy"  # ... in time order
 USERS, ITEMS = "users.txt", "items.txt"  # raw ids in dense-id order, where the dataset has them
 MERGE = "max"  # how history retrieval scores an item found near several history items
 
@@ -58,6 +64,10 @@ class Retriever:
         self.item_names = read_raw_ids(root / ITEMS)
         self.user_of = {name: i for i, name in enumerate(self.user_names or ())}
         self.item_of = {name: i for i, name in enumerate(self.item_names or ())}
+        history = self.description.get("user_history")
+        self.history_length = int(history["length"]) if history else 0
+        if self.history_length:
+            self.timelines = np.load(root / HISTORY_INDPTR), np.load(root / HISTORY_ITEMS)
 
     def user(self, name: str, dense: bool = False) -> int:
         """The dense id of user `name` (a raw id of the log, or with `dense` a dense id)."""
@@ -72,10 +82,25 @@ class Retriever:
         return str(item) if dense or self.item_names is None else self.item_names[item]
 
     def user_vectors(self, users: np.ndarray) -> np.ndarray:
-        """[U, E] user-tower vectors of dense user ids."""
+        """[U, E] user-tower vectors of dense user ids (a history tower: of their training
+        items in time order)."""
+        if self.history_length:
+            return self.history_vectors([self.timeline(u) for u in users])
+        ids = np.column_stack([users, self.user_side[users]]).astype(np.int64)
+        return self._tower(ids)
+
+    def history_vectors(self, histories: Sequence[np.ndarray]) -> np.ndarray:
+        """[U, E] a history tower's vectors of histories (dense item ids, oldest first; the
+        last `length` read)."""
+        rows = np.full((len(histories), self.history_length), -1, np.int64)
+        for row, history in zip(rows, histories):
+            recent = np.asarray(history, np.int64)[-self.history_length:]
+            row[:len(recent)] = recent
+        return self._tower(rows)
+
+    def _tower(self, ids: np.ndarray) -> np.ndarray:
         import torch
 
-        ids = np.column_stack([users, self.user_side[users]]).astype(np.int64)
         with torch.inference_mode():
             return self.user_tower(torch.from_numpy(ids)).numpy()
 
@@ -90,6 +115,26 @@ class Retriever:
         excluded = exclude if exclude is not None else [
             np.zeros(0, np.int64) if keep_seen else self.seen(u) for u in users]
         return self._top(self.user_vectors(users), k, exact, excluded)
+
+    def by_history_tower(self, history: np.ndarray, k: int, user: Optional[int] = None,
+                         exact: bool = False, keep_seen: bool = False) -> Ranked:
+        """A history tower's top `k` for `history` (oldest first); the history items (and
+        `user`'s training items) left out unless `keep_seen`."""
+        excluded = np.zeros(0, np.int64)
+        if not keep_seen:
+            excluded = np.union1d(history, self.seen(user) if user is not None else excluded)
+        [ranked] = self.for_histories([history], k, exact, [excluded])
+        return ranked
+
+    def for_histories(self, histories: Sequence[np.ndarray], k: int, exact: bool,
+                      exclude: Sequence[np.ndarray]) -> List[Ranked]:
+        """A history tower's top `k` for each history (oldest first), `exclude` left out."""
+        return self._top(self.history_vectors(histories), k, exact, exclude)
+
+    def timeline(self, user: int) -> np.ndarray:
+        """A history tower's stored history of `user`: the training items, oldest first."""
+        indptr, items = self.timelines
+        return items[indptr[user]:indptr[user + 1]]
 
     def from_history(self, history: np.ndarray, k: int, user: Optional[int] = None,
                      exact: bool = False, keep_seen: bool = False,
@@ -167,13 +212,15 @@ def read_raw_ids(path: Path) -> Optional[List[str]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="a folder `export --retrieval` wrote")
-    who = parser.add_mutually_exclusive_group(required=True)
-    who.add_argument("--user", help="a user's id as in the training log")
+    who = parser.add_mutually_exclusive_group()
+    who.add_argument("--user", help="a user's id as in the training log (a history tower's "
+                     "model may leave it out and take --history)")
     who.add_argument("--users", metavar="FILE", help="a file of user ids, one per line: each "
                      "user's items go to --out as one JSON line")
     parser.add_argument("--history", metavar="I1,I2,...", help="retrieve the items nearest to "
                         "these items (merged: an item scores its max over them) instead of by "
-                        "the user tower")
+                        "the user tower; a history tower's model: the tower reads these items "
+                        "(oldest first) as the user's history")
     parser.add_argument("--k", type=int, default=100, help="items to return (default 100)")
     parser.add_argument("--exact", action="store_true",
                         help="exact search over every item vector instead of the index")
@@ -194,13 +241,21 @@ def run(args: argparse.Namespace) -> None:
     if args.out:
         raise UserError("retrieve: --out is for --users (a batch); one user's items are printed")
     retriever = Retriever(args.model)
-    user = retriever.user(args.user, args.dense_ids)
+    if args.user is None and not (args.history is not None and retriever.history_length):
+        raise UserError("retrieve: give --user or --users (or, for a history tower's model, "
+                        "--history alone)")
+    user = None if args.user is None else retriever.user(args.user, args.dense_ids)
     if args.history is not None:
         history = np.array([retriever.item(i.strip(), args.dense_ids)
                             for i in args.history.split(",") if i.strip()], np.int64)
         if not len(history):
             raise UserError("retrieve: --history names no items; give item ids I1,I2,...")
-        items, scores = retriever.from_history(history, args.k, user, args.exact, args.keep_seen)
+        if retriever.history_length:
+            items, scores = retriever.by_history_tower(history, args.k, user, args.exact,
+                                                       args.keep_seen)
+        else:
+            items, scores = retriever.from_history(history, args.k, user, args.exact,
+                                                   args.keep_seen)
     else:
         [(items, scores)] = retriever.for_users(np.array([user]), args.k, args.exact,
                                                 args.keep_seen)
@@ -245,8 +300,11 @@ def _run_batch(args: argparse.Namespace) -> None:
 
 def _answer(retriever: Retriever, user: str, items: np.ndarray, scores: np.ndarray,
             args: argparse.Namespace) -> dict:
+    by = "user tower"
+    if args.history is not None:
+        by = ("history tower" if retriever.history_length else f"history ({MERGE} over its items)")
     return {"user": user,
-            "by": f"history ({MERGE} over its items)" if args.history is not None else "user tower",
+            "by": by,
             "search": "exact" if args.exact else retriever.description["index"]["kind"],
             "items": [retriever.item_name(int(i), args.dense_ids) for i in items],
             "scores": [round(float(s), 6) for s in scores]}

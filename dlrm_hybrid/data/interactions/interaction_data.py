@@ -7,25 +7,30 @@ A dataset folder (written by `preprocess interactions` or the planted generator)
     user_side.npy [users, Fu]    the users' categorical side features, by dense user id
     item_side.npy [items, Fi]    the items' (the corpus the evaluation ranks), by dense item id
     users.txt / items.txt        the raw ids of the log, one per line in dense-id order
+    train_position.npy           each training row's place in its user's timeline (histories.py;
+                                 older folders lack it: only a history user tower needs it)
 
 A training sample is one engagement: the user tower's features (user_id and user_<name> side
 features) and the item tower's (item_id, item_<name>), as categorical features of one batch, so
-the ranker's loaders, placer, sharding and train pipeline carry it unchanged.
+the ranker's loaders, placer, sharding and train pipeline carry it unchanged. A history user
+tower's features are instead the user's earlier items, one slot each (histories.py).
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import yaml
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.batch import ClickDataset, Columns, stacked
+from dlrm_hybrid.data.interactions.histories import POSITION_FILE, Histories, History
 from dlrm_hybrid.data.interactions.interaction_meta import (META_FILE, SPLITS, InteractionMeta,
-                                                            read_meta, tower_features)
+                                                            history_length, read_meta,
+                                                            tower_features)
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.partial_folder import finish_partial, start_partial
 
@@ -34,8 +39,13 @@ class InteractionData(ClickDataset):
     (`open_interactions` memory-maps a folder's arrays)."""
 
     def __init__(self, meta: InteractionMeta, pairs: Dict[str, Tuple[np.ndarray, np.ndarray]],
-                 user_side: np.ndarray, item_side: np.ndarray, root: str = "") -> None:
+                 user_side: np.ndarray, item_side: np.ndarray, root: str = "",
+                 train_position: Optional[np.ndarray] = None) -> None:
+        """`train_position`: each training row's place in its user's timeline (None: not
+        recorded, as in folders written before history towers)."""
         self.meta, self.pairs, self.root = meta, pairs, root
+        self.train_position = train_position
+        self.histories: Optional[Histories] = None  # set by for_model for a history tower
         self.user_side, self.item_side = user_side, item_side  # [users, Fu], [items, Fi]
         self.spec = meta.spec()
         self.users, self.items = meta.users, meta.items
@@ -46,12 +56,25 @@ class InteractionData(ClickDataset):
         return len(self.pairs[split][0]) if split in self.pairs else 0
 
     def for_model(self, model_cfg) -> "InteractionData":
-        """The side features the towers read (`tower_features`), the rest left out of batches."""
+        """The side features the towers read (`tower_features`), the rest left out of batches;
+        for a history user tower, the users' histories instead of their features."""
         meta = tower_features(self.meta, model_cfg)
         user_cols = [list(self.meta.user_side).index(n) for n in meta.user_side]
         item_cols = [list(self.meta.item_side).index(n) for n in meta.item_side]
-        return InteractionData(meta, self.pairs, self.user_side[:, user_cols],
-                               self.item_side[:, item_cols], self.root)
+        data = InteractionData(meta, self.pairs, self.user_side[:, user_cols],
+                               self.item_side[:, item_cols], self.root, self.train_position)
+        if meta.history:
+            data.histories = self.histories_of(history_length(model_cfg))
+        return data
+
+    def histories_of(self, length: int) -> Histories:
+        """The users' timelines, each sample's history `length` items long."""
+        if self.train_position is None:
+            raise DataError(f"{self.root or 'the dataset'}: has no {POSITION_FILE} (written "
+                            f"before history towers), which model.user_tower.encoder history_* "
+                            f"needs; preprocess the log again")
+        later = {s: p for s, p in self.pairs.items() if s != "train"}
+        return Histories(self.users, self.pairs["train"], self.train_position, later, length)
 
     def columns(self, split: str, first: int, count: int) -> Columns:
         """Samples [first, first + count) of `split`; rows past its end are padding (valid
@@ -60,8 +83,18 @@ class InteractionData(ClickDataset):
         index = np.arange(first, first + count)
         valid = index < len(users)
         index = np.minimum(index, len(users) - 1)
-        return self.tower_columns(users[index].astype(np.int64), items[index].astype(np.int64),
-                                  valid)
+        users = users[index].astype(np.int64)
+        history = None
+        if self.histories is not None:
+            history = (self.histories.of_rows(index) if split == "train"
+                       else self.histories.before(split, users))
+        return self.tower_columns(users, items[index].astype(np.int64), valid, history=history)
+
+    def user_columns(self, users: np.ndarray, valid: np.ndarray, split: str) -> Columns:
+        """The user tower's input for `users` when evaluating `split` (the item features are
+        item 0's, unread): their features, or their history before `split`."""
+        history = None if self.histories is None else self.histories.before(split, users)
+        return self.tower_columns(users, np.zeros_like(users), valid, history=history)
 
     def slice_columns(self, split: str, piece) -> Columns:
         """A rank's slice of a global batch; in training, followed by its uniform negatives."""
@@ -94,15 +127,22 @@ class InteractionData(ClickDataset):
         return negatives
 
     def tower_columns(self, users: np.ndarray, items: np.ndarray, valid: np.ndarray,
-                      with_users: bool = True) -> Columns:
+                      with_users: bool = True, history: Optional[History] = None) -> Columns:
         """Both towers' ids for these (user, item) pairs; `with_users` False gives the user
-        features empty bags (an item-only batch: the corpus)."""
+        features empty bags (an item-only batch: the corpus). A history tower's user features
+        are the `history` slots (slot j: an empty bag past the row's count)."""
         n = len(items)
         user_ids = [users, *self.user_side[users].T] if len(self.user_side.T) else [users]
+        user_len = [np.full(n, int(with_users), np.int32)] * len(user_ids)
+        if self.histories is not None:
+            length = self.histories.length
+            slots, counts = history if history is not None and with_users else (
+                np.zeros((n, length), np.int64), np.zeros(n, np.int64))
+            user_ids = list(slots.T)
+            user_len = [(counts > j).astype(np.int32) for j in range(length)]
         item_ids = [items, *self.item_side[items].T] if len(self.item_side.T) else [items]
         ids = [np.ascontiguousarray(c, dtype=np.int64).reshape(n, 1) for c in (*user_ids, *item_ids)]
-        user_len = np.full(n, int(with_users), np.int32)
-        lengths = [user_len] * len(user_ids) + [np.ones(n, np.int32)] * len(item_ids)
+        lengths = user_len + [np.ones(n, np.int32)] * len(item_ids)
         return Columns(np.zeros((n, 0), np.float32), np.ones(n, np.float32), valid, ids,
                        lengths=lengths)
 
@@ -165,7 +205,12 @@ def open_interactions(path: str) -> InteractionData:
             raise DataError(f"{root}/{split}_item.npy: {len(items)} rows, its users file has "
                             f"{len(users)}; preprocess the log again")
         pairs[split] = (users, items)
-    data = InteractionData(meta, pairs, load("user_side.npy"), load("item_side.npy"), str(root))
+    position = load(POSITION_FILE) if (root / POSITION_FILE).exists() else None
+    if position is not None and len(position) != len(pairs["train"][0]):
+        raise DataError(f"{root / POSITION_FILE}: {len(position)} rows, the training split has "
+                        f"{len(pairs['train'][0])}; preprocess the log again")
+    data = InteractionData(meta, pairs, load("user_side.npy"), load("item_side.npy"), str(root),
+                           position)
     _check_ranges(data, root)
     return data
 
@@ -202,6 +247,8 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
             np.save(partial / f"{split}_item.npy", np.asarray(items, np.int32))
         np.save(partial / "user_side.npy", np.asarray(data.user_side, np.int32))
         np.save(partial / "item_side.npy", np.asarray(data.item_side, np.int32))
+        if data.train_position is not None:
+            np.save(partial / POSITION_FILE, np.asarray(data.train_position, np.int32))
         for name, raw in (("users.txt", raw_users), ("items.txt", raw_items)):
             if len(raw):
                 (partial / name).write_text("".join(f"{r}\n" for r in raw), encoding="utf-8")

@@ -17,6 +17,19 @@ FORMAT = "dlrm_hybrid interactions 1"
 META_FILE = "interactions.yaml"
 SPLITS = ("train", "val", "test")
 USER_ID, ITEM_ID = "user_id", "item_id"
+HISTORY = "user_history"  # a history user tower's features: user_history0 .. user_history<L-1>
+
+
+def history_keys(length: int) -> List[str]:
+    """The features of a history of `length` slots: slot j holds the j-th item of the user's
+    last `length` items, oldest first (an empty bag past the history's end)."""
+    return [f"{HISTORY}{j}" for j in range(length)]
+
+
+def history_length(model_cfg) -> int:
+    """How many items the user tower reads: 0 for one of ids (model.user_tower.encoder)."""
+    user = model_cfg.user_tower
+    return 0 if user.encoder == "ids" else user.history_length
 
 
 @dataclass
@@ -32,12 +45,15 @@ class InteractionMeta:
     positive: str = ""  # e.g. "rating >= 4"
     source: List[str] = field(default_factory=list)  # the log files it was made from
     extra: Dict[str, object] = field(default_factory=dict)  # counts of skips, thresholds, ...
+    history: int = 0  # > 0: the user tower reads this many history slots, not the user's ids
 
     def spec(self) -> DataSpec:
-        """The model's view: user tower features first, then the item tower's."""
-        names = (USER_ID, *[f"user_{n}" for n in self.user_side],
-                 ITEM_ID, *[f"item_{n}" for n in self.item_side])
-        cards = [self.users, *self.user_side.values(), self.items, *self.item_side.values()]
+        """The model's view: user tower features first, then the item tower's. A history
+        tower's features are its slots (item ids), looked up in the item table."""
+        user = ([(name, self.items) for name in history_keys(self.history)] if self.history
+                else [(USER_ID, self.users), *[(f"user_{n}", c) for n, c in self.user_side.items()]])
+        names = (*[name for name, _ in user], ITEM_ID, *[f"item_{n}" for n in self.item_side])
+        cards = [*[c for _, c in user], self.items, *self.item_side.values()]
         return DataSpec(0, cards, [1] * len(cards), names=names)
 
     def to_yaml(self) -> dict:
@@ -63,7 +79,8 @@ class InteractionMeta:
 
 def tower_features(meta: InteractionMeta, model_cfg) -> InteractionMeta:
     """`meta` with only the features `model.user_tower.features` / `item_tower.features` name
-    (empty: all of that side's); the id feature stays in as the tower's own id."""
+    (empty: all of that side's); the id feature stays in as the tower's own id. A history user
+    tower (model.user_tower.encoder) reads its history slots instead of the user's features."""
     kept = {}
     for side, sides in (("user", meta.user_side), ("item", meta.item_side)):
         wanted = getattr(model_cfg, f"{side}_tower").features
@@ -73,8 +90,10 @@ def tower_features(meta: InteractionMeta, model_cfg) -> InteractionMeta:
             raise DataError(f"model.{side}_tower.features: {', '.join(unknown)} not in the "
                             f"dataset, whose {side} features are {', '.join(offered)}")
         kept[side] = {n: c for n, c in sides.items() if not wanted or f"{side}_{n}" in wanted}
-    return InteractionMeta(meta.users, meta.items, kept["user"], kept["item"], dict(meta.samples),
-                           meta.split_rule, meta.positive, list(meta.source), dict(meta.extra))
+    history = history_length(model_cfg)
+    return InteractionMeta(meta.users, meta.items, {} if history else kept["user"], kept["item"],
+                           dict(meta.samples), meta.split_rule, meta.positive, list(meta.source),
+                           dict(meta.extra), history)
 
 
 def is_interaction_folder(path: str) -> bool:

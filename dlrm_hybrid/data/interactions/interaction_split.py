@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
+from dlrm_hybrid.data.interactions.histories import timeline_positions
 from dlrm_hybrid.data.interactions.interaction_log import Log, Positive, parse_columns, read_log
 from dlrm_hybrid.data.interactions.interaction_meta import SPLITS, InteractionMeta
 
@@ -212,8 +213,18 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
     meta = InteractionMeta(len(users.raw), len(items.raw), user_cards, item_cards,
                            split_rule=rule, positive=str(positive), source=list(log.sources),
                            extra=extra)
-    return Prepared(InteractionData(meta, pairs, user_side, item_side), users.raw, items.raw,
-                    split_rows)
+    return Prepared(InteractionData(meta, pairs, user_side, item_side,
+                                    train_position=train_timeline(chronology, split_rows["train"],
+                                                                  pairs["train"][0])),
+                    users.raw, items.raw, split_rows)
+
+
+def train_timeline(chronology: np.ndarray, rows: np.ndarray, users: np.ndarray) -> np.ndarray:
+    """Each training row's place in its user's timeline (histories.py), the log's `rows` of
+    the training pairs in their stored order, `chronology` every kept row oldest first."""
+    when = np.empty(int(chronology.max(initial=-1)) + 1, np.int64)
+    when[chronology] = np.arange(len(chronology))
+    return timeline_positions(np.asarray(users, np.int64), np.argsort(when[rows], kind="stable"))
 
 
 def split_pairs(chronology: np.ndarray, which: np.ndarray, users: np.ndarray, items: np.ndarray,

@@ -69,7 +69,9 @@ def planted_interactions(data_cfg) -> InteractionData:
                                 popularity, (len(rows), data_cfg.items)))):
             found = ranking_metrics(score, drawn[:, :column], drawn[:, column])
             meta.extra.update({f"{name}_{prefix}{k}": round(x, 4) for k, x in found.items()})
-    return InteractionData(meta, pairs, segment[:, None], category[:, None])
+    position = np.tile(np.arange(n - 2), data_cfg.users)[order]  # draw order is the timeline
+    return InteractionData(meta, pairs, segment[:, None], category[:, None],
+                           train_position=position)
 
 
 def ranking_metrics(score, seen: np.ndarray, target: np.ndarray) -> Dict[str, float]:

@@ -1,0 +1,104 @@
+"""What a history user tower reads (model.user_tower.encoder history_*): each user's items in
+time order, and for every sample the items its user engaged with before it, with no leak.
+
+- A training row (u, i) sees u's training items strictly before i in u's timeline (the order
+  the split used: timestamp, ties by file order), so training never reads the item it predicts
+  or a later one. The dataset folder records each training row's place in its user's timeline
+  (`train_position.npy`: 0 for the user's first training item).
+- Validation sees all of u's training items; test, those and u's validation items (the
+  history `recommend` is given); serving, the history given at request time.
+
+A history is the last `length` of those items, oldest first, as [n, length] ids left-aligned
+(slot j the j-th item; past the history's end 0, unused) with each row's count: the model
+reads slots [0, count). Plain numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import numpy as np
+
+History = Tuple[np.ndarray, np.ndarray]  # ids [n, length] int64, counts [n] int64
+
+POSITION_FILE = "train_position.npy"
+
+
+def timeline_positions(users: np.ndarray, chronology: np.ndarray) -> np.ndarray:
+    """Each row's 0-based place among its user's rows, where `chronology` holds the rows
+    oldest first: position[chronology[k]] counts the rows of that user before k."""
+    ordered = users[chronology]
+    order = np.argsort(ordered, kind="stable")  # by user, oldest first within one
+    counts = np.bincount(ordered, minlength=int(ordered.max(initial=-1)) + 1)
+    starts = np.cumsum(counts) - counts
+    place = np.empty(len(chronology), np.int64)
+    place[order] = np.arange(len(order)) - starts[ordered[order]]
+    position = np.empty(len(users), np.int64)
+    position[chronology] = place
+    return position
+
+
+def last_items(indptr: np.ndarray, items: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+               length: int) -> History:
+    """The last `length` items of `items[starts:ends]` per row (left-aligned, oldest first)."""
+    starts = np.maximum(starts, ends - length)
+    counts = (ends - starts).astype(np.int64)
+    slots = np.arange(length)
+    used = slots[None, :] < counts[:, None]
+    where = np.where(used, starts[:, None] + slots[None, :], 0)
+    ids = np.where(used, items[where] if len(items) else 0, 0).astype(np.int64)
+    return ids, counts
+
+
+class Histories:
+    """Every user's training items in time order (CSR), and the validation items after them,
+    for the histories of training rows (`of_rows`) and of a held-out split's users (`before`)."""
+
+    def __init__(self, users: int, train: Tuple[np.ndarray, np.ndarray], position: np.ndarray,
+                 later: Dict[str, Tuple[np.ndarray, np.ndarray]], length: int) -> None:
+        """`train`: (users, items) of the training rows, `position` each one's place in its
+        user's timeline; `later`: the held-out splits' (users, items), each user's rows in time
+        order (as the split stores them)."""
+        self.length = length
+        self.train_users = np.asarray(train[0], np.int64)
+        self.position = np.asarray(position, np.int64)
+        order = np.lexsort((self.position, self.train_users))
+        self.indptr = _indptr(self.train_users, users)
+        self.items = np.asarray(train[1], np.int64)[order]
+        # test's history: training items, then validation's
+        self.timelines = {"val": (self.indptr, self.items),
+                          "test": _appended(self.indptr, self.items, later.get("val"), users)}
+
+    def of_rows(self, rows: np.ndarray) -> History:
+        """Histories of training rows: their user's training items before them."""
+        users = self.train_users[rows]
+        starts = self.indptr[users]
+        return last_items(self.indptr, self.items, starts, starts + self.position[rows],
+                          self.length)
+
+    def before(self, split: str, users: np.ndarray) -> History:
+        """Histories of `users` for a held-out split: everything they did before it."""
+        indptr, items = self.timelines[split]
+        users = np.asarray(users, np.int64)
+        return last_items(indptr, items, indptr[users], indptr[users + 1], self.length)
+
+    def timeline(self, split: str, user: int) -> np.ndarray:
+        """`user`'s items before `split` (all of them), oldest first."""
+        indptr, items = self.timelines[split]
+        return items[indptr[user]:indptr[user + 1]]
+
+
+def _indptr(users: np.ndarray, count: int) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.bincount(users, minlength=count))]).astype(np.int64)
+
+
+def _appended(indptr: np.ndarray, items: np.ndarray, extra, count: int
+              ) -> Tuple[np.ndarray, np.ndarray]:
+    """The CSR timelines with `extra` (users, items; per user in time order) after each one."""
+    if extra is None:
+        return indptr, items
+    users = np.concatenate([np.repeat(np.arange(count), np.diff(indptr)),
+                            np.asarray(extra[0], np.int64)])
+    values = np.concatenate([items, np.asarray(extra[1], np.int64)])
+    order = np.argsort(users, kind="stable")  # the training items first, then the later ones
+    return _indptr(users, count), values[order]
