@@ -153,3 +153,174 @@ def test_a_ranking_loss_needs_tasks_and_a_group_dividing_the_batch():
     cfg.model.ranking_loss.kind = "softmax"
     with pytest.raises(ConfigError, match="model.ranking_loss.kind"):
         validate(cfg, 1)
+
+
+# --- end to end: a planted log, its early models, the candidate dataset, the served ranker ---
+
+USERS, ITEMS, CLUSTERS = 80, 40, 4
+TOWER = """
+model:
+  kind: two_tower
+  embedding_dim: 8
+  user_tower: {mlp: [16, 8]}
+  item_tower: {mlp: [16, 8]}
+  temperature: 0.1
+data: {global_batch_size: 64}
+optim: {embedding: rowwise_adagrad, embedding_lr: 0.1, dense: adagrad, dense_lr: 0.05}
+train: {max_steps: 40, log_every: 40, eval_every: 0, progress_bar: false}
+checkpoint: {resume: none}
+"""
+RANKER = """
+model:
+  embedding_dim: 8
+  bottom_mlp: [16, 8]
+  top_mlp: [16, 1]
+  tasks: [{name: watched}, {name: liked}]
+  ranking_loss: {kind: listwise, group: 4}
+data: {global_batch_size: 64}
+optim: {embedding: rowwise_adagrad, embedding_lr: 0.1, dense: adagrad, dense_lr: 0.05}
+train: {max_steps: 20, log_every: 20, eval_every: 0, progress_bar: false}
+checkpoint: {resume: none}
+value_model: {watched: 0.5, liked: 1.0}
+"""
+
+
+def cli(*args: str):
+    result = run_cli(list(args))
+    assert result.returncode == 0, failure(result)
+    return result
+
+
+def planted_rows() -> list:
+    """(user, item, rating, timestamp): each user rates 14 items, mostly of its cluster."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for u in range(USERS):
+        per = ITEMS // CLUSTERS
+        mine = (u % CLUSTERS) * per + rng.choice(per, 8, replace=False)
+        other = rng.choice(np.setdiff1d(np.arange(ITEMS), mine), 6, replace=False)
+        items = rng.permutation(np.concatenate([mine, other]))
+        rows += [(f"u{u}", f"i{i}", 5 if i in mine else int(rng.integers(1, 4)), 100 * t + u)
+                 for t, i in enumerate(items)]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    """The log's retrieval dataset, its early one (--holdout-recent 3), the early two-tower
+    model and graph, and the ranking dataset made from their candidates."""
+    root = tmp_path_factory.mktemp("candidates")
+    rows = planted_rows()
+    (root / "log.csv").write_text("".join(",".join(map(str, r)) + "\n" for r in rows))
+    read = ["preprocess", "interactions", "--input", str(root / "log.csv"),
+            "--columns", "user,item,rating,timestamp"]
+    cli(*read, "--output", str(root / "ret"))
+    cli(*read, "--output", str(root / "early"), "--holdout-recent", "3")
+    (root / "tt.yaml").write_text(TOWER)
+    for data, tower in (("early", "T_early"), ("ret", "T")):
+        cli("train", "--config", str(root / "tt.yaml"), "--set", f"data.path={root / data}",
+            "--set", f"train.run_dir={root / (tower + '_run')}")
+        cli("export", "--retrieval", "--checkpoint", str(root / f"{tower}_run/checkpoints/step_40"),
+            "--out", str(root / tower))
+    cli("pixie", "build", "--data", str(root / "early"), "--out", str(root / "G_early"))
+    cli("pixie", "build", "--data", str(root / "ret"), "--out", str(root / "G"))
+    ranking = [*read, "--labels", "watched,liked:rating>=4", "--ranking-negatives", "3",
+               "--holdout", str(root / "ret"), "--candidate-ratio", "0.67"]
+    made = cli(*ranking, "--output", str(root / "rank"), "--candidates",
+               f"{root / 'T_early'},{root / 'G_early'}")
+    return root, rows, ranking, made.stdout
+
+
+def pairs_of(folder: Path, split: str):
+    """(user, item) raw ids of each row of a ranking split, and its first label."""
+    from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+
+    users = (folder / "users.txt").read_text().split()
+    items = (folder / "items.txt").read_text().split()
+    data = SplitBinaryDataset(str(folder))
+    data.use_tasks(list(data.label_names), str(folder))
+    c = data.columns(split, 0, data.num_samples(split))
+    return ([(users[u], items[i]) for u, i in zip(c.ids[0][:, 0], c.ids[1][:, 0])],
+            c.labels[:, 0], c.dense)
+
+
+def held(retrieval: Path) -> set:
+    users = (retrieval / "users.txt").read_text().split()
+    items = (retrieval / "items.txt").read_text().split()
+    return {(users[u], items[i]) for s in ("val", "test")
+            for u, i in zip(np.load(retrieval / f"{s}_user.npy"), np.load(retrieval / f"{s}_item.npy"))}
+
+
+def test_candidate_dataset_rows_come_after_the_early_models_and_never_negatives_engaged(early):
+    root, rows, _, stdout = early
+    engaged = {(u, i) for u, i, _, _ in rows}
+    evaluation = held(root / "ret")
+    when = {(u, i): t for u, i, _, t in rows}
+    users = (root / "early/users.txt").read_text().split()
+    items = (root / "early/items.txt").read_text().split()
+    last_early = {}
+    for u, i in zip(np.load(root / "early/train_user.npy"), np.load(root / "early/train_item.npy")):
+        last_early[users[u]] = max(last_early.get(users[u], -1), when[(users[u], items[i])])
+    for split in ("train", "val", "test"):
+        pairs, label, dense = pairs_of(root / "rank", split)
+        assert len(pairs) % 4 == 0 and (label[::4] == 1).all() and (label.reshape(-1, 4)[:, 1:] == 0).all()
+        for (u, i), positive in zip(pairs, label):
+            if positive:  # an engagement after every pair the candidate models trained on
+                assert when[(u, i)] > last_early[u]
+            else:
+                assert (u, i) not in engaged and (u, i) not in evaluation
+        assert dense.shape[1] == 2 + len(CANDIDATE_FEATURES)
+        assert (dense[::4, 2:].max(1) > 0).all()  # every engagement is a candidate
+    assert "candidates engagements left out" in stdout
+
+
+def test_candidate_models_that_saw_an_evaluation_pair_are_refused(early, tmp_path):
+    """A planted leak: the early tower's training items gain one test pair of the retrieval
+    dataset (its features would then carry the evaluation split): refused in one line. The
+    full retrieval model (trained on the ranking dataset's validation and test rows) too."""
+    root, _, ranking, _ = early
+    leaky = tmp_path / "T_leaky"
+    shutil.copytree(root / "T_early", leaky)
+    ret_users = (root / "ret/users.txt").read_text().split()
+    ret_items = (root / "ret/items.txt").read_text().split()
+    user, item = ret_users[np.load(root / "ret/test_user.npy")[0]], ret_items[np.load(root / "ret/test_item.npy")[0]]
+    users = (leaky / "users.txt").read_text().split()
+    items = (leaky / "items.txt").read_text().split()
+    indptr, seen = np.load(leaky / "seen_indptr.npy"), np.load(leaky / "seen_items.npy")
+    u = users.index(user)
+    seen = np.insert(seen, indptr[u], items.index(item))
+    indptr[u + 1:] += 1
+    np.save(leaky / "seen_indptr.npy", indptr)
+    np.save(leaky / "seen_items.npy", seen)
+    for tower, graph in ((leaky, root / "G_early"), (root / "T", root / "G")):
+        result = run_cli([*ranking, "--output", str(tmp_path / f"out_{tower.name}"),
+                          "--candidates", f"{tower},{graph}"])
+        assert result.returncode != 0 and "evaluation pairs" in result.stderr, failure(result)
+        assert not (tmp_path / f"out_{tower.name}").exists()
+
+
+def test_the_served_ranker_reads_the_candidate_features_of_the_request(early):
+    """A ranker trained (listwise) on the candidate dataset: `Recommender` passes each merged
+    candidate's features from its own sources, the ones candidate_features computes."""
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    root = early[0]
+    (root / "rk.yaml").write_text(RANKER)
+    cli("train", "--config", str(root / "rk.yaml"), "--set", f"data.path={root / 'rank'}",
+        "--set", f"train.run_dir={root / 'rk'}")
+    cli("export", "--checkpoint", str(root / "rk/checkpoints/step_20"), "--out", str(root / "M.pt"))
+    rec = Recommender(str(root / "T"), str(root / "G"), str(root / "M.pt"),
+                      settings=RecommendSettings(k=5, per_source=10, rank_top=20))
+    seen_rows = []
+    rows = rec.features.rows
+    rec.features.rows = lambda u, items, extra=None: seen_rows.append(extra) or rows(u, items, extra)
+    user = 0
+    history = rec.retriever.seen(user)
+    answer = rec.recommend_dense(user, history, history)
+    lists = {s: rec.sources.source(s, user, history, history) for s in ("two_tower", "history",
+                                                                         "pixie")}
+    merged = answer.stages["merged"][:20]
+    np.testing.assert_allclose(seen_rows[0], candidate_features(lists, merged))
+    assert (seen_rows[0].max(1) > 0).all() and len(answer.items) == 5
+    with pytest.raises(Exception, match="candidate features"):
+        rows(0, np.array([0, 1]))

@@ -102,9 +102,6 @@ def candidate_pool(text: str, raw_users: np.ndarray, raw_items: np.ndarray, log_
 
     tower, graph_folder = parse_candidates(text)
     retriever = open_retriever(tower)
-    graph = read_graph(graph_folder)
-    check_graph(graph.description, retriever, graph_folder)
-    sources = CandidateSources(retriever, PixieWalker(graph, "cpu"), per_source, PixieParams())
     user_of = {n.decode("utf-8"): i for i, n in enumerate(raw_users.tolist())}
     item_of = {n.decode("utf-8"): i for i, n in enumerate(raw_items.tolist())}
     to_user = _ids(retriever.user_names, user_of)
@@ -121,6 +118,9 @@ def candidate_pool(text: str, raw_users: np.ndarray, raw_items: np.ndarray, log_
                         f"user {raw_users[user].decode()}, item {raw_items[item].decode()}: "
                         f"--holdout's or this dataset's validation/test), so its features would "
                         f"leak them; make the early dataset with --holdout-recent K (K >= 1)")
+    graph = read_graph(graph_folder)
+    check_graph(graph.description, retriever, graph_folder)
+    sources = CandidateSources(retriever, PixieWalker(graph, "cpu"), per_source, PixieParams())
     pool = CandidatePool(_cuts(trained, to_user, len(raw_users), len(raw_items), log_users,
                                log_items, chronology), source=text)
     for early_user, user in enumerate(to_user.tolist()):
