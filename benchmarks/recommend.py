@@ -5,14 +5,21 @@ request costs.
     .venv/bin/python benchmarks/recommend.py --data ml-100k/u.data [--name NAME] [--quick]
 
 1. Data: the log's retrieval dataset (`preprocess interactions`, positive = rating >= 4,
-   leave-last-out per user) and its ranking dataset (`--labels LABELS --ranking-negatives
-   NEGATIVES --holdout` the retrieval dataset: the retrieval test and validation pairs are in
-   none of the ranker's splits, nor among its negatives).
-2. Models: the two-tower model with benchmarks/retrieval.py's BASE and the settings its grid
-   chose on ml-100k (TOWER: the default loss, temperature 0.2, table learning rate 0.05, 29
-   epochs), `export --retrieval` (exact index); the multi-task ranker of
-   configs/multitask_demo.yaml on the ranking dataset (tasks watched, liked, disliked as the
-   README trains them), `export`; `pixie build` of the retrieval dataset's training split.
+   leave-last-out per user); its early retrieval dataset (`--holdout-recent HOLDOUT_RECENT`: each
+   user's 10 most recent positives left out too); the ranking dataset (`--labels LABELS
+   --ranking-negatives NEGATIVES --holdout` the retrieval dataset `--candidates` the early
+   models `--candidate-ratio CANDIDATE_RATIO`: the engagements after the early models' data that
+   they retrieve, each with 7 negatives, 5 from the early funnel's candidates, 2 uniform, and the
+   candidate features; docs/recommend.md). `--ranker-data uniform`: issue 44's ranking dataset
+   instead (4 uniform negatives, no candidate features, pointwise).
+2. Models: two-tower models of the retrieval and of the early dataset with benchmarks/
+   retrieval.py's BASE and the settings its grid chose on ml-100k (TOWER: the default loss,
+   temperature 0.2, table learning rate 0.05, 29 epochs), `export --retrieval` (exact index);
+   one multi-task ranker of configs/multitask_demo.yaml per loss of `--losses` (pointwise;
+   pairwise and listwise add `model.ranking_loss` over each request of 1 + NEGATIVES rows),
+   CANDIDATE_RANKER_STEPS steps (RANKER_STEPS on the uniform dataset), tasks watched, liked,
+   disliked as the README trains them, `export`; `pixie build` of each retrieval dataset's
+   training split.
 3. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
    recommend.py) with history = the user's training items and validation item, every one of
    them excluded; sources PER_SOURCE candidates each, the ranker scoring the RANK_TOP best
@@ -24,10 +31,12 @@ request costs.
    training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
    same exclusions (training and validation items).
 
-Prints the CPU, a markdown table and last the summary line:
+Prints the CPU, a markdown table (the first loss's requests; a ranked line for each other
+loss) and last the summary line (hr@10_ranked: the first loss's):
 
     recommend: data=NAME hr@10_pixie=X hr@10_two_tower=X hr@10_history=X hr@10_merged=X
-        hr@10_ranked=X p50_ms=X p99_ms=X
+        hr@10_ranked=X hr@10_ranked_pointwise=X hr@10_ranked_pairwise=X
+        hr@10_ranked_listwise=X p50_ms=X p99_ms=X
 """
 
 from __future__ import annotations
@@ -57,7 +66,10 @@ TASKS = "[{name: watched}, {name: liked, head: [16]}, {name: disliked, head: [16
 VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}
 TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
-RANKER_STEPS = 2000  # configs/multitask_demo.yaml's
+RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
+# the candidate dataset (about 97k rows) overfits in 2,000 steps of 1,024 (21 epochs; ml-100k
+# HR@10 0.118, 300 steps 0.132, 150 steps 0.140): 150 steps, about 1.6 epochs
+CANDIDATE_RANKER_STEPS = 150
 PER_SOURCE, RANK_TOP = 200, 300
 STAGES = ("pixie", "two_tower", "history", "merged", "ranked")
 CUTS = (10, 50)
@@ -228,8 +240,9 @@ def main() -> None:
     parser.add_argument("--name", help="the data's name in the summary (default: the log's "
                         "folder, e.g. ml-100k)")
     parser.add_argument("--epochs", type=int, default=EPOCHS, help="two-tower training epochs")
-    parser.add_argument("--ranker-steps", type=int, default=RANKER_STEPS,
-                        help="multi-task ranker steps of 1,024 samples")
+    parser.add_argument("--ranker-steps", type=int, help="multi-task ranker steps of 1,024 "
+                        f"samples (default {CANDIDATE_RANKER_STEPS}; {RANKER_STEPS} with "
+                        f"--ranker-data uniform)")
     parser.add_argument("--pixie-steps", type=int, default=100_000, help="walk steps a request")
     parser.add_argument("--users", type=int, default=0, help="test users to ask (0: all)")
     parser.add_argument("--work", help="build the datasets, models and graph in this new folder "
@@ -248,6 +261,9 @@ def main() -> None:
                         "30 ranker steps, 10,000 walk steps, 40 users, one peer setting each")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and faiss load
+    if args.ranker_steps is None:
+        args.ranker_steps = RANKER_STEPS if args.ranker_data == "uniform" else \
+            CANDIDATE_RANKER_STEPS
     if args.quick:
         args.epochs, args.ranker_steps, args.pixie_steps = 1, 30, 10_000
         args.users = args.users or 40
