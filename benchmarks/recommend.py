@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -219,13 +219,13 @@ def value_text(value: Dict[str, float]) -> str:
 
 
 def summary_line(name: str, hr: Dict[str, float], total_ms: List[float],
-                 ranked: Dict[str, Dict[str, float]]) -> str:
+                 ranked: Optional[Dict[str, Dict[str, float]]] = None) -> str:
     """The benchmark's last line, for scripts: hr@10_ranked is the first loss's, then each
     loss's as hr@10_ranked_<loss>."""
     return (f"recommend: data={name} "
             + " ".join(f"hr@10_{stage}={hr[f'{stage}_hr@10']:.4f}" for stage in STAGES)
             + "".join(f" hr@10_ranked_{loss}={h['ranked_hr@10']:.4f}"
-                      for loss, h in ranked.items())
+                      for loss, h in (ranked or {}).items())
             + f" p50_ms={percentile(total_ms, 50):.2f} p99_ms={percentile(total_ms, 99):.2f}")
 
 
