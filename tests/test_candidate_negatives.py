@@ -220,7 +220,8 @@ def early(tmp_path_factory):
     for data, tower in (("early", "T_early"), ("ret", "T")):
         cli("train", "--config", str(root / "tt.yaml"), "--set", f"data.path={root / data}",
             "--set", f"train.run_dir={root / (tower + '_run')}")
-        cli("export", "--retrieval", "--checkpoint", str(root / f"{tower}_run/checkpoints/step_40"),
+        cli("export", "--retrieval", "--checkpoint",
+            str(root / f"{tower}_run/checkpoints/step_40"),
             "--out", str(root / tower))
     cli("pixie", "build", "--data", str(root / "early"), "--out", str(root / "G_early"))
     cli("pixie", "build", "--data", str(root / "ret"), "--out", str(root / "G"))
@@ -248,7 +249,8 @@ def held(retrieval: Path) -> set:
     users = (retrieval / "users.txt").read_text().split()
     items = (retrieval / "items.txt").read_text().split()
     return {(users[u], items[i]) for s in ("val", "test")
-            for u, i in zip(np.load(retrieval / f"{s}_user.npy"), np.load(retrieval / f"{s}_item.npy"))}
+            for u, i in zip(np.load(retrieval / f"{s}_user.npy"),
+                            np.load(retrieval / f"{s}_item.npy"))}
 
 
 def test_candidate_dataset_rows_come_after_the_early_models_and_never_negatives_engaged(early):
@@ -259,11 +261,13 @@ def test_candidate_dataset_rows_come_after_the_early_models_and_never_negatives_
     users = (root / "early/users.txt").read_text().split()
     items = (root / "early/items.txt").read_text().split()
     last_early = {}
-    for u, i in zip(np.load(root / "early/train_user.npy"), np.load(root / "early/train_item.npy")):
+    for u, i in zip(np.load(root / "early/train_user.npy"),
+                    np.load(root / "early/train_item.npy")):
         last_early[users[u]] = max(last_early.get(users[u], -1), when[(users[u], items[i])])
     for split in ("train", "val", "test"):
         pairs, label, dense = pairs_of(root / "rank", split)
-        assert len(pairs) % 4 == 0 and (label[::4] == 1).all() and (label.reshape(-1, 4)[:, 1:] == 0).all()
+        assert len(pairs) % 4 == 0 and (label[::4] == 1).all()
+        assert (label.reshape(-1, 4)[:, 1:] == 0).all()
         for (u, i), positive in zip(pairs, label):
             if positive:  # an engagement after every pair the candidate models trained on
                 assert when[(u, i)] > last_early[u]
@@ -283,7 +287,8 @@ def test_candidate_models_that_saw_an_evaluation_pair_are_refused(early, tmp_pat
     shutil.copytree(root / "T_early", leaky)
     ret_users = (root / "ret/users.txt").read_text().split()
     ret_items = (root / "ret/items.txt").read_text().split()
-    user, item = ret_users[np.load(root / "ret/test_user.npy")[0]], ret_items[np.load(root / "ret/test_item.npy")[0]]
+    user = ret_users[np.load(root / "ret/test_user.npy")[0]]
+    item = ret_items[np.load(root / "ret/test_item.npy")[0]]
     users = (leaky / "users.txt").read_text().split()
     items = (leaky / "items.txt").read_text().split()
     indptr, seen = np.load(leaky / "seen_indptr.npy"), np.load(leaky / "seen_items.npy")
@@ -308,12 +313,14 @@ def test_the_served_ranker_reads_the_candidate_features_of_the_request(early):
     (root / "rk.yaml").write_text(RANKER)
     cli("train", "--config", str(root / "rk.yaml"), "--set", f"data.path={root / 'rank'}",
         "--set", f"train.run_dir={root / 'rk'}")
-    cli("export", "--checkpoint", str(root / "rk/checkpoints/step_20"), "--out", str(root / "M.pt"))
+    cli("export", "--checkpoint", str(root / "rk/checkpoints/step_20"), "--out",
+        str(root / "M.pt"))
     rec = Recommender(str(root / "T"), str(root / "G"), str(root / "M.pt"),
                       settings=RecommendSettings(k=5, per_source=10, rank_top=20))
     seen_rows = []
     rows = rec.features.rows
-    rec.features.rows = lambda u, items, extra=None: seen_rows.append(extra) or rows(u, items, extra)
+    rec.features.rows = (lambda u, items, extra=None:
+                         seen_rows.append(extra) or rows(u, items, extra))
     user = 0
     history = rec.retriever.seen(user)
     answer = rec.recommend_dense(user, history, history)
