@@ -5,14 +5,21 @@ request costs.
     .venv/bin/python benchmarks/recommend.py --data ml-100k/u.data [--name NAME] [--quick]
 
 1. Data: the log's retrieval dataset (`preprocess interactions`, positive = rating >= 4,
-   leave-last-out per user) and its ranking dataset (`--labels LABELS --ranking-negatives
-   NEGATIVES --holdout` the retrieval dataset: the retrieval test and validation pairs are in
-   none of the ranker's splits, nor among its negatives).
-2. Models: the two-tower model with benchmarks/retrieval.py's BASE and the settings its grid
-   chose on ml-100k (TOWER: the default loss, temperature 0.2, table learning rate 0.05, 29
-   epochs), `export --retrieval` (exact index); the multi-task ranker of
-   configs/multitask_demo.yaml on the ranking dataset (tasks watched, liked, disliked as the
-   README trains them), `export`; `pixie build` of the retrieval dataset's training split.
+   leave-last-out per user); its early retrieval dataset (`--holdout-recent HOLDOUT_RECENT`: each
+   user's 10 most recent positives left out too); the ranking dataset (`--labels LABELS
+   --ranking-negatives NEGATIVES --holdout` the retrieval dataset `--candidates` the early
+   models `--candidate-ratio CANDIDATE_RATIO`: the engagements after the early models' data that
+   they retrieve, each with 7 negatives, 5 from the early funnel's candidates, 2 uniform, and the
+   candidate features; docs/recommend.md). `--ranker-data uniform`: issue 44's ranking dataset
+   instead (4 uniform negatives, no candidate features, pointwise).
+2. Models: two-tower models of the retrieval and of the early dataset with benchmarks/
+   retrieval.py's BASE and the settings its grid chose on ml-100k (TOWER: the default loss,
+   temperature 0.2, table learning rate 0.05, 29 epochs), `export --retrieval` (exact index);
+   one multi-task ranker of configs/multitask_demo.yaml per loss of `--losses` (pointwise;
+   pairwise and listwise add `model.ranking_loss` over each request of 1 + NEGATIVES rows),
+   CANDIDATE_RANKER_STEPS steps (RANKER_STEPS on the uniform dataset), tasks watched, liked,
+   disliked as the README trains them, `export`; `pixie build` of each retrieval dataset's
+   training split.
 3. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
    recommend.py) with history = the user's training items and validation item, every one of
    them excluded; sources PER_SOURCE candidates each, the ranker scoring the RANK_TOP best
@@ -24,10 +31,12 @@ request costs.
    training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
    same exclusions (training and validation items).
 
-Prints the CPU, a markdown table and last the summary line:
+Prints the CPU, a markdown table (the first loss's requests; a ranked line for each other
+loss) and last the summary line (hr@10_ranked: the first loss's):
 
     recommend: data=NAME hr@10_pixie=X hr@10_two_tower=X hr@10_history=X hr@10_merged=X
-        hr@10_ranked=X p50_ms=X p99_ms=X
+        hr@10_ranked=X hr@10_ranked_pointwise=X hr@10_ranked_pairwise=X
+        hr@10_ranked_listwise=X p50_ms=X p99_ms=X
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -49,58 +58,95 @@ import numpy as np  # noqa: E402
 import retrieval as retrieval_bench  # noqa: E402  (its BASE, cli, peers' grids)
 
 LABELS = "watched,liked:rating>=4,disliked:rating<=2"
-NEGATIVES = 4
+NEGATIVES = 7  # per engagement: 1 + 7 rows a request, a divisor of the ranker's batch
+CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
+HOLDOUT_RECENT = 10  # the early retrieval dataset leaves out each user's 10 most recent
+LOSSES = ("pointwise", "pairwise", "listwise")
 TASKS = "[{name: watched}, {name: liked, head: [16]}, {name: disliked, head: [16]}]"
 VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}
 TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
-RANKER_STEPS = 2000  # configs/multitask_demo.yaml's
+RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
+# the candidate dataset (about 97k rows) overfits in 2,000 steps of 1,024 (21 epochs; ml-100k
+# HR@10 0.118, 300 steps 0.132, 150 steps 0.140): 150 steps, about 1.6 epochs
+CANDIDATE_RANKER_STEPS = 150
 PER_SOURCE, RANK_TOP = 200, 300
 STAGES = ("pixie", "two_tower", "history", "merged", "ranked")
 CUTS = (10, 50)
 WARMUP = 20
 
 
-def build(args, scratch: Path) -> Dict[str, str]:
-    """The datasets, both models exported and the graph: {what: path}."""
-    cli, out = retrieval_bench.cli, {k: str(scratch / k) for k in
-                                     ("retrieval", "ranking", "tower", "ranker.pt", "graph")}
-    cli(["preprocess", "interactions", "--input", args.data, "--output", out["retrieval"],
-         "--positive", "rating>=4"])
-    cli(["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
-         "--labels", LABELS, "--ranking-negatives", str(NEGATIVES), "--holdout", out["retrieval"]])
-    train = len(np.load(Path(out["retrieval"]) / "train_user.npy"))
-    per_epoch = retrieval_bench.write_config(scratch / "tower.yaml", {"path": out["retrieval"]},
+def train_tower(args, data: str, scratch: Path, name: str) -> str:
+    """The two-tower model of `data` trained and exported (exact index): its folder."""
+    cli = retrieval_bench.cli
+    train = len(np.load(Path(data) / "train_user.npy"))
+    per_epoch = retrieval_bench.write_config(scratch / f"{name}.yaml", {"path": data},
                                              args.epochs, train, TOWER)
     start = time.perf_counter()
-    cli(["train", "--config", str(scratch / "tower.yaml"), "--set",
-         f"train.run_dir={scratch / 'tower_run'}"])
+    cli(["train", "--config", str(scratch / f"{name}.yaml"), "--set",
+         f"train.run_dir={scratch / (name + '_run')}"])
     steps = max(1, args.epochs * per_epoch)
-    print(f"  two-tower: {args.epochs} epochs ({steps} steps) in "
+    print(f"  {name}: {args.epochs} epochs ({steps} steps) in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
-    cli(["export", "--retrieval", "--checkpoint", str(scratch / "tower_run/checkpoints" /
-                                                       f"step_{steps}"), "--out", out["tower"]])
+    cli(["export", "--retrieval", "--checkpoint", str(scratch / f"{name}_run/checkpoints" /
+                                                       f"step_{steps}"),
+         "--out", str(scratch / name)])
+    return str(scratch / name)
+
+
+def train_ranker(args, ranking: str, scratch: Path, loss: str) -> str:
+    """The multi-task ranker of configs/multitask_demo.yaml on `ranking`, with the ranking
+    loss `loss` (pointwise: none), exported: its file."""
+    cli, name = retrieval_bench.cli, f"ranker_{loss}"
     start = time.perf_counter()
     half = args.ranker_steps // 2
-    sets = [f"data.path={out['ranking']}", f"model.tasks={TASKS}", "data.label_missing=0",
+    sets = [f"data.path={ranking}", f"model.tasks={TASKS}", "data.label_missing=0",
             "value_model={" + ", ".join(f"{t}: {w}" for t, w in VALUE.items()) + "}",
             f"train.max_steps={args.ranker_steps}", "train.eval_every=0",
             f"train.log_every={args.ranker_steps}", f"optim.warmup_steps={min(20, half)}",
             f"optim.decay_start_step={half}", f"optim.decay_steps={args.ranker_steps - half}",
             "train.progress_bar=false", "train.tensorboard=false",
-            f"train.run_dir={scratch / 'ranker_run'}"]
+            f"train.run_dir={scratch / (name + '_run')}"]
+    if loss != "pointwise":
+        sets += [f"model.ranking_loss.kind={loss}",
+                 f"model.ranking_loss.group={1 + args.negatives}"]
     cli(["train", "--config", str(ROOT / "configs/multitask_demo.yaml"),
          *[a for s in sets for a in ("--set", s)]])
-    print(f"  ranker: {args.ranker_steps} steps in {time.perf_counter() - start:.0f} s",
+    print(f"  ranker ({loss}): {args.ranker_steps} steps in {time.perf_counter() - start:.0f} s",
           flush=True)
-    cli(["export", "--checkpoint", str(scratch / "ranker_run/checkpoints" /
-                                       f"step_{args.ranker_steps}"), "--out", out["ranker.pt"]])
+    cli(["export", "--checkpoint", str(scratch / f"{name}_run/checkpoints" /
+                                       f"step_{args.ranker_steps}"),
+         "--out", str(scratch / f"{name}.pt")])
+    return str(scratch / f"{name}.pt")
+
+
+def build(args, scratch: Path) -> Dict[str, str]:
+    """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>` for
+    each of args.losses."""
+    cli, out = retrieval_bench.cli, {k: str(scratch / k) for k in
+                                     ("retrieval", "early", "ranking", "graph", "early_graph")}
+    cli(["preprocess", "interactions", "--input", args.data, "--output", out["retrieval"],
+         "--positive", "rating>=4"])
+    ranking = ["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
+               "--labels", LABELS, "--ranking-negatives", str(args.negatives),
+               "--holdout", out["retrieval"]]
+    if args.ranker_data == "candidates":
+        cli(["preprocess", "interactions", "--input", args.data, "--output", out["early"],
+             "--positive", "rating>=4", "--holdout-recent", str(args.holdout_recent)])
+        early_tower = train_tower(args, out["early"], scratch, "early_tower")
+        cli(["pixie", "build", "--data", out["early"], "--out", out["early_graph"]])
+        ranking += ["--candidates", f"{early_tower},{out['early_graph']}",
+                    "--candidate-ratio", str(args.candidate_ratio)]
+    cli(ranking)
+    out["tower"] = train_tower(args, out["retrieval"], scratch, "tower")
+    for loss in args.losses:
+        out[f"ranker_{loss}"] = train_ranker(args, out["ranking"], scratch, loss)
     cli(["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]])
     return out
 
 
-def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
-             ) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
+def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args,
+             loss: str) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
     """Each user's stages, the ms of each request and of each stage (after WARMUP requests)."""
     import torch
 
@@ -111,7 +157,7 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
                                  pixie=PixieParams(steps=args.pixie_steps))
-    rec = Recommender(paths["tower"], paths["graph"], paths["ranker.pt"], paths["ranking"],
+    rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{loss}"], paths["ranking"],
                       settings)
 
     def ask(user: int):
@@ -176,10 +222,14 @@ def value_text(value: Dict[str, float]) -> str:
     return text[2:] if text.startswith("+ ") else text
 
 
-def summary_line(name: str, hr: Dict[str, float], total_ms: List[float]) -> str:
-    """The benchmark's last line, for scripts."""
+def summary_line(name: str, hr: Dict[str, float], total_ms: List[float],
+                 ranked: Optional[Dict[str, Dict[str, float]]] = None) -> str:
+    """The benchmark's last line, for scripts: hr@10_ranked is the first loss's, then each
+    loss's as hr@10_ranked_<loss>."""
     return (f"recommend: data={name} "
             + " ".join(f"hr@10_{stage}={hr[f'{stage}_hr@10']:.4f}" for stage in STAGES)
+            + "".join(f" hr@10_ranked_{loss}={h['ranked_hr@10']:.4f}"
+                      for loss, h in (ranked or {}).items())
             + f" p50_ms={percentile(total_ms, 50):.2f} p99_ms={percentile(total_ms, 99):.2f}")
 
 
@@ -194,19 +244,38 @@ def main() -> None:
     parser.add_argument("--name", help="the data's name in the summary (default: the log's "
                         "folder, e.g. ml-100k)")
     parser.add_argument("--epochs", type=int, default=EPOCHS, help="two-tower training epochs")
-    parser.add_argument("--ranker-steps", type=int, default=RANKER_STEPS,
-                        help="multi-task ranker steps of 1,024 samples")
+    parser.add_argument("--ranker-steps", type=int, help="multi-task ranker steps of 1,024 "
+                        f"samples (default {CANDIDATE_RANKER_STEPS}; {RANKER_STEPS} with "
+                        f"--ranker-data uniform)")
     parser.add_argument("--pixie-steps", type=int, default=100_000, help="walk steps a request")
     parser.add_argument("--users", type=int, default=0, help="test users to ask (0: all)")
     parser.add_argument("--work", help="build the datasets, models and graph in this new folder "
                         "and keep them (default: a temporary folder)")
+    parser.add_argument("--ranker-data", choices=("candidates", "uniform"),
+                        default="candidates", help="the ranker's negatives: the early funnel's "
+                        "candidates with candidate features (default), or uniform (issue 44's "
+                        "baseline: --ranking-negatives 4, pointwise)")
+    parser.add_argument("--losses", default=",".join(LOSSES), help="rankers to train and "
+                        f"measure, one per ranking loss (default {','.join(LOSSES)})")
+    parser.add_argument("--negatives", type=int, default=NEGATIVES, help="--ranking-negatives")
+    parser.add_argument("--candidate-ratio", type=float, default=CANDIDATE_RATIO)
+    parser.add_argument("--holdout-recent", type=int, default=HOLDOUT_RECENT,
+                        help="the early retrieval dataset's --holdout-recent K")
     parser.add_argument("--quick", action="store_true", help="a check that it runs: 1 epoch, "
                         "30 ranker steps, 10,000 walk steps, 40 users, one peer setting each")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and faiss load
+    if args.ranker_steps is None:
+        args.ranker_steps = RANKER_STEPS if args.ranker_data == "uniform" else \
+            CANDIDATE_RANKER_STEPS
     if args.quick:
         args.epochs, args.ranker_steps, args.pixie_steps = 1, 30, 10_000
         args.users = args.users or 40
+    args.losses = [loss.strip() for loss in args.losses.split(",") if loss.strip()]
+    if args.ranker_data == "uniform":
+        args.losses, args.negatives = ["pointwise"], 4
+    if not args.losses or set(args.losses) - set(LOSSES):
+        parser.error(f"--losses: some of {','.join(LOSSES)}")
     name = args.name or Path(args.data).resolve().parent.name
     cpu = retrieval_bench.cpu_name()
     print(f"recommend benchmark on {cpu}; training OMP_NUM_THREADS=1, requests 1 thread",
@@ -221,7 +290,12 @@ def main() -> None:
                        np.load(root / "val_item.npy").tolist()))
         if args.users:
             users, wanted = users[:args.users], wanted[:args.users]
-        stages, total, per_stage = requests(paths, users, val, args)
+        ranked = {}
+        for n, loss in enumerate(args.losses):
+            asked, took, took_per_stage = requests(paths, users, val, args, loss)
+            ranked[loss] = hit_rates(asked, wanted)
+            if not n:
+                stages, total, per_stage = asked, took, took_per_stage
         found = peers(paths["retrieval"], args.quick)
     hr = hit_rates(stages, wanted)
     mean = {stage: np.mean([len(s[stage]) for s in stages]) for stage in STAGES}
@@ -230,7 +304,8 @@ def main() -> None:
     what = {"pixie": f"Pixie walk from the history ({args.pixie_steps:,} steps)",
             "two_tower": "two-tower user tower, exact search", "history":
             "history: item-to-item neighbours (max)", "merged": "merged (reciprocal-rank fusion)",
-            "ranked": f"ranked: multi-task ranker on the top {RANK_TOP}, value model"}
+            "ranked": f"ranked: multi-task ranker on the top {RANK_TOP}, value model "
+                      f"({args.ranker_data} negatives, {args.losses[0]})"}
     print(f"\n{name}: {len(users)} test users (each user's last positive, rating >= 4); history "
           f"and exclusions: training + validation items; value = "
           + value_text(VALUE) + f"; {cpu}")
@@ -240,11 +315,13 @@ def main() -> None:
         times = per_stage.get(stage_ms[stage], [])
         print(f"| {what[stage]} | {hr[f'{stage}_hr@10']:.4f} | {hr[f'{stage}_hr@50']:.4f} | "
               f"{mean[stage]:.0f} | {percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
+    for loss, h in list(ranked.items())[1:]:
+        print(f"| ranked, {loss} loss | {h['ranked_hr@10']:.4f} | {h['ranked_hr@50']:.4f} | | | |")
     for peer, m in found.items():
         print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
     print(f"| whole request (one at a time, after {WARMUP} warm-up) | | | | "
           f"{percentile(total, 50):.2f} | {percentile(total, 99):.2f} |")
-    print(summary_line(name, hr, total))
+    print(summary_line(name, hr, total, ranked))
 
 
 if __name__ == "__main__":

@@ -110,6 +110,17 @@ class MmoeConfig:
 
 
 @dataclass
+class RankingLossConfig:
+    """A learning-to-rank term added to the multi-task log loss (model/task_heads.py), over
+    requests of `group` consecutive training rows (a ranking dataset made with --candidates
+    writes an engagement and its negatives together: group = 1 + negatives)."""
+
+    kind: str = "none"  # none | pairwise (RankNet over a request's pairs) | listwise (softmax)
+    group: int = 0  # rows per request; the local batch must be a multiple
+    weight: float = 1.0  # the term's weight beside the log loss
+
+
+@dataclass
 class ModelConfig:
     # dlrm: the ranker (one click logit) | two_tower: a user and an item tower trained for
     # retrieval (model/two_tower.py; the `retrieval` section sets its loss and evaluation)
@@ -130,6 +141,7 @@ class ModelConfig:
     # before it are the shared trunk); empty: one click logit
     tasks: List[TaskConfig] = field(default_factory=list)
     mmoe: MmoeConfig = field(default_factory=MmoeConfig)
+    ranking_loss: RankingLossConfig = field(default_factory=RankingLossConfig)
 
 
 @dataclass
@@ -293,6 +305,7 @@ CHOICES = {
     "model.interaction": ("dot", "cat", "dcn", "fm", "dhen"),
     "model.dcn.structure": ("stacked", "parallel"),
     "model.dhen.ensemble": ("concat", "sum"),
+    "model.ranking_loss.kind": ("none", "pairwise", "listwise"),
     "parallel.dense": ("ddp", "fsdp", "hsdp"),
     "data.loader": ("torch", "dali"),
     "data.hotness_distribution": ("fixed", "uniform"),

@@ -36,7 +36,7 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"fbgemm's embedding tables need (CPU and GPU); use {near}")
     if m.kind == "dlrm":
         _validate_ranker(cfg)
-        _validate_tasks(cfg)
+        _validate_tasks(cfg, world_size)
     _validate_two_tower(cfg, world_size)
     _validate_exchange(cfg)
     _validate_dense(cfg)
@@ -139,7 +139,7 @@ def _validate_dhen(cfg: Config) -> None:
                           "vector, without pairs to dot; use a width of 2 or more (or 0)")
 
 
-def _validate_tasks(cfg: Config) -> None:
+def _validate_tasks(cfg: Config, world_size: int = 1) -> None:
     """model.tasks, model.mmoe and value_model (model.kind dlrm)."""
     m, d = cfg.model, cfg.data
     names = [t.name for t in m.tasks]
@@ -166,6 +166,17 @@ def _validate_tasks(cfg: Config) -> None:
     if m.mmoe.experts and not m.tasks:
         raise ConfigError("model.mmoe.experts: gates one mix of experts per task, and "
                           "model.tasks is empty; name the tasks, or leave experts at 0")
+    r = m.ranking_loss
+    if r.kind != "none":
+        local = d.global_batch_size // world_size
+        if not m.tasks:
+            raise ConfigError("model.ranking_loss: ranks by the tasks' logits; name model.tasks")
+        if r.group < 2 or local % r.group:
+            raise ConfigError(f"model.ranking_loss.group: {r.group}: give the rows of one request "
+                              f"(2 or more: the ranking dataset's train_request_rows), a divisor "
+                              f"of each rank's batch ({local})")
+        if not r.weight >= 0:
+            raise ConfigError(f"model.ranking_loss.weight: must be >= 0, got {r.weight}")
     if not 0 <= d.task_correlation <= 1:
         raise ConfigError(f"data.task_correlation: {d.task_correlation} is not in [0, 1]")
     if not 0 <= d.label_missing < 1:

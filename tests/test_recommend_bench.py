@@ -31,6 +31,10 @@ def test_hit_rates_count_the_test_item_among_each_stages_first_k(bench):
     assert line == ("recommend: data=ml-100k hr@10_pixie=1.0000 hr@10_two_tower=0.5000 "
                     "hr@10_history=0.0000 hr@10_merged=0.5000 hr@10_ranked=0.5000 "
                     "p50_ms=50.50 p99_ms=99.01")
+    line = bench.summary_line("ml-100k", hr, [1.0], {"pointwise": hr, "listwise":
+                                                     {"ranked_hr@10": 0.25}})
+    assert line.endswith("hr@10_ranked=0.5000 hr@10_ranked_pointwise=0.5000 "
+                         "hr@10_ranked_listwise=0.2500 p50_ms=1.00 p99_ms=1.00")
     assert bench.value_text({"watched": 0.5, "liked": 1.0, "disliked": -2.0}) == \
         "0.5 P(watched) + 1 P(liked) - 2 P(disliked)"
 

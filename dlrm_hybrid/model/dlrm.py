@@ -14,14 +14,15 @@ from torchrec.models.dlrm import DenseArch, OverArch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dlrm_hybrid.config import DcnConfig, DhenConfig, MmoeConfig, TaskConfig
+from dlrm_hybrid.config import (DcnConfig, DhenConfig, MmoeConfig, RankingLossConfig,
+                                TaskConfig)
 from dlrm_hybrid.model.alignment import aligned
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.cross import dcn_over_arch
 from dlrm_hybrid.model.embeddings import embedding_tables
 from dlrm_hybrid.model.interactions import FactorizationMachine, build_interaction
-from dlrm_hybrid.model.task_heads import TaskHeads, multitask_loss
+from dlrm_hybrid.model.task_heads import TaskHeads, multitask_loss, ranking_loss
 
 
 class DLRM(nn.Module):
@@ -30,13 +31,14 @@ class DLRM(nn.Module):
                  dcn: Optional[DcnConfig] = None, dhen: Optional[DhenConfig] = None,
                  embedding_precision: str = "fp32",
                  embedding_device: torch.device = torch.device("meta"),
-                 tasks: Optional[List[TaskConfig]] = None, mmoe: Optional[MmoeConfig] = None
-                 ) -> None:
+                 tasks: Optional[List[TaskConfig]] = None, mmoe: Optional[MmoeConfig] = None,
+                 ranking: Optional[RankingLossConfig] = None) -> None:
         """Embedding tables start on `embedding_device`; "meta" allocates nothing, because
         sharding materialises each table only on the rank that owns it. `lookups` says which
         tables each categorical feature is looked up in (compositional.py). `dcn`, `dhen`: those
         interactions' settings (the config's defaults if None). `tasks` (multi-task ranking):
-        one head per task in place of the top MLP's last layer, logits [B, T]."""
+        one head per task in place of the top MLP's last layer, logits [B, T]; `ranking`: a
+        learning-to-rank term beside their log loss, over requests of consecutive rows."""
         super().__init__()
         tables = embedding_tables(lookups, embedding_precision)
         self.lookups = lookups
@@ -62,6 +64,7 @@ class DLRM(nn.Module):
             _put_task_heads(self.over_arch, tasks, mmoe or MmoeConfig())
             self.register_buffer("task_weights", torch.tensor([t.weight for t in tasks]),
                                  persistent=False)
+        self.ranking = ranking if ranking is not None and ranking.kind != "none" else None
         # pooled: the lookup returns pooled vectors; des: per-sample partial sums of the first
         # operation on them, added up over their owners (parallel/exchange.py sets it).
         self.exchange = "pooled"
@@ -135,7 +138,12 @@ class DLRM(nn.Module):
                    labels: torch.Tensor) -> torch.Tensor:
         """The dense part of a training step: the part CUDA Graphs capture."""
         if self.tasks:
-            return multitask_loss(self.logits(dense, pooled), labels, self.task_weights)
+            logits = self.logits(dense, pooled)
+            loss = multitask_loss(logits, labels, self.task_weights)
+            if self.ranking is not None:
+                loss = loss + self.ranking.weight * ranking_loss(
+                    logits, labels, self.task_weights, self.ranking.kind, self.ranking.group)
+            return loss
         return binary_cross_entropy_with_logits(self.logits(dense, pooled).float(), labels)
 
 
@@ -190,4 +198,4 @@ def build_model(model_cfg, spec, embedding_device: torch.device = torch.device("
     return DLRM(spec.num_dense, lookups_of(model_cfg, spec), model_cfg.bottom_mlp,
                 model_cfg.top_mlp, model_cfg.interaction, model_cfg.self_interaction,
                 model_cfg.dcn, model_cfg.dhen, model_cfg.embedding_precision, embedding_device,
-                model_cfg.tasks, model_cfg.mmoe)
+                model_cfg.tasks, model_cfg.mmoe, model_cfg.ranking_loss)

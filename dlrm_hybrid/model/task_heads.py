@@ -1,6 +1,8 @@
 """Multi-task ranking (model.tasks): one head per engagement task over the shared trunk, or
 over a multi-gate mixture of experts (MMoE), and the masked, weighted sum of per-task log
-losses. Written for `torch.jit.script` too: the exported model carries the heads."""
+losses, with an optional learning-to-rank term per request (model.ranking_loss: pairwise or
+listwise over groups of consecutive rows). Written for `torch.jit.script` too: the exported
+model carries the heads."""
 
 from typing import List
 
@@ -64,3 +66,34 @@ def multitask_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
         logits.float(), torch.where(present, labels, torch.zeros_like(labels)), reduction="none")
     per_task = torch.where(present, per_sample, torch.zeros_like(per_sample)).sum(0)
     return (per_task * weights).sum() / labels.shape[0]
+
+
+def ranking_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, kind: str,
+                 group: int) -> torch.Tensor:
+    """A learning-to-rank loss over requests of `group` consecutive rows ([B, T] logits and
+    labels, B a multiple of `group`; NaN: missing, left out), sum_t weight_t * (sum over
+    requests of the request's task-t loss) / (B / group):
+    pairwise (RankNet, Burges et al. 2005): sum over pairs i, j of one request with label_i = 1,
+    label_j = 0 of log(1 + exp(z_j - z_i));
+    listwise (ListNet's softmax cross-entropy, Cao et al. 2007): -sum_i (label_i / sum label)
+    log softmax(z)_i over the request's labelled rows, a request without a positive adding 0."""
+    requests, tasks = labels.shape[0] // group, labels.shape[1]
+    z = logits.float().reshape(requests, group, tasks)
+    y = labels.reshape(requests, group, tasks)
+    present = ~torch.isnan(y)
+    positive = present & (y > 0.5)
+    negative = present & (y <= 0.5)
+    if kind == "pairwise":
+        margin = z.unsqueeze(2) - z.unsqueeze(1)  # [R, i, j, T]: z_i - z_j
+        pairs = positive.unsqueeze(2) & negative.unsqueeze(1)
+        per = torch.nn.functional.softplus(-margin)
+        per_task = torch.where(pairs, per, torch.zeros_like(per)).sum((0, 1, 2))
+    else:
+        masked = torch.where(present, z, torch.full_like(z, float("-inf")))
+        log_p = torch.log_softmax(masked, dim=1)
+        target = torch.where(positive, torch.ones_like(z), torch.zeros_like(z))
+        total = target.sum(1, keepdim=True)
+        share = target / total.clamp(min=1.0)
+        per = torch.where(positive, -share * log_p, torch.zeros_like(z))
+        per_task = per.sum((0, 1))
+    return (per_task * weights).sum() / requests

@@ -2,17 +2,20 @@
 by user and by item: every row of that dataset is (user_id, item_id, user_<side>..., item_<side>...;
 log1p of the user's and of the item's train engagements), so a user's side ids and count, and an
 item's, are the same on each of its rows. Read once (numpy over the split files), they give the
-rows for any (user, candidate items) pair a request scores."""
+rows for any (user, candidate items) pair a request scores. A dataset made with `--candidates`
+has the candidate features (serve/candidate_sources.py) after the two counts: a request passes
+them in, computed from its own sources."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES
 
 
 class RankingFeatures:
@@ -25,11 +28,16 @@ class RankingFeatures:
                             f"`preprocess interactions --labels` wrote")
         fspec = load_feature_spec(path)
         names = list(fspec.notes.get("categorical_features") or [])
-        if names[:2] != ["user_id", "item_id"] or fspec.spec.num_dense != 2 or not all(
+        dense_names = list(fspec.notes.get("numerical_features") or [])
+        self.candidate_features = dense_names[2:] == list(CANDIDATE_FEATURES)
+        if names[:2] != ["user_id", "item_id"] or fspec.spec.num_dense != len(dense_names) or \
+                len(dense_names) != (2 + len(CANDIDATE_FEATURES) if self.candidate_features
+                                     else 2) or not all(
                 (root / f).is_file() for f in ("users.txt", "items.txt")):
             raise UserError(f"--ranker-data: {path} is not a ranking dataset (`preprocess "
                             f"interactions --labels` writes user_id, item_id first, two counts "
-                            f"and users.txt/items.txt)")
+                            f"(then, with --candidates, {','.join(CANDIDATE_FEATURES)}) and "
+                            f"users.txt/items.txt)")
         self.path, self.names = path, names
         self.spec = fspec.spec
         self.user_names = (root / "users.txt").read_text(encoding="utf-8").splitlines()
@@ -46,7 +54,8 @@ class RankingFeatures:
         self.item_dense = np.zeros(items, np.float32)
         for files in fspec.splits.values():
             cats = [np.fromfile(p, d) for p, d in zip(files.categorical, fspec.categorical_dtypes)]
-            dense = np.fromfile(files.numerical, np.float16).reshape(-1, 2).astype(np.float32)
+            dense = np.fromfile(files.numerical, np.float16).reshape(
+                -1, fspec.spec.num_dense)[:, :2].astype(np.float32)
             u, i = cats[0].astype(np.int64), cats[1].astype(np.int64)
             self.user_side[u] = np.column_stack([cats[f] for f in user_cols] or
                                                 [np.zeros((len(u), 0))])
@@ -54,9 +63,15 @@ class RankingFeatures:
                                                 [np.zeros((len(i), 0))])
             self.user_dense[u], self.item_dense[i] = dense[:, 0], dense[:, 1]
 
-    def rows(self, user: int, items: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(dense [N, 2] float32, ids [N, F] int64 in the dataset's feature order) of `user`
-        with each of `items` (the dataset's dense ids)."""
+    def rows(self, user: int, items: np.ndarray, candidate: Optional[np.ndarray] = None
+             ) -> Tuple[np.ndarray, np.ndarray]:
+        """(dense [N, D] float32, ids [N, F] int64 in the dataset's feature order) of `user`
+        with each of `items` (the dataset's dense ids); `candidate`: the items' candidate
+        features, which a dataset made with --candidates needs (and no other takes)."""
+        if (candidate is not None) != self.candidate_features:
+            raise UserError(f"--ranker-data: {self.path} "
+                            + ("has candidate features; give the sources' features" if
+                               self.candidate_features else "has no candidate features"))
         n = len(items)
         columns: List[np.ndarray] = [np.full(n, user), items,
                                      *np.repeat(self.user_side[user][None], n, 0).T,
@@ -64,5 +79,7 @@ class RankingFeatures:
         ids = np.empty((n, len(self.order)), np.int64)
         for column, f in zip(columns, self.order):
             ids[:, f] = column
-        dense = np.column_stack([np.full(n, self.user_dense[user]), self.item_dense[items]])
-        return dense.astype(np.float32), ids
+        dense = np.column_stack([np.full(n, self.user_dense[user]), self.item_dense[items],
+                                 *([] if candidate is None else [candidate])])
+        # as the dataset stored them: float16
+        return dense.astype(np.float16).astype(np.float32), ids

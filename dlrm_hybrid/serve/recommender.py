@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.serve.candidate_sources import SOURCES, CandidateSources, candidate_features
 from dlrm_hybrid.serve.rank_fusion import merge
 from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_ranker,
                                                 open_retriever, trained_on, value_model_weights)
@@ -35,7 +36,6 @@ from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_
 if TYPE_CHECKING:
     from dlrm_hybrid.graph.pixie import PixieParams
 
-SOURCES = ("two_tower", "history", "pixie")
 STAGES = (*SOURCES, "merged", "ranked")
 DIVERSITY = ("auto", "on", "off")
 
@@ -109,6 +109,8 @@ class Recommender:
         graph = read_graph(pixie)
         check_graph(graph.description, self.retriever, pixie)
         self.walker = PixieWalker(graph, settings.device)
+        self.sources = CandidateSources(self.retriever, self.walker, settings.per_source,
+                                        settings.pixie, settings.sources)
         self.ranker, description = open_ranker(ranker)
         self.tasks: List[str] = list(description["tasks"])
         self.features = RankingFeatures(ranker_data or trained_on(description, ranker))
@@ -164,16 +166,19 @@ class Recommender:
         s, ms, stages = self.settings, {}, {}
         history = np.asarray(history, np.int64)
         exclude = np.asarray(exclude, np.int64)
+        lists = {}
         for source in SOURCES:
             start = time.perf_counter()
-            stages[source] = (self._source(source, user, history, exclude, timeline)
-                              if source in s.sources else np.zeros(0, np.int64))
+            lists[source] = (self.sources.source(source, user, history, exclude, timeline)
+                             if source in s.sources else (np.zeros(0, np.int64), np.zeros(0)))
+            stages[source] = lists[source][0]
             ms[source] = _since(start)
         start = time.perf_counter()
         stages["merged"], found_by = merge({src: stages[src] for src in s.sources})
         ms["merge"] = _since(start)
         start = time.perf_counter()
-        stages["ranked"], probabilities, value = self._rank(user, stages["merged"][:s.rank_top])
+        stages["ranked"], probabilities, value = self._rank(user, stages["merged"][:s.rank_top],
+                                                             lists)
         ms["rank"] = _since(start)
         start = time.perf_counter()
         keep = np.flatnonzero(~np.isin(stages["ranked"], self.blocked))
@@ -185,25 +190,11 @@ class Recommender:
         return Recommendation(items, value[keep], probabilities[keep], self.tasks,
                               [found_by[int(i)] for i in items], stages, ms)
 
-    def _source(self, source: str, user: int, history: np.ndarray, exclude: np.ndarray,
-                timeline: Optional[np.ndarray] = None) -> np.ndarray:
-        per = self.settings.per_source
-        if source == "two_tower" and self.retriever.history_length and timeline is not None:
-            [(items, _)] = self.retriever.for_histories([timeline], per, False, [exclude])
-            return items
-        if source == "two_tower":
-            [(items, _)] = self.retriever.for_users(np.array([user]), per, exclude=[exclude])
-            return items
-        if not len(history):
-            return np.zeros(0, np.int64)
-        if source == "history":
-            return self.retriever.from_history(history, per, exclude=exclude)[0]
-        walk = self.walker.walk(history, params=self.settings.pixie, keep_queries=True)
-        return walk.items[~np.isin(walk.items, exclude)][:per].astype(np.int64)
-
-    def _rank(self, user: int, items: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _rank(self, user: int, items: np.ndarray, lists: Dict[str, Tuple[np.ndarray, np.ndarray]]
+              ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`items` ordered by the value model (ties: their order), with [N, T] probabilities
-        and [N] values."""
+        and [N] values; a ranker trained with candidate features reads them from the sources'
+        `lists` (candidate_sources.py), as its training rows had them."""
         import torch
 
         if not len(items):
@@ -213,7 +204,8 @@ class Recommender:
             raise UserError(f"--user: {self.retriever.user_names[user]!r} is not in "
                             f"{self.features.path}/users.txt, the ranker's dataset: it was made "
                             f"from another log; give the ranking dataset of the retrieval log")
-        dense, ids = self.features.rows(ranking_user, self.ranking_item[items])
+        extra = candidate_features(lists, items) if self.features.candidate_features else None
+        dense, ids = self.features.rows(ranking_user, self.ranking_item[items], extra)
         with torch.inference_mode():
             probabilities, value = self.ranker.score_with_value(
                 torch.from_numpy(dense), torch.from_numpy(ids), None, self.weights)

@@ -168,9 +168,20 @@ class Prepared:
     rows: Dict[str, np.ndarray]  # per split, the log rows of its pairs, in their order
 
 
+def most_recent(users: np.ndarray, chronology: np.ndarray, k: int) -> np.ndarray:
+    """The rows of `chronology` (oldest first) among their user's `k` last there."""
+    order = chronology[np.argsort(users[chronology], kind="stable")]
+    counts = np.bincount(users[order])
+    from_end = np.cumsum(counts)[users[order]] - 1 - np.arange(len(order))
+    return order[from_end < k]
+
+
 def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leave-last-out",
-            cut: Optional[Tuple[float, float]] = None, seed: int = 0) -> Prepared:
-    """The dataset a log makes: ids, side features, splits; the counts in `meta.extra`."""
+            cut: Optional[Tuple[float, float]] = None, seed: int = 0,
+            holdout_recent: int = 0) -> Prepared:
+    """The dataset a log makes: ids, side features, splits; the counts in `meta.extra`.
+    `holdout_recent` K: each user's K most recent positives (after --min-count) left out first,
+    for an early dataset whose models make a ranking dataset's --candidates."""
     from dlrm_hybrid.data.interactions.interaction_data import InteractionData
 
     if split == "time" and "timestamp" not in log.columns:
@@ -182,9 +193,11 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
     items, item_counts = positive_counts(log.columns["item"], is_positive)
     kept = (is_positive & (user_counts >= min_count)[users.codes]
             & (item_counts >= min_count)[items.codes])
-    users, items = renumber(users, kept), renumber(items, kept)
     times = log.columns.get("timestamp")
     every_row = rows if times is None else np.lexsort((rows, times))  # oldest first
+    recent = most_recent(users.codes, every_row[kept[every_row]], holdout_recent)
+    kept[recent] = False
+    users, items = renumber(users, kept), renumber(items, kept)
     chronology = every_row[kept[every_row]]
     u, i = users.codes, items.codes
     short = 0
@@ -209,7 +222,8 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
              "below_min_count": int((is_positive & ~kept).sum()), "min_count": min_count,
              "dropped_users": int((user_counts > 0).sum()) - len(users.raw),
              "dropped_items": int((item_counts > 0).sum()) - len(items.raw),
-             "users_all_in_train": short, "seed": seed, "columns": ",".join(log.layout)}
+             "users_all_in_train": short, "seed": seed,
+             "holdout_recent": holdout_recent, "held_recent": len(recent), "columns": ",".join(log.layout)}
     meta = InteractionMeta(len(users.raw), len(items.raw), user_cards, item_cards,
                            split_rule=rule, positive=str(positive), source=list(log.sources),
                            extra=extra)

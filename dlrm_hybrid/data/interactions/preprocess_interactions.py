@@ -55,6 +55,18 @@ def add_arguments(parser) -> None:
                         help="--labels: leave out the validation and test pairs of DIR, the "
                              "retrieval dataset of the same log (from every split and from the "
                              "negatives), so a funnel scored on DIR's test never trained on them")
+    parser.add_argument("--candidates", metavar="TOWER,GRAPH",
+                        help="--labels: the ranker's rows from the funnel's candidates: TOWER "
+                             "(`export --retrieval`) and GRAPH (`pixie build`) made from an early "
+                             "retrieval dataset of this log (--holdout-recent K); each user's "
+                             "engagements after those models' data, with the candidate features, "
+                             "their negatives partly drawn from the candidates")
+    parser.add_argument("--candidate-ratio", type=float, default=0.75, metavar="R",
+                        help="--candidates: the share of each engagement's --ranking-negatives "
+                             "drawn from the user's candidates, the rest uniform (default 0.75)")
+    parser.add_argument("--holdout-recent", type=int, default=0, metavar="K",
+                        help="a retrieval dataset without each user's K most recent positives "
+                             "(an early one, whose models give --candidates)")
 
 
 def run(args) -> None:
@@ -64,13 +76,17 @@ def run(args) -> None:
         from dlrm_hybrid.data.interactions.ranking_log import run as run_ranking
 
         return run_ranking(args)
-    if args.ranking_negatives or args.holdout:
-        raise UserError(f"{'--ranking-negatives' if args.ranking_negatives else '--holdout'}: "
-                        f"for a ranking dataset; give --labels too")
+    for flag, given in (("--ranking-negatives", args.ranking_negatives),
+                        ("--holdout", args.holdout), ("--candidates", args.candidates)):
+        if given:
+            raise UserError(f"{flag}: for a ranking dataset; give --labels too")
+    if args.holdout_recent < 0:
+        raise UserError(f"--holdout-recent: must be 0 or more, got {args.holdout_recent}")
     start = time.perf_counter()
     log, cut = read_checked_log(args)
     positive = parse_positive(args.positive, log.layout)
-    prepared = prepare(log, positive, args.min_count, args.split, cut, args.seed)
+    prepared = prepare(log, positive, args.min_count, args.split, cut, args.seed,
+                       args.holdout_recent)
     write_interactions(prepared.data, args.output, _text(prepared.raw_users),
                        _text(prepared.raw_items))
     print(summary(prepared.data.meta, args.output, time.perf_counter() - start))
@@ -95,6 +111,8 @@ def summary(meta: InteractionMeta, output: str, seconds: float) -> str:
         f"  positive   {meta.positive}: {e['not_positive']:,} rows are not",
         f"  min-count  {e['min_count']}: {e['below_min_count']:,} positives left out with "
         f"{e['dropped_users']:,} users and {e['dropped_items']:,} items",
+        *([f"  recent     {e['held_recent']:,} positives left out (--holdout-recent "
+             f"{e['holdout_recent']}: each user's most recent)"] if e.get("holdout_recent") else []),
         f"  kept       {kept:,} positives of {meta.users:,} users and {meta.items:,} items",
         f"  features   user: {sides(meta.user_side)}; item: {sides(meta.item_side)}",
         f"  split      {meta.split_rule}"

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from dlrm_hybrid.data.interactions.interaction_log import BAD_KINDS, OPS, Log, P
 from dlrm_hybrid.data.interactions.interaction_meta import SPLITS
 from dlrm_hybrid.data.interactions.interaction_split import (Prepared, leave_last_out, prepare,
                                                              read_checked_log, split_pairs)
+from dlrm_hybrid.data.interactions.ranking_negatives import (LEFT_OUT, PER_SOURCE, RANK_TOP,
+                                                             CandidatePool, candidate_blocks,
+                                                             candidate_pool, sample_negatives)
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.errors import DataError, UserError
 
@@ -85,31 +88,26 @@ def parse_labels(text: str, layout: Sequence[str]) -> List[LabelRule]:
     return rules
 
 
-def sample_negatives(users: np.ndarray, engaged: np.ndarray, items: int, per_row: int,
-                     rng: np.random.Generator) -> np.ndarray:
-    """[len(users), per_row] items drawn uniformly among those the row's user never engaged
-    with; `engaged`: sorted keys user * items + item of every engagement. Rows of a user who
-    engaged with every item must be left out by the caller."""
-    drawn = rng.integers(0, items, (len(users), per_row))
-    redo = np.ones(drawn.shape, bool)
-    while redo.any():  # rejection: a redraw hits an engaged item with chance < its share
-        keys = users[:, None].astype(np.int64) * items + drawn
-        pos = np.minimum(np.searchsorted(engaged, keys), len(engaged) - 1)
-        redo = engaged[pos] == keys
-        drawn[redo] = rng.integers(0, items, int(redo.sum()))
-    return drawn
-
-
 @dataclass
 class Split:
-    """One split's samples: user and item ids, labels [N, T]; its engagements, and how many
-    of them got no negatives (their user engaged with every item)."""
+    """One split's samples: user and item ids, labels [N, T], candidate features [N, F] (None
+    without --candidates); its engagements, and how many of them got no negatives (their user
+    engaged with every item)."""
 
     users: np.ndarray
     items: np.ndarray
     labels: np.ndarray
     engagements: int
     without_negatives: int
+    candidate: Optional[np.ndarray] = None
+    left_out: Dict[str, int] = field(default_factory=dict)
+
+
+def engaged_keys(prepared: Prepared, held: np.ndarray) -> np.ndarray:
+    """Sorted keys user * items + item of every engagement of every split, and of `held`."""
+    data = prepared.data
+    return np.unique(np.concatenate([u.astype(np.int64) * data.items + i
+                                     for u, i in data.pairs.values()] + [held]))
 
 
 def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], negatives: int,
@@ -117,8 +115,7 @@ def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], neg
     """Each split's engagements, each followed by its sampled negatives (never an engagement,
     nor a `held` key user * items + item); train shuffled."""
     data, rng = prepared.data, np.random.default_rng(seed)
-    engaged = np.unique(np.concatenate([u.astype(np.int64) * data.items + i
-                                        for u, i in data.pairs.values()] + [held]))
+    engaged = engaged_keys(prepared, held)
     full = np.bincount(engaged // data.items, minlength=data.users) >= data.items
     out = {}
     for split, (users, items) in data.pairs.items():
@@ -139,6 +136,36 @@ def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], neg
         out[split] = Split(blocks_u[keep][order], blocks_i[keep][order],
                            blocks_labels[keep][order], len(users),
                            int((~sampled).sum()) if negatives else 0)
+    return out
+
+
+def candidate_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], negatives: int,
+                     ratio: float, seed: int, held: np.ndarray, pool: CandidatePool,
+                     positions: np.ndarray) -> Dict[str, Split]:
+    """--candidates: each split's engagements after their user's cut that the candidates hold,
+    each followed by its negatives (ranking_negatives.py), 1 + N rows a request; the train
+    split's requests shuffled as wholes. `positions`: each log row's place in the chronology."""
+    from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES
+
+    data, rng = prepared.data, np.random.default_rng(seed)
+    engaged, width, out = engaged_keys(prepared, held), len(CANDIDATE_FEATURES), {}
+    for split, (users, items) in data.pairs.items():
+        rows = prepared.rows[split]
+        labels = np.stack([r.values(log, rows) for r in rules], axis=1)
+        keep, blocks, features, left_out = candidate_blocks(
+            users.astype(np.int64), items.astype(np.int64), positions[rows], pool, engaged,
+            data.items, negatives, ratio, width, rng)
+        if not keep.any():
+            raise DataError(f"--candidates: no {SPLIT_FOLDERS[split]} engagement is left (after "
+                            f"its user's cut and among the candidates: {left_out}); make the "
+                            f"early models with a larger --holdout-recent")
+        n, size = len(blocks), 1 + negatives
+        block_labels = np.zeros((n, size, len(rules)), np.float32)
+        block_labels[:, 0] = labels[keep]
+        order = rng.permutation(n) if split == "train" else np.arange(n)
+        out[split] = Split(np.repeat(users[keep][order].astype(np.int64), size),
+                           blocks[order].ravel(), block_labels[order].reshape(n * size, -1), n, 0,
+                           features[order].reshape(n * size, width), left_out)
     return out
 
 
@@ -207,22 +234,27 @@ def hold_out(prepared: Prepared, log: Log, keys: np.ndarray, folder: str, seed: 
 
 
 def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelRule],
-                  negatives: int, seed: int, output: str) -> None:
+                  negatives: int, seed: int, output: str, candidates: str = "",
+                  ratio: float = 0.0) -> None:
     """The split-binary dataset, its labels, features and how it was made in feature_spec.yaml."""
     from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
+    from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES
 
     data, meta = prepared.data, prepared.data.meta
+    dense_names = list(DENSE) + (list(CANDIDATE_FEATURES) if candidates else [])
     user_count = np.bincount(data.pairs["train"][0], minlength=data.users)
     item_count = np.bincount(data.pairs["train"][1], minlength=data.items)
     names = ["user_id", "item_id", *[f"user_{n}" for n in meta.user_side],
              *[f"item_{n}" for n in meta.item_side]]
-    spec = DataSpec(len(DENSE), [data.users, data.items, *meta.user_side.values(),
+    spec = DataSpec(len(dense_names), [data.users, data.items, *meta.user_side.values(),
                                  *meta.item_side.values()], [1] * len(names))
     with SplitBinaryWriter(output, spec, labels=[r.name for r in rules]) as writer:
         for split, s in splits.items():
             for lo in range(0, len(s.users), CHUNK):
                 u, i = s.users[lo:lo + CHUNK], s.items[lo:lo + CHUNK]
                 dense = np.log1p(np.stack([user_count[u], item_count[i]], axis=1))
+                if s.candidate is not None:
+                    dense = np.concatenate([dense, s.candidate[lo:lo + CHUNK]], axis=1)
                 cats = [u, i, *data.user_side[u].T, *data.item_side[i].T]
                 writer.write(SPLIT_FOLDERS[split], s.labels[lo:lo + CHUNK], dense,
                              [c[:, None] for c in cats])
@@ -231,15 +263,26 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                 "labels": {r.name: str(r) for r in rules},
                 "engagement": "every row of the log",
                 "ranking_negatives": negatives,
-                "negatives": f"{negatives} per engagement: items the user never engaged with in "
-                             f"the log, uniform, seed {seed}; every label 0",
+                "negatives": (f"{negatives} per engagement: {round(negatives * ratio)} drawn "
+                              f"from the user's candidates (--candidates {candidates}, the first "
+                              f"{RANK_TOP} merged), the rest uniform; never an item the user "
+                              f"engaged with in the log; seed {seed}; every label 0; only "
+                              f"engagements after the user's cut that the candidates hold"
+                              if candidates else
+                              f"{negatives} per engagement: items the user never engaged with in "
+                              f"the log, uniform, seed {seed}; every label 0"),
+                "candidates": {"models": candidates, "ratio": ratio, "rank_top": RANK_TOP,
+                               "per_source": PER_SOURCE,
+                               "left_out": {k: sum(v.left_out.get(k, 0) for v in splits.values())
+                                            for k in LEFT_OUT}} if candidates else None,
+                "train_request_rows": 1 + negatives if candidates else None,
                 "holdout": {"dataset": meta.extra["holdout"], "rows": meta.extra["held_out"],
                             "rule": "its validation and test pairs (raw ids): in no split, never "
                                     "a negative"} if meta.extra["holdout"] else None,
                 "split_rule": meta.split_rule,
                 "request_feature": REQUEST_FEATURE,
                 "categorical_features": names,
-                "numerical_features": list(DENSE),
+                "numerical_features": dense_names,
                 "rows": {"read": meta.extra["rows"],
                          "kept": sum(v.engagements for v in splits.values()),
                          **{k: meta.extra[k] for k in (*BAD_KINDS, "below_min_count",
@@ -255,11 +298,20 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
 def run(args) -> None:
     """`preprocess interactions --labels`: read, prepare, sample, write; one summary."""
     start = time.perf_counter()
+    if args.holdout_recent:
+        raise UserError("--holdout-recent: for the early retrieval dataset whose models give "
+                        "--candidates; leave it out with --labels")
     if args.positive:
         raise UserError("--positive: with --labels every row of the log is an engagement; say "
                         "what each label is in --labels (e.g. liked:rating>=4)")
     if args.ranking_negatives < 0:
         raise UserError(f"--ranking-negatives: must be 0 or more, got {args.ranking_negatives}")
+    if not 0 <= args.candidate_ratio <= 1:
+        raise UserError(f"--candidate-ratio: the share of negatives drawn from the candidates, "
+                        f"in [0, 1]; got {args.candidate_ratio}")
+    if args.candidates and args.ranking_negatives < 1:
+        raise UserError("--candidates: give --ranking-negatives N >= 1, the negatives of each "
+                        "engagement (--candidate-ratio of them from the candidates)")
     log, cut = read_checked_log(args)
     rules = parse_labels(args.labels, log.layout)
     prepared = prepare(log, Positive(), args.min_count, args.split, cut, args.seed)
@@ -268,10 +320,34 @@ def run(args) -> None:
     if args.holdout:
         held = holdout_keys(args.holdout, prepared)
         prepared = hold_out(prepared, log, held, args.holdout, args.seed)
-    splits = ranking_splits(prepared, log, rules, args.ranking_negatives, args.seed, held)
-    write_ranking(prepared, splits, rules, args.ranking_negatives, args.seed, args.output)
+    if args.candidates:
+        positions, users, items = chronology_of(prepared, log)
+        data = prepared.data
+        evaluation = np.concatenate([held] + [u.astype(np.int64) * data.items + i for split, (u, i)
+                                              in data.pairs.items() if split != "train"])
+        pool = candidate_pool(args.candidates, prepared.raw_users, prepared.raw_items, users,
+                              items, np.argsort(positions), evaluation)
+        splits = candidate_splits(prepared, log, rules, args.ranking_negatives,
+                                  args.candidate_ratio, args.seed, held, pool, positions)
+    else:
+        splits = ranking_splits(prepared, log, rules, args.ranking_negatives, args.seed, held)
+    write_ranking(prepared, splits, rules, args.ranking_negatives, args.seed, args.output,
+                  args.candidates or "", args.candidate_ratio)
     print(summary(prepared, splits, rules, args.ranking_negatives, args.output,
                   time.perf_counter() - start))
+
+
+def chronology_of(prepared: Prepared, log: Log) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each log row's place in time order: timestamp, then file order; each row's user and
+    item in `prepared`'s ids, -1 for a row in no split)."""
+    users, items = np.full(len(log), -1, np.int64), np.full(len(log), -1, np.int64)
+    for split, (u, i) in prepared.data.pairs.items():
+        users[prepared.rows[split]], items[prepared.rows[split]] = u, i
+    rows, times = np.arange(len(log)), log.columns.get("timestamp")
+    order = rows if times is None else np.lexsort((rows, times))
+    positions = np.empty(len(log), np.int64)
+    positions[order] = rows
+    return positions, users, items
 
 
 def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelRule],
@@ -290,6 +366,10 @@ def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelR
              f"  negatives  {negatives} per engagement ({unsampled:,} engagements without: their "
              f"user engaged with every item)",
              "  labels     " + ", ".join(f"{r.name}: {r}" for r in rules)]
+    left = {k: sum(s.left_out.get(k, 0) for s in splits.values()) for k in LEFT_OUT}
+    if any(s.candidate is not None for s in splits.values()):
+        lines.append("  candidates engagements left out: " + ", ".join(
+            f"{k.replace('_', ' ')} {v:,}" for k, v in left.items()))
     for split, s in splits.items():
         rates = ", ".join(f"{r.name} {s.labels[:, t].mean():.3f}" for t, r in enumerate(rules))
         lines.append(f"  {SPLIT_FOLDERS[split]:<10} {len(s.users):,} rows ({s.engagements:,} "

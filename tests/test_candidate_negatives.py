@@ -1,0 +1,333 @@
+"""The ranker trained on the funnel's own candidates (`preprocess interactions --labels
+--candidates`, data/interactions/ranking_negatives.py; serve/candidate_sources.py) and the
+learning-to-rank losses (model/task_heads.py's `ranking_loss`): candidate negatives are never an
+engaged or evaluation item; the rows are those after the candidate models' data; models that
+trained on an evaluation pair are refused; the features are the sources' ranks and scores; the
+pairwise and listwise losses equal a hand computation and train."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import failure, run_cli
+from dlrm_hybrid.data.interactions.ranking_negatives import CandidatePool, candidate_blocks
+from dlrm_hybrid.model.task_heads import ranking_loss
+from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES, candidate_features
+
+WIDTH = len(CANDIDATE_FEATURES)
+
+
+def pool_of(users: int, candidates: dict) -> CandidatePool:
+    pool = CandidatePool(np.zeros(users, np.int64))
+    for user, items in candidates.items():
+        pool.items[user] = np.array(items, np.int64)
+        pool.features[user] = np.arange(len(items) * WIDTH, dtype=np.float32).reshape(-1, WIDTH)
+    return pool
+
+
+def test_candidate_negatives_are_never_engaged_nor_evaluation_items():
+    catalogue, negatives, ratio = 40, 8, 0.75
+    pool = pool_of(2, {0: range(12), 1: range(20, 26)})
+    engaged = {0: [1, 2, 3, 30], 1: [20, 21, 22, 23, 24]}  # user 1: one free candidate (25)
+    evaluation = {0: [4, 5], 1: [31]}  # held pairs: never drawn either
+    keys = np.unique([u * catalogue + i for d in (engaged, evaluation) for u, its in d.items()
+                      for i in its])
+    users = np.array([0] * 50 + [1] * 50)
+    items = np.array([1] * 50 + [20] * 50)
+    keep, blocks, features, _ = candidate_blocks(
+        users, items, np.ones(100, np.int64), pool, keys, catalogue, negatives, ratio, WIDTH,
+        np.random.default_rng(0))
+    assert keep.all() and blocks.shape == (100, 1 + negatives)
+    drawn = blocks[:, 1:]
+    assert not np.isin(users[:, None] * catalogue + drawn, keys).any()
+    from_pool = round(negatives * ratio)
+    assert np.isin(drawn[:50, :from_pool], [0, *range(6, 12)]).all()
+    assert (drawn[50:, :from_pool] == 25).all()
+    assert len(np.unique(drawn[:50, from_pool:])) > 10  # the rest uniform over the catalogue
+    # every row carries its item's candidate features, zeros where no source found it
+    np.testing.assert_array_equal(features[0, 0], pool.features[0][1])
+    outside = blocks[:50] >= 12
+    assert outside.any() and (features[:50][outside] == 0).all()
+
+
+def test_only_engagements_after_the_cut_that_the_candidates_hold_are_kept():
+    pool = pool_of(3, {0: [5, 6, 7], 1: [5]})
+    pool.cut[:] = [10, 10, -1]  # user 2: the candidate models do not know it
+    users = np.array([0, 0, 0, 0, 1, 2])
+    items = np.array([5, 6, 7, 9, 5, 5])
+    positions = np.array([9, 10, 11, 12, 11, 11])  # 10: the models' own last row
+    engaged = np.unique(users * 20 + items)
+    keep, blocks, _, left = candidate_blocks(users, items, positions, pool, engaged, 20, 2, 0.5,
+                                             WIDTH, np.random.default_rng(0))
+    assert keep.tolist() == [False, False, True, False, True, False]
+    assert blocks[:, 0].tolist() == [7, 5]
+    assert left == {"before_cut": 2, "user_without_candidates": 1, "not_a_candidate": 1,
+                    "user_engaged_every_item": 0}
+
+
+def test_candidate_features_are_the_sources_ranks_and_scores():
+    lists = {"two_tower": (np.array([7, 3]), np.array([0.9, 0.5])),
+             "history": (np.array([3]), np.array([0.7])),
+             "pixie": (np.array([3, 7, 8]), np.array([40.0, 20.0, 10.0]))}
+    got = candidate_features(lists, np.array([3, 7, 9]))
+    r = lambda rank: 60 / (60 + rank)  # noqa: E731
+    want = [[r(2), 0.5, r(1), 0.7, r(1), 1.0, r(2) + r(1) + r(1)],
+            [r(1), 0.9, 0, 0, r(2), 0.5, r(1) + r(2)],
+            [0] * 7]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert list(CANDIDATE_FEATURES) == ["rrf_two_tower", "score_two_tower", "rrf_history",
+                                        "score_history", "rrf_pixie", "score_pixie", "rrf_merged"]
+
+
+# Two requests of three rows, two tasks; task 1's label of row 5 missing.
+LOGITS = torch.tensor([[2.0, 0.5], [0.0, 1.0], [1.0, -1.0], [0.3, 0.2], [-0.2, 0.4], [0.1, 0.0]])
+LABELS = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0],
+                       [0.0, 0.0], [1.0, 0.0], [0.0, float("nan")]])
+WEIGHTS = torch.tensor([1.0, 2.0])
+
+
+def softplus(x: float) -> float:
+    return math.log1p(math.exp(x))
+
+
+def test_pairwise_loss_is_ranknet_over_each_requests_pairs():
+    # task 0: request 1 pairs (0>1), (0>2); request 2 pairs (4>3), (4>5)
+    task0 = (softplus(0.0 - 2.0) + softplus(1.0 - 2.0) + softplus(0.3 - (-0.2))
+             + softplus(0.1 - (-0.2)))
+    # task 1: request 1 pairs (0>2), (1>2); request 2 has no positive
+    task1 = softplus(-1.0 - 0.5) + softplus(-1.0 - 1.0)
+    got = ranking_loss(LOGITS, LABELS, WEIGHTS, "pairwise", 3)
+    assert got.item() == pytest.approx((1 * task0 + 2 * task1) / 2, rel=1e-6)
+
+
+def test_listwise_loss_is_the_softmax_cross_entropy_of_each_request():
+    def log_softmax(z, i):
+        return z[i] - math.log(sum(math.exp(v) for v in z))
+
+    task0 = -log_softmax([2.0, 0.0, 1.0], 0) - log_softmax([0.3, -0.2, 0.1], 1)
+    task1 = -(0.5 * log_softmax([0.5, 1.0, -1.0], 0) + 0.5 * log_softmax([0.5, 1.0, -1.0], 1))
+    got = ranking_loss(LOGITS, LABELS, WEIGHTS, "listwise", 3)  # request 2, task 1: no positive
+    assert got.item() == pytest.approx((1 * task0 + 2 * task1) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["pairwise", "listwise"])
+def test_a_ranking_loss_trains_a_scorer_to_put_the_positive_first(kind):
+    """Requests of one positive and four negatives; a linear scorer of 3 features, where the
+    positive's first feature is higher, learns to put it first."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 5, 3, generator=gen)
+    x[:, 0, 0] += 1.5
+    labels = torch.zeros(64 * 5, 1)
+    labels[::5] = 1
+    w = torch.zeros(3, requires_grad=True)
+    optimizer = torch.optim.SGD([w], lr=0.5)
+    first = None
+    for _ in range(60):
+        loss = ranking_loss((x @ w).reshape(-1, 1), labels, torch.ones(1), kind, 5)
+        first = loss.item() if first is None else first
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.8 * first
+    top = (x @ w).detach().argmax(1)
+    assert (top == 0).float().mean() > 0.7
+
+
+def test_a_ranking_loss_needs_tasks_and_a_group_dividing_the_batch():
+    from dlrm_hybrid.config import Config, ConfigError, TaskConfig
+    from dlrm_hybrid.config_checks import validate
+
+    cfg = Config()
+    cfg.model.tasks = [TaskConfig("click")]
+    cfg.model.ranking_loss.kind, cfg.model.ranking_loss.group = "listwise", 6
+    with pytest.raises(ConfigError, match="model.ranking_loss.group"):
+        validate(cfg, 1)
+    cfg.model.ranking_loss.group = 8
+    validate(cfg, 1)
+    cfg.model.ranking_loss.kind = "softmax"
+    with pytest.raises(ConfigError, match="model.ranking_loss.kind"):
+        validate(cfg, 1)
+
+
+# --- end to end: a planted log, its early models, the candidate dataset, the served ranker ---
+
+USERS, ITEMS, CLUSTERS = 80, 40, 4
+TOWER = """
+model:
+  kind: two_tower
+  embedding_dim: 8
+  user_tower: {mlp: [16, 8]}
+  item_tower: {mlp: [16, 8]}
+  temperature: 0.1
+data: {global_batch_size: 64}
+optim: {embedding: rowwise_adagrad, embedding_lr: 0.1, dense: adagrad, dense_lr: 0.05}
+train: {max_steps: 40, log_every: 40, eval_every: 0, progress_bar: false}
+checkpoint: {resume: none}
+"""
+RANKER = """
+model:
+  embedding_dim: 8
+  bottom_mlp: [16, 8]
+  top_mlp: [16, 1]
+  tasks: [{name: watched}, {name: liked}]
+  ranking_loss: {kind: listwise, group: 4}
+data: {global_batch_size: 64}
+optim: {embedding: rowwise_adagrad, embedding_lr: 0.1, dense: adagrad, dense_lr: 0.05}
+train: {max_steps: 20, log_every: 20, eval_every: 0, progress_bar: false}
+checkpoint: {resume: none}
+value_model: {watched: 0.5, liked: 1.0}
+"""
+
+
+def cli(*args: str):
+    result = run_cli(list(args))
+    assert result.returncode == 0, failure(result)
+    return result
+
+
+def planted_rows() -> list:
+    """(user, item, rating, timestamp): each user rates 14 items, mostly of its cluster."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for u in range(USERS):
+        per = ITEMS // CLUSTERS
+        mine = (u % CLUSTERS) * per + rng.choice(per, 8, replace=False)
+        other = rng.choice(np.setdiff1d(np.arange(ITEMS), mine), 6, replace=False)
+        items = rng.permutation(np.concatenate([mine, other]))
+        rows += [(f"u{u}", f"i{i}", 5 if i in mine else int(rng.integers(1, 4)), 100 * t + u)
+                 for t, i in enumerate(items)]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def early(tmp_path_factory):
+    """The log's retrieval dataset, its early one (--holdout-recent 3), the early two-tower
+    model and graph, and the ranking dataset made from their candidates."""
+    root = tmp_path_factory.mktemp("candidates")
+    rows = planted_rows()
+    (root / "log.csv").write_text("".join(",".join(map(str, r)) + "\n" for r in rows))
+    read = ["preprocess", "interactions", "--input", str(root / "log.csv"),
+            "--columns", "user,item,rating,timestamp"]
+    cli(*read, "--output", str(root / "ret"))
+    cli(*read, "--output", str(root / "early"), "--holdout-recent", "3")
+    (root / "tt.yaml").write_text(TOWER)
+    for data, tower in (("early", "T_early"), ("ret", "T")):
+        cli("train", "--config", str(root / "tt.yaml"), "--set", f"data.path={root / data}",
+            "--set", f"train.run_dir={root / (tower + '_run')}")
+        cli("export", "--retrieval", "--checkpoint",
+            str(root / f"{tower}_run/checkpoints/step_40"),
+            "--out", str(root / tower))
+    cli("pixie", "build", "--data", str(root / "early"), "--out", str(root / "G_early"))
+    cli("pixie", "build", "--data", str(root / "ret"), "--out", str(root / "G"))
+    ranking = [*read, "--labels", "watched,liked:rating>=4", "--ranking-negatives", "3",
+               "--holdout", str(root / "ret"), "--candidate-ratio", "0.67"]
+    made = cli(*ranking, "--output", str(root / "rank"), "--candidates",
+               f"{root / 'T_early'},{root / 'G_early'}")
+    return root, rows, ranking, made.stdout
+
+
+def pairs_of(folder: Path, split: str):
+    """(user, item) raw ids of each row of a ranking split, and its first label."""
+    from dlrm_hybrid.data.split_binary import SplitBinaryDataset
+
+    users = (folder / "users.txt").read_text().split()
+    items = (folder / "items.txt").read_text().split()
+    data = SplitBinaryDataset(str(folder))
+    data.use_tasks(list(data.label_names), str(folder))
+    c = data.columns(split, 0, data.num_samples(split))
+    return ([(users[u], items[i]) for u, i in zip(c.ids[0][:, 0], c.ids[1][:, 0])],
+            c.labels[:, 0], c.dense)
+
+
+def held(retrieval: Path) -> set:
+    users = (retrieval / "users.txt").read_text().split()
+    items = (retrieval / "items.txt").read_text().split()
+    return {(users[u], items[i]) for s in ("val", "test")
+            for u, i in zip(np.load(retrieval / f"{s}_user.npy"),
+                            np.load(retrieval / f"{s}_item.npy"))}
+
+
+def test_candidate_dataset_rows_come_after_the_early_models_and_never_negatives_engaged(early):
+    root, rows, _, stdout = early
+    engaged = {(u, i) for u, i, _, _ in rows}
+    evaluation = held(root / "ret")
+    when = {(u, i): t for u, i, _, t in rows}
+    users = (root / "early/users.txt").read_text().split()
+    items = (root / "early/items.txt").read_text().split()
+    last_early = {}
+    for u, i in zip(np.load(root / "early/train_user.npy"),
+                    np.load(root / "early/train_item.npy")):
+        last_early[users[u]] = max(last_early.get(users[u], -1), when[(users[u], items[i])])
+    for split in ("train", "val", "test"):
+        pairs, label, dense = pairs_of(root / "rank", split)
+        assert len(pairs) % 4 == 0 and (label[::4] == 1).all()
+        assert (label.reshape(-1, 4)[:, 1:] == 0).all()
+        for (u, i), positive in zip(pairs, label):
+            if positive:  # an engagement after every pair the candidate models trained on
+                assert when[(u, i)] > last_early[u]
+            else:
+                assert (u, i) not in engaged and (u, i) not in evaluation
+        assert dense.shape[1] == 2 + len(CANDIDATE_FEATURES)
+        assert (dense[::4, 2:].max(1) > 0).all()  # every engagement is a candidate
+    assert "candidates engagements left out" in stdout
+
+
+def test_candidate_models_that_saw_an_evaluation_pair_are_refused(early, tmp_path):
+    """A planted leak: the early tower's training items gain one test pair of the retrieval
+    dataset (its features would then carry the evaluation split): refused in one line. The
+    full retrieval model (trained on the ranking dataset's validation and test rows) too."""
+    root, _, ranking, _ = early
+    leaky = tmp_path / "T_leaky"
+    shutil.copytree(root / "T_early", leaky)
+    ret_users = (root / "ret/users.txt").read_text().split()
+    ret_items = (root / "ret/items.txt").read_text().split()
+    user = ret_users[np.load(root / "ret/test_user.npy")[0]]
+    item = ret_items[np.load(root / "ret/test_item.npy")[0]]
+    users = (leaky / "users.txt").read_text().split()
+    items = (leaky / "items.txt").read_text().split()
+    indptr, seen = np.load(leaky / "seen_indptr.npy"), np.load(leaky / "seen_items.npy")
+    u = users.index(user)
+    seen = np.insert(seen, indptr[u], items.index(item))
+    indptr[u + 1:] += 1
+    np.save(leaky / "seen_indptr.npy", indptr)
+    np.save(leaky / "seen_items.npy", seen)
+    for tower, graph in ((leaky, root / "G_early"), (root / "T", root / "G")):
+        result = run_cli([*ranking, "--output", str(tmp_path / f"out_{tower.name}"),
+                          "--candidates", f"{tower},{graph}"])
+        assert result.returncode != 0 and "evaluation pairs" in result.stderr, failure(result)
+        assert not (tmp_path / f"out_{tower.name}").exists()
+
+
+def test_the_served_ranker_reads_the_candidate_features_of_the_request(early):
+    """A ranker trained (listwise) on the candidate dataset: `Recommender` passes each merged
+    candidate's features from its own sources, the ones candidate_features computes."""
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    root = early[0]
+    (root / "rk.yaml").write_text(RANKER)
+    cli("train", "--config", str(root / "rk.yaml"), "--set", f"data.path={root / 'rank'}",
+        "--set", f"train.run_dir={root / 'rk'}")
+    cli("export", "--checkpoint", str(root / "rk/checkpoints/step_20"), "--out",
+        str(root / "M.pt"))
+    rec = Recommender(str(root / "T"), str(root / "G"), str(root / "M.pt"),
+                      settings=RecommendSettings(k=5, per_source=10, rank_top=20))
+    seen_rows = []
+    rows = rec.features.rows
+    rec.features.rows = (lambda u, items, extra=None:
+                         seen_rows.append(extra) or rows(u, items, extra))
+    user = 0
+    history = rec.retriever.seen(user)
+    answer = rec.recommend_dense(user, history, history)
+    lists = {s: rec.sources.source(s, user, history, history) for s in ("two_tower", "history",
+                                                                         "pixie")}
+    merged = answer.stages["merged"][:20]
+    np.testing.assert_allclose(seen_rows[0], candidate_features(lists, merged))
+    assert (seen_rows[0].max(1) > 0).all() and len(answer.items) == 5
+    with pytest.raises(Exception, match="candidate features"):
+        rows(0, np.array([0, 1]))
