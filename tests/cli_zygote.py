@@ -83,10 +83,10 @@ class Zygote:
                 pass_fds=[listener.fileno()])
 
     def run(self, argv: List[str], env: Dict[str, str], cwd: Path, nproc: int, timeout: float,
-            cmd: List[str], script: str = "") -> subprocess.CompletedProcess:
+            cmd: List[str], script: str = "", raw: bool = False) -> subprocess.CompletedProcess:
         """`cmd` (`python -m dlrm_hybrid ARGV`, or `python SCRIPT ARGV`; under torchrun for
-        nproc > 0) as subprocess.run with capture_output=True, text=True would give it, forked
-        from the zygote."""
+        nproc > 0) as subprocess.run with capture_output=True, text=True would give it (`raw`:
+        without text mode's universal newlines), forked from the zygote."""
         request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc,
                               "script": script})
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn, \
@@ -108,7 +108,8 @@ class Zygote:
             reply = json.loads(answer)
             if "error" in reply:
                 raise RuntimeError(f"the CLI zygote could not run {argv}: {reply['error']}")
-            return subprocess.CompletedProcess(cmd, reply["returncode"], _text(out), _text(err))
+            return subprocess.CompletedProcess(cmd, reply["returncode"], _text(out, raw),
+                                               _text(err, raw))
 
     def log_tail(self) -> str:
         self._log.seek(0)
@@ -124,11 +125,12 @@ class Zygote:
         self._log.close()
 
 
-def _text(file) -> str:
-    """What subprocess's text mode gives: the locale's decoding, universal newlines."""
+def _text(file, raw: bool = False) -> str:
+    """What subprocess's text mode gives: the locale's decoding, universal newlines (`raw`:
+    the decoding alone)."""
     file.seek(0)
     data = file.read().decode(locale.getpreferredencoding(False))
-    return data.replace("\r\n", "\n").replace("\r", "\n")
+    return data if raw else data.replace("\r\n", "\n").replace("\r", "\n")
 
 
 # --- the zygote process ----------------------------------------------------------------------

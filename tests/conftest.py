@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import locale
 import os
 import subprocess
 import sys
@@ -32,14 +33,16 @@ def pytest_addoption(parser):
 
 
 def run_cli(args: List[str], nproc: int = 0, timeout: int = 300, extra_env: Optional[dict] = None,
-            fresh: bool = False, cwd: Path = ROOT, script: Optional[Path] = None
-            ) -> subprocess.CompletedProcess:
+            fresh: bool = False, cwd: Path = ROOT, script: Optional[Path] = None,
+            raw: bool = False) -> subprocess.CompletedProcess:
     """`python -m dlrm_hybrid ARGS` (or `python SCRIPT ARGS`, e.g. a test's own job script) in
     `cwd`, or under `torchrun --nproc_per_node=nproc` when nproc > 0.
 
     Forked from the CLI zygote (tests/cli_zygote.py: the same run without ~3 s of imports per
     process), unless `fresh`, `--fresh-cli`, or `extra_env` sets what libraries read when they
-    load (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY, PYTHONPATH...): then a real interpreter/torchrun."""
+    load (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY, PYTHONPATH...): then a real interpreter/torchrun.
+    `raw`: stdout and stderr as written (decoded, carriage returns kept), where text mode would
+    read a carriage return as a newline."""
     global _zygote
     program = [str(script)] if script else ["-m", "dlrm_hybrid"]
     if nproc:
@@ -48,11 +51,16 @@ def run_cli(args: List[str], nproc: int = 0, timeout: int = 300, extra_env: Opti
         cmd = [sys.executable, *program, *args]
     env = _cli_env(os.environ, extra_env)
     if fresh or _fresh_cli or needs_fresh(env, _cli_env(SESSION_ENV)):
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        if not raw:
+            return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, timeout=timeout)
+        encoding = locale.getpreferredencoding(False)
+        return subprocess.CompletedProcess(cmd, done.returncode, done.stdout.decode(encoding),
+                                           done.stderr.decode(encoding))
     if _zygote is None:
         _zygote = Zygote(_cli_env(SESSION_ENV))
-    return _zygote.run(args, env, cwd, nproc, timeout, cmd, str(script or ""))
+    return _zygote.run(args, env, cwd, nproc, timeout, cmd, str(script or ""), raw)
 
 
 def _cli_env(base, extra_env: Optional[dict] = None) -> dict:

@@ -1,4 +1,6 @@
-"""Runs that many test files read and none changes, trained once per test session.
+"""Runs that many test files read and none changes, trained once per `pytest` run: under
+pytest-xdist (`make test`) the workers share them, the first worker to ask making a run while
+another that asks waits for it (each worker used to train its own).
 
 `demo_run` is the demo model after 150 steps (its decay compressed into steps 75..150), trained
 through the CLI on one process: serving compares its exported precisions against it, and eval,
@@ -7,10 +9,15 @@ changes the run or its checkpoint copies it first (`copy_of`)."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
+from typing import Callable
 
 import pytest
+from filelock import FileLock
 
 from conftest import failure, read_metrics, run_cli
 
@@ -21,15 +28,34 @@ DEMO_RUN = [f"train.max_steps={DEMO_STEPS}", "optim.decay_start_step=75", "optim
             "checkpoint.resume=none"]
 
 
+def shared(tmp_path_factory, name: str, make: Callable[[Path], dict]) -> tuple[Path, dict]:
+    """(`folder`, what `make(folder)` returned) for the run `make` trains into `folder`, made
+    once per `pytest` run: under xdist in the workers' common temporary folder, under a lock,
+    with what `make` returned kept beside it as JSON."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp("shared") / name
+        return folder, make(folder)
+    root = tmp_path_factory.getbasetemp().parent / "shared_runs"  # this run's, all workers'
+    root.mkdir(exist_ok=True)
+    folder, made = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not made.exists():  # a worker that failed to make it left none: this one tries
+            shutil.rmtree(folder, ignore_errors=True)
+            made.write_text(json.dumps(make(folder)))
+    return folder, json.loads(made.read_text())
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
     """The run directory of `train --config configs/demo.yaml` with DEMO_RUN: its config.yaml,
     metrics.jsonl and one checkpoint, checkpoints/step_150. Read it; never write into it."""
-    run_dir = tmp_path_factory.mktemp("shared") / "demo_run"
-    result = run_cli(["train", "--config", "configs/demo.yaml",
-                      *[a for o in [*DEMO_RUN, f"train.run_dir={run_dir}"] for a in ("--set", o)]])
-    assert result.returncode == 0, failure(result)
-    return run_dir
+    def make(run_dir: Path) -> dict:
+        result = run_cli(["train", "--config", "configs/demo.yaml", *[
+            a for o in [*DEMO_RUN, f"train.run_dir={run_dir}"] for a in ("--set", o)]])
+        assert result.returncode == 0, failure(result)
+        return {}
+
+    return shared(tmp_path_factory, "demo_run", make)[0]
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +87,15 @@ def two_rank_sgd(tmp_path_factory):
     """equivalence_run with SGD tables on 2 ranks, one thread each: (losses, result, run
     directory). 1 rank must match it (test_distributed.py), and so must 2 threads a rank
     (test_cpu_lookup.py)."""
-    run_dir = tmp_path_factory.mktemp("two_rank_sgd") / "run"
-    return (*equivalence_run(run_dir, 2, "sgd"), run_dir)
+    def make(run_dir: Path) -> dict:
+        losses, result = equivalence_run(run_dir, 2, "sgd")
+        return {"losses": losses, "args": result.args, "returncode": result.returncode,
+                "stdout": result.stdout, "stderr": result.stderr}
+
+    run_dir, made = shared(tmp_path_factory, "two_rank_sgd", make)
+    result = subprocess.CompletedProcess(made["args"], made["returncode"], made["stdout"],
+                                         made["stderr"])
+    return made["losses"], result, run_dir
 
 
 def copy_of(folder: Path, to: Path) -> Path:

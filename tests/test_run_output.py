@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, failure, read_metrics
+from conftest import ROOT, failure, read_metrics, run_cli
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.train.optim import lr_factor
 from dlrm_hybrid.train.progress import figures, shows_bar
@@ -32,8 +32,8 @@ def train_args(run_dir, *settings):
 
 
 def run_raw(args):
-    """`run_cli(args)` with the output as written: its text mode reads a carriage return as a
-    newline, which would hide a bar's redraws."""
+    """The CLI in a fresh interpreter writing into pipes, its output as written (text mode
+    would read a carriage return as a newline, hiding a bar's redraws)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run([sys.executable, "-m", "dlrm_hybrid", *args], cwd=ROOT,
                             env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300)
@@ -43,11 +43,12 @@ def run_raw(args):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The run as a batch job starts it (stdout and stderr pipes, train.progress_bar left at
-    auto): its output, records and the wall-clock time around it."""
+    """The run as a batch job starts it (stdout and stderr files, train.progress_bar left at
+    auto; forked from the CLI zygote, its output as written): its output, records and the
+    wall-clock time around it."""
     run_dir = tmp_path_factory.mktemp("run")
     before = time.time()
-    result = run_raw(train_args(run_dir))
+    result = run_cli(train_args(run_dir), raw=True)
     after = time.time()
     assert result.returncode == 0, failure(result)
     return {"result": result, "dir": run_dir, "records": read_metrics(run_dir),
