@@ -10,6 +10,7 @@ Lookup: the weight bytes read by the forward and touched again by the backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List
 
 from dlrm_hybrid.model.compositional import lookups_of
@@ -39,8 +40,10 @@ class TableSpec:
     hotness: float = 1.0  # mean ids per sample
     bags: int = 1  # pooled vectors per sample: the id slots of a multi-hot `mult` QR part, else 1
 
-    @property
+    @cached_property
     def bytes(self) -> int:
+        """Kept once read (the frozen fields cannot change): the placer reads it ~200,000 times
+        for 10,000 tables, 0.3 s of a 1.5 s plan."""
         return self.shard_bytes(self.dim)
 
     def shard_bytes(self, cols: int) -> int:
