@@ -31,7 +31,7 @@ def _split(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int,
     for t in ordered:
         count, mine = made.get(t.name, (0, []))
         if count != counts[t.name]:
-            widths = _column_widths(t.dim, counts[t.name], max_count=world)
+            widths = _column_widths(t.dim, counts[t.name], world)
             mine = [_Piece(t, i * widths[0], w, len(widths)) for i, w in enumerate(widths)]
             made[t.name] = (counts[t.name], mine)
         pieces += mine

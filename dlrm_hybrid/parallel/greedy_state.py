@@ -72,8 +72,9 @@ class _State:
         return other
 
     def set_replicated(self, names: FrozenSet[str]) -> None:
-        tables = self.search.by_name
-        more = sum(tables[n].bytes for n in names) - sum(tables[n].bytes for n in self.replicated)
+        tables = self.search.by_name  # integers: only the difference need be summed
+        more = sum(tables[n].bytes for n in names - self.replicated) - \
+            sum(tables[n].bytes for n in self.replicated - names)
         np.frombuffer(self.memory)[:] += more
         self.replicated = frozenset(names)
         self._layout: Optional[Layout] = None
@@ -249,9 +250,10 @@ class _State:
 
     def plan(self) -> Plan:
         order = {t.name: i for i, t in enumerate(self.search.ordered)}
-        pieces = sorted(self.rank_of, key=lambda p: (order[p.table.name], p.col_offset))
-        return self.search.make([Shard(p.table.name, self.rank_of[p], p.col_offset, p.cols)
-                                 for p in pieces], self.replicated)
+        placed = sorted(self.rank_of.items(), key=lambda pr: (order[pr[0].table.name],
+                                                                pr[0].col_offset))
+        return self.search.make([Shard(p.table.name, rank, p.col_offset, p.cols)
+                                 for p, rank in placed], self.replicated)
 
 
 class _AddScores:
@@ -263,15 +265,16 @@ class _AddScores:
     ~90 -> ~35 us a shard, the pass 0.95 -> 0.4 s (Intel Xeon, AMX)."""
 
     def __init__(self) -> None:
-        self.key: Optional[tuple] = None
+        self.terms: Optional[Terms] = None
 
     def totals(self, state: _State, terms: Terms) -> np.ndarray:
         """A new array (the caller may mask it)."""
-        key = (terms, state.owners)
-        if key != self.key or self.layout is not state.layout:
-            self.key, self.layout = key, state.layout
+        if terms != self.terms or self.layout is not state.layout:
+            self.terms, self.layout = terms, state.layout
             self.fill_all(state, terms)
-        elif state.touched:
+        else:
+            if state.owners != self.owners:  # each of the first pieces on 1,024 ranks
+                self.fill_fixed(state)
             for rank in set(state.touched):
                 self.fill_rank(state, terms, rank)
             for host in {r // state.per_host for r in state.touched}:
@@ -295,14 +298,21 @@ class _AddScores:
         layout, device = self.layout, state.search.device
         self.own = list(own_traffic(s.pooled + dp, s.ids + di, layout))
         self.lookup = lookup_s(s.lookup + dl, layout, device)
-        self.fixed = fixed_s(s.shards + 1, state.owners + (s.shards == 0), layout, device)
-        self.fixed_of: Dict[float, float] = {}  # a rank's by its shards, while the key holds
+        self.fill_fixed(state)
         self.allreduce = allreduce_s(layout, device)
         self.host_pooled = s.host_pooled + dp
         self.host = s.host_ids + di + self.host_pooled
         self.near = self.lookup + np.maximum(*intra_bytes(
             self.own, self.host, self.host_pooled, layout.local_batch)) / \
             device.intra_host_bandwidth
+
+    def fill_fixed(self, state: _State) -> None:
+        """Every rank's fixed part, which the count of ranks owning shards changes."""
+        shards = np.frombuffer(state.shards)
+        self.owners = state.owners
+        self.fixed = fixed_s(shards + 1, self.owners + (shards == 0), self.layout,
+                             state.search.device)
+        self.fixed_of: Dict[float, float] = {}  # a rank's by its shards, while owners hold
 
     def fill_rank(self, state: _State, terms: Terms, rank: int) -> None:
         """A rank's own terms (its host's: `fill_host`), in Python floats: the same IEEE

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import numpy as np
 
 from dlrm_hybrid.model.compositional import lookups_of
 
@@ -67,6 +69,47 @@ class TableSpec:
     def shard_lookup_bytes(self, cols: int, batch: int) -> float:
         """Weight bytes read in the forward and updated in the backward per step."""
         return 2 * batch * self.hotness * cols * BYTES_PER_WEIGHT[self.precision]
+
+
+class TableColumns:
+    """Tables of one precision and optimizer (or a table per shard) as numpy arrays of their
+    fields, with TableSpec's formulas: its own methods, run on the arrays. Each element is the
+    table's own value bit for bit (numpy's float64 operations are Python's; hotness is made float
+    where Python would keep an integer, equal below 2**53): for 10,000 tables a few numpy calls
+    instead of ~8,000 instructions a table and method call."""
+
+    shard_bytes = TableSpec.shard_bytes
+    bytes = property(TableSpec.bytes.func)  # type: ignore[attr-defined]
+    id_bytes = TableSpec.id_bytes
+    pooled_bytes = TableSpec.pooled_bytes
+    shard_a2a_bytes = TableSpec.shard_a2a_bytes
+    shard_lookup_bytes = TableSpec.shard_lookup_bytes
+
+    def __init__(self, tables: Sequence[TableSpec]) -> None:
+        self.precision, self.optimizer = tables[0].precision, tables[0].optimizer
+        self.rows = np.array([t.rows for t in tables], np.int64)
+        self.dim = np.array([t.dim for t in tables], np.int64)
+        self.bags = np.array([t.bags for t in tables], np.int64)
+        self.hotness = np.array([t.hotness for t in tables], np.float64)
+
+
+def table_columns(tables: Sequence[TableSpec]) -> List[Tuple[np.ndarray, TableColumns]]:
+    """`tables` by precision and optimizer: each kind's positions in `tables` and columns."""
+    if len({(t.precision, t.optimizer) for t in tables}) == 1:  # the usual: one kind
+        return [(np.arange(len(tables)), TableColumns(tables))]
+    kinds: Dict[Tuple[str, str], List[int]] = {}
+    for i, t in enumerate(tables):
+        kinds.setdefault((t.precision, t.optimizer), []).append(i)
+    return [(np.array(index), TableColumns([tables[i] for i in index]))
+            for index in kinds.values()]
+
+
+def shard_columns(tables: Mapping[str, TableSpec], shards: Sequence[Any]
+                  ) -> List[Tuple[np.ndarray, TableColumns, np.ndarray]]:
+    """Each shard's (`.table`, `.cols`) table as columns (`table_columns`), and the widths."""
+    cols = np.array([s.cols for s in shards], np.int64)
+    return [(index, columns, cols[index])
+            for index, columns in table_columns([tables[s.table] for s in shards])]
 
 
 def table_specs(cfg, spec) -> List[TableSpec]:
