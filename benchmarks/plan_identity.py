@@ -143,6 +143,10 @@ def run_case(argv: List[str]) -> str:
 
 
 def record(folder: Path, inputs: Path, quick: bool) -> None:
+    import dlrm_hybrid
+    used = Path(dlrm_hybrid.__file__).resolve().parents[1]
+    if used != Path(os.environ["PYTHONPATH"]).resolve():
+        sys.exit(f"imported {used}'s dlrm_hybrid, not {os.environ['PYTHONPATH']}'s")
     folder.mkdir(parents=True, exist_ok=True)
     os.chdir(folder)
     for index, (name, argv) in enumerate(cases(inputs, quick)):
