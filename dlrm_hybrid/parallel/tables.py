@@ -10,12 +10,11 @@ Lookup: the weight bytes read by the forward and touched again by the backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dlrm_hybrid.model.compositional import lookups_of
+from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 
 BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2}
 OPTIMIZER_STATE_PER_ROW = {  # fp32 values per row of a shard with `cols` columns
@@ -32,6 +31,24 @@ REPLICABLE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 PER_SHARD_ROW_STATE = ("rowwise_adagrad",)
 
 
+class _kept:
+    """`functools.cached_property` without its lock (Python 3.11 takes one on each first read:
+    10,000 tables' first `bytes` 15 -> 4 ms). A pure function of frozen fields: two threads
+    racing both compute the same value."""
+
+    def __init__(self, func: Callable[[Any], Any]) -> None:
+        self.func, self.__doc__ = func, func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
+
+
 @dataclass(frozen=True)
 class TableSpec:
     name: str
@@ -42,7 +59,7 @@ class TableSpec:
     hotness: float = 1.0  # mean ids per sample
     bags: int = 1  # pooled vectors per sample: the id slots of a multi-hot `mult` QR part, else 1
 
-    @cached_property
+    @_kept
     def bytes(self) -> int:
         """Kept once read (the frozen fields cannot change): the placer reads it ~200,000 times
         for 10,000 tables, 0.3 s of a 1.5 s plan."""
@@ -112,11 +129,13 @@ def shard_columns(tables: Mapping[str, TableSpec], shards: Sequence[Any]
             for index, columns in table_columns([tables[s.table] for s in shards])]
 
 
-def table_specs(cfg, spec) -> List[TableSpec]:
+def table_specs(cfg, spec, lookups: Optional[Sequence[FeatureLookup]] = None) -> List[TableSpec]:
     """The tables a config's model has over a dataset's features (`spec`: a DataSpec): one per
-    feature, or its parts (model/compositional.py), each part seeing all of its feature's ids."""
+    feature, or its parts (model/compositional.py), each part seeing all of its feature's ids.
+    `lookups`: `lookups_of(cfg.model, spec)` where the caller has them."""
     m = cfg.model
     hotness = dict(zip(spec.feature_names, spec.mean_hotness))
     return [TableSpec(part.table, part.rows, part.dim, m.embedding_precision, cfg.optim.embedding,
                       hotness[lookup.feature], lookup.slots)
-            for lookup in lookups_of(m, spec) for part in lookup.tables]
+            for lookup in (lookups_of(m, spec) if lookups is None else lookups)
+            for part in lookup.tables]
