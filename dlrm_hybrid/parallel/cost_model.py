@@ -257,8 +257,8 @@ def rank_sums(plan: PlanView) -> RankSums:
     world = plan.world_size
     per_host = plan.gpus_per_node or world
     ranks = np.fromiter((s.rank for s in plan.shards), dtype=np.int64, count=len(plan.shards))
-    per_shard = np.empty((len(plan.shards), 3))  # by `TableColumns`: 96 -> x million
-    for index, table, cols in shard_columns(plan.tables, plan.shards):  # instructions, 10,000
+    per_shard = np.empty((len(plan.shards), 3))  # by `TableColumns`: numpy calls per kind of
+    for index, table, cols in shard_columns(plan.tables, plan.shards):  # table, not per shard
         for column, values in enumerate(shard_terms(table, cols, plan.batch_size)):
             per_shard[index, column] = values
     pooled, ids, lookup = (np.bincount(ranks, weights=w, minlength=world) for w in per_shard.T)

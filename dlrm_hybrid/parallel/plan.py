@@ -97,8 +97,8 @@ class Plan:
 def _rank_loads(tables: Dict[str, TableSpec], shards: Sequence[Shard], world: int,
                 batch: int) -> np.ndarray:
     """[3, world]: each rank's memory, (no) all-to-all and lookup bytes, added up in shard order
-    (`np.add.at` adds in index order, one at a time); the shards' bytes by `TableColumns`, all at
-    once (10,000 shards: 140 -> x million instructions)."""
+    (`np.add.at` adds in index order, one at a time); the shards' bytes by `TableColumns`: a few
+    numpy calls for 10,000 shards, not two method calls each."""
     loads = np.zeros((3, world))
     if shards:
         memory, lookup = np.empty(len(shards)), np.empty(len(shards))
