@@ -65,3 +65,39 @@ def test_overrides_replace_constants_and_say_so_in_the_source():
     assert changed.source.endswith("parallel.cost_model sets inter_host_bandwidth")
     with pytest.raises(ConfigError, match="^parallel.cost_model.name: unknown constant"):
         device_constants("h100", {"name": 1.0})
+
+
+@pytest.mark.parametrize("world, per_host", [(16, 4), (8, None), (1, None)])
+def test_placers_kept_scores_are_the_cost_models_totals_bit_for_bit(world, per_host):
+    """greedy_state's `_AddScores` keeps terms between shards; each score must be exactly
+    `rank_totals` of the sums with the shard added (a last-bit difference can change a plan)."""
+    import numpy as np
+
+    from dlrm_hybrid.parallel.column_split import _Piece
+    from dlrm_hybrid.parallel.cost_model import RankSums, rank_totals, shard_terms
+    from dlrm_hybrid.parallel.greedy_search import _Search
+    from dlrm_hybrid.parallel.greedy_state import _State
+
+    rng = np.random.default_rng(world)
+    tables = [TableSpec(f"t{i}", int(rng.integers(10, 10**6)), int(rng.choice([8, 16, 64])),
+                        "fp32", "sgd", float(rng.choice([1.0, 2.5, 7.0])), int(rng.integers(1, 3)))
+              for i in range(12)]
+    search = _Search(tables, world, 2**40, 6144, "greedy", per_host, DEVICES["h100"], False, True)
+    state = _State(search, frozenset())
+    for step in range(300):
+        t = tables[int(rng.integers(0, 3 if step % 50 < 40 else 12))]  # mostly equal terms
+        piece = _Piece(t, 0, t.dim // 2, 2)
+        dp, di, dl = shard_terms(t, piece.cols, search.batch)
+        now = state.rank_sums()
+        expected = rank_totals(RankSums(
+            now.pooled + dp, now.ids + di, now.lookup + dl, now.shards + 1, now.host_pooled + dp,
+            now.host_ids + di, state.total_pooled + dp, state.total_ids + di,
+            state.owners + (now.shards == 0)), state.layout, search.device)
+        assert np.array_equal(state.scores.totals(state, (dp, di, dl)), expected), step
+        if state.rank_of and rng.random() < 0.3:  # take one away, or replicate a table
+            gone = list(state.rank_of)[int(rng.integers(0, len(state.rank_of)))]
+            state.add(gone, state.rank_of[gone], -1)
+            if rng.random() < 0.2:
+                state.set_replicated(state.replicated | {gone.table.name})
+        elif piece not in state.rank_of:
+            state.add(piece, int(rng.integers(0, world)))

@@ -422,3 +422,18 @@ def test_a_training_job_whose_dense_part_does_not_fit_its_reserve_stops_at_start
         "parallel.dense=ddp (parameters, gradients, adagrad state), more than the 64KiB kept free "
         "of tables; raise parallel.reserve_per_rank to 92.5KiB"]
     assert not run_dir.exists()
+
+
+def test_a_compositional_config_lists_each_replaced_table_and_places_its_parts(tmp_path):
+    """MLPerf DCNv2 with QR on its five 40M-row features: the printout names each with its parts
+    and the plan places those parts, not the full tables (one set of lookups for both)."""
+    result = run_cli(["plan", "--config", "configs/mlperf_dcnv2_qr.yaml", "--world-size", "8",
+                      "--out", str(tmp_path / "p.json")])
+    assert result.returncode == 0, result.stderr
+    replaced = (0, 9, 19, 20, 21)
+    listed = re.findall(r"^  (cat_\d+) \([\d,]+ rows\): qr add c=4 -> (t_cat_\d+_q) ",
+                        result.stdout, re.M)
+    assert sorted(listed) == sorted((f"cat_{i}", f"t_cat_{i}_q") for i in replaced)
+    tables = set(json.loads((tmp_path / "p.json").read_text())["tables"])
+    assert {f"t_cat_{i}_{part}" for i in replaced for part in "qr"} <= tables
+    assert not tables & {f"t_cat_{i}" for i in replaced}

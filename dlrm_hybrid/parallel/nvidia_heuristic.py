@@ -31,7 +31,7 @@ def _place_nvidia(pieces: List[_Piece], world: int, budget: int,
         if taken:
             allowed = open_free.copy()
             allowed[taken] = -np.inf
-        rank = int(np.argmax(allowed))  # the most free memory, the lower rank on a tie
+        rank = int(allowed.argmax())  # the most free memory, the lower rank on a tie
         if allowed[rank] == -np.inf or size > free[rank]:
             raise _no_room(piece, budget - free, budget, pieces)
         free[rank] -= size
