@@ -58,9 +58,9 @@ MORE_TASKS = ("share", "comment", "save", "hide", "follow")  # up to 8 for the s
 HEAD = [16]  # every task's head: hidden widths before its logit
 EXPERTS = 4
 # Each task's own dots (model/task_dots.py): room in every embedding row for the shared latents
-# and each task's own (the teacher's d = 8 each: 32), and a projection per task to the 16 that
-# its logit reads
-OWN_DOTS = ["model.embedding_dim=32", "model.bottom_mlp=[64,32]", "model.task_dot_dim=16"]
+# and each task's own (the teacher's d = 8 each: 32), and a projection per task of that width
+# (16 would hold the shared and the task's own; 32 learnt faster, and width 64 slower)
+OWN_DOTS = ["model.embedding_dim=32", "model.bottom_mlp=[64,32]", "model.task_dot_dim=32"]
 LABEL_MISSING = 0.3
 LOG_LABELS = "watched,liked:rating>=4,disliked:rating<=2"
 LOG_NEGATIVES = 4
@@ -70,7 +70,7 @@ COST_BATCHES = 8  # distinct batches cycled by the step-cost runs
 COST_ROUNDS = 10
 
 
-OWN_DOTS_ROW = "multi-task, each task's own dots (embedding_dim 32, task_dot_dim 16)"
+OWN_DOTS_ROW = "multi-task, each task's own dots (embedding_dim 32, task_dot_dim 32)"
 
 
 def tasks_set(tasks: Sequence[str], only: Optional[str] = None) -> str:

@@ -280,6 +280,9 @@ def test_each_task_adds_its_own_weighted_dots_of_its_own_projections():
     data = SyntheticClicks(cfg.data, ("click", "like", "see_less"))
     torch.manual_seed(0)
     model = build_model(cfg.model, data.spec, torch.device("cpu")).eval()
+    assert (model.over_arch.pair_weights == 1).all()  # a factorization machine per task at first
+    with torch.no_grad():  # then any weights
+        model.over_arch.pair_weights.uniform_(-1, 1)
     batch = data.batch("val", 0, 64)
     with torch.no_grad():
         pooled = model.pooled_embeddings(batch.sparse)
