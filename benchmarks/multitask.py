@@ -8,14 +8,16 @@ same training budget, MMoE against the shared trunk, and what each extra task co
    (data/synthetic.py: correlated tasks, data.task_correlation 0.5; like's and see_less's label
    missing with data.label_missing 0.3), each task's head HEAD. Trained at one budget of
    S x batch samples: one multi-task model (shared trunk) for S steps; the same with an MMoE
-   of EXPERTS experts; one single-task model per task for S/T steps each (the sum: S steps);
+   of EXPERTS experts; the same with each task's own dots (OWN_DOTS: model.task_dot_dim, and
+   room for every task's latents in the embeddings); one single-task model per task for S/T
+   steps each (the sum: S steps);
    and, for scale, one per task for S steps each (T times the budget). A single-task model is
    the same network with only its task's weight non-zero (the other heads get no gradient,
    so the trunk learns that task alone): the planted teacher is defined by the task list, so
    this keeps every model's data identical. Per-task val AUC over 65,536 samples (the samples
    whose label is missing left out) beside each task's oracle AUC; every model trained with
    train.seed 0..seeds-1 (its initialisation; the data fixed), the AUC the mean.
-2. Step cost: steps of T = 1, 2, 4, 8 tasks (shared trunk and MMoE) and of the legacy single
+2. Step cost: steps of T = 1, 2, 4, 8 tasks (shared trunk, MMoE, own dots) and of the legacy single
    click logit on the same batch, the models alternating in rounds in one process, each
    round starting one model later (batches generated before timing); ms/step of each model's
    fastest round (other load on the machine only adds time), samples/s, ratio to T = 1.
@@ -27,9 +29,10 @@ same training budget, MMoE against the shared trunk, and what each extra task co
 Everything trains in this process on one gloo rank (OMP threads as set; 1 by default). Prints
 the CPU, markdown tables and last the planted run's summary line:
 
-    multitask: tasks=N multi_auc=A1,A2,.. single_auc=A1,A2,.. oracle_auc=A1,A2,..
+    multitask: tasks=N multi_auc=A1,.. single_auc=A1,.. oracle_auc=A1,.. own_dots_auc=A1,..
 
-(multi: the shared trunk; single: one model per task at the same total budget.)
+(multi: the shared trunk; single: one model per task at the same total budget; own_dots: the
+multi-task model with each task's own dots.)
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ PLANTED_TASKS = ("click", "like", "see_less")
 MORE_TASKS = ("share", "comment", "save", "hide", "follow")  # up to 8 for the step cost
 HEAD = [16]  # every task's head: hidden widths before its logit
 EXPERTS = 4
+# Each task's own dots (model/task_dots.py): room in every embedding row for the shared latents
+# and each task's own (the teacher's d = 8 each: 32), and a projection per task of that width
+# (16 would hold the shared and the task's own; 32 learnt faster, and width 64 slower)
+OWN_DOTS = ["model.embedding_dim=32", "model.bottom_mlp=[64,32]", "model.task_dot_dim=32"]
 LABEL_MISSING = 0.3
 LOG_LABELS = "watched,liked:rating>=4,disliked:rating<=2"
 LOG_NEGATIVES = 4
@@ -61,6 +68,9 @@ BATCH = 1024
 COST_COUNTS = (1, 2, 4, 8)
 COST_BATCHES = 8  # distinct batches cycled by the step-cost runs
 COST_ROUNDS = 10
+
+
+OWN_DOTS_ROW = "multi-task, each task's own dots (embedding_dim 32, task_dot_dim 32)"
 
 
 def tasks_set(tasks: Sequence[str], only: Optional[str] = None) -> str:
@@ -133,6 +143,7 @@ def compare(data: List[str], tasks: Sequence[str], steps: int, seeds: int, scrat
         "multi-task, shared trunk": (steps, [(None, [tasks_set(tasks)])]),
         f"multi-task, MMoE ({EXPERTS} experts)":
             (steps, [(None, [tasks_set(tasks), f"model.mmoe.experts={EXPERTS}"])]),
+        OWN_DOTS_ROW: (steps, [(None, [tasks_set(tasks), *OWN_DOTS])]),
         "single-task, one per task": (max(1, steps // len(tasks)), singles),
         "single-task, one per task, T x the budget": (steps, singles)}
     rows: Dict[str, Row] = {}
@@ -177,17 +188,17 @@ def comparison_table(title: str, tasks: Sequence[str], rows: Dict[str, Row],
 
 
 def summary_line(tasks: Sequence[str], multi: Sequence[float], single: Sequence[float],
-                 oracle: Sequence[float]) -> str:
+                 oracle: Sequence[float], own_dots: Sequence[float]) -> str:
     """The benchmark's last line, for scripts (AUCs in task order)."""
     def join(values: Sequence[float]) -> str:
         return ",".join(f"{v:.4f}" for v in values)
 
     return (f"multitask: tasks={len(tasks)} multi_auc={join(multi)} single_auc={join(single)} "
-            f"oracle_auc={join(oracle)}")
+            f"oracle_auc={join(oracle)} own_dots_auc={join(own_dots)}")
 
 
 def step_cost(steps: int, rounds: int, env) -> str:
-    """ms/step of the legacy click logit and of T tasks (shared trunk, MMoE) on the same
+    """ms/step of the legacy click logit and of T tasks (shared trunk, MMoE, own dots) on the same
     batches; the models alternate, `steps` per round, and each keeps its fastest round."""
     import torch
 
@@ -204,6 +215,7 @@ def step_cost(steps: int, rounds: int, env) -> str:
         sets += [f"data.label_missing={LABEL_MISSING}"] if count > 1 else []
         cases["shared trunk", count] = sets
         cases[f"MMoE ({EXPERTS} experts)", count] = sets + [f"model.mmoe.experts={EXPERTS}"]
+        cases["own dots", count] = sets + OWN_DOTS
     runs = {}
     with tempfile.TemporaryDirectory() as scratch:
         for case, sets in cases.items():
@@ -324,7 +336,8 @@ def main() -> None:
     if log:
         print(f"{log}\n")
     print(summary_line(PLANTED_TASKS, rows["multi-task, shared trunk"].auc(),
-                       rows["single-task, one per task"].auc(), oracle))
+                       rows["single-task, one per task"].auc(), oracle,
+                       rows[OWN_DOTS_ROW].auc()))
 
 
 if __name__ == "__main__":

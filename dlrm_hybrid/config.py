@@ -141,6 +141,9 @@ class ModelConfig:
     # before it are the shared trunk); empty: one click logit
     tasks: List[TaskConfig] = field(default_factory=list)
     mmoe: MmoeConfig = field(default_factory=MmoeConfig)
+    # > 0: each task's own dot interaction, the vectors projected to this width per task, its
+    # weighted pair dots added to the task's logit (model/task_dots.py); 0: none
+    task_dot_dim: int = 0
     ranking_loss: RankingLossConfig = field(default_factory=RankingLossConfig)
 
 

@@ -166,6 +166,15 @@ def _validate_tasks(cfg: Config, world_size: int = 1) -> None:
     if m.mmoe.experts and not m.tasks:
         raise ConfigError("model.mmoe.experts: gates one mix of experts per task, and "
                           "model.tasks is empty; name the tasks, or leave experts at 0")
+    if m.task_dot_dim < 0:
+        raise ConfigError(f"model.task_dot_dim: must be >= 0, got {m.task_dot_dim}")
+    if m.task_dot_dim and not m.tasks:
+        raise ConfigError("model.task_dot_dim: gives each task its own dot interaction, and "
+                          "model.tasks is empty; name the tasks, or leave it at 0")
+    if m.task_dot_dim and m.interaction not in ("dot", "dcn", "dhen"):
+        raise ConfigError(f"model.task_dot_dim: needs the bottom-MLP output and the pooled "
+                          f"vectors of one width (interaction dot, dcn or dhen), and "
+                          f"interaction {m.interaction} has not; leave it at 0")
     r = m.ranking_loss
     if r.kind != "none":
         local = d.global_batch_size // world_size

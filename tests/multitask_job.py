@@ -22,6 +22,7 @@ COMMON = ["model.embedding_dim=8", "model.bottom_mlp=[16,8]", "model.top_mlp=[32
           "train.progress_bar=false", "checkpoint.resume=none", "parallel.replicate=false"]
 THREE = ["model.tasks=[{name: click}, {name: like, weight: 0.5, head: [8]}, "
          "{name: see_less, weight: 2.0}]", "data.label_missing=0.3"]
+# THREE with each task's own dot interaction (model/task_dots.py) is trained on 2 ranks too.
 # Two tasks over 3 experts, on cat (des applies to it); step 5 is resumed on another world size
 MMOE = ["model.tasks=[{name: click}, {name: like, weight: 0.5, head: [8]}]",
         "data.label_missing=0.3", "model.mmoe.experts=3", "model.mmoe.expert_mlp=[16,12]",
@@ -30,6 +31,7 @@ SHORT = ["train.max_steps=3"]  # the interactions that only need to train with t
 VARIANTS = {
     "three": THREE,
     "mmoe": MMOE,
+    "task_dots": [*THREE, "model.task_dot_dim=3"],
     "des": [*MMOE, "parallel.exchange=des"],
     "pipeline": [*THREE, "train.pipeline=enabled"],
     "bf16": [*THREE, "train.precision=bf16", "train.precision_fallback=false"],

@@ -1,8 +1,9 @@
 """Multi-task ranking trains as the single-task ranker does: 2 gloo ranks train the 1-rank
-model step by step with 3 tasks and missing labels (and with MMoE), a 2-rank checkpoint resumes
-on 1 rank as the uninterrupted run and `eval` of it gives the run's per-task metrics; des, the
-train pipeline, bf16, dhen and dcn carry over; a single-task checkpoint does not continue as a
-multi-task one. The loss and the heads against hand computations; the planted tasks' statistics."""
+model step by step with 3 tasks and missing labels (and with MMoE, and with each task's own
+dots: model.task_dot_dim), a 2-rank checkpoint resumes on 1 rank as the uninterrupted run and
+`eval` of it gives the run's per-task metrics; des, the train pipeline, bf16, dhen and dcn carry
+over; a single-task checkpoint does not continue as a multi-task one. The loss, the heads and
+the per-task dots against hand computations; the planted tasks' statistics."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from conftest import ROOT, done_fields, failure, read_metrics, run_cli
 from variant_job import assert_close, launch, losses
 
 JOB = ROOT / "tests/multitask_job.py"
-TWO_RANKS = ("three", "mmoe")  # trained on 1 and 2 ranks; mmoe's step 5 resumed on 1
-TASKS = {"three": ("click", "like", "see_less"), "mmoe": ("click", "like")}
+TWO_RANKS = ("three", "mmoe", "task_dots")  # trained on 1 and 2 ranks; mmoe's step 5 resumed
+TASKS = {"three": ("click", "like", "see_less"), "mmoe": ("click", "like"),
+         "task_dots": ("click", "like", "see_less")}
 VAL_SAMPLES = 2048  # multitask_job.py's
 
 
@@ -169,6 +171,11 @@ def test_the_value_model_may_change_on_resume(jobs, tmp_path):
      "data.label_missing: 0.2 leaves out the planted labels after the first"),
     (["model.tasks=[{name: a}, {name: b}]", "train.target_auc=0.8"],
      "train.target_auc: 0.8 works with one click label"),
+    (["model.task_dot_dim=4"], "model.task_dot_dim: gives each task its own dot interaction, "
+                               "and model.tasks is empty"),
+    (["model.tasks=[{name: a}]", "model.task_dot_dim=4", "model.interaction=cat"],
+     "model.task_dot_dim: needs the bottom-MLP output and the pooled vectors of one width"),
+    (["model.tasks=[{name: a}]", "model.task_dot_dim=-1"], "model.task_dot_dim: must be >= 0"),
 ])
 def test_task_settings_that_cannot_train_are_refused_in_one_line(sets, message):
     from dlrm_hybrid.config import ConfigError
@@ -257,6 +264,47 @@ def test_mmoe_heads_read_their_own_softmax_gated_mix_of_experts():
     assert torch.allclose(heads(x), torch.cat(want, dim=1), atol=1e-6)
     scripted = torch.jit.script(heads)  # the exported model carries the heads
     assert torch.allclose(scripted(x), heads(x))
+
+
+def test_each_task_adds_its_own_weighted_dots_of_its_own_projections():
+    """model.task_dot_dim: task t's logit is its head's plus sum_{i<j} w_t,ij <P_t v_i,
+    P_t v_j> over v = [bottom-MLP output, pooled embeddings]; a single-task model is unchanged."""
+    import torch
+
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.data.synthetic import SyntheticClicks
+    from dlrm_hybrid.model.dlrm import build_model
+
+    tasks = "model.tasks=[{name: click}, {name: like, head: [4]}, {name: see_less}]"
+    cfg = load_config(None, [tasks, "model.task_dot_dim=3", "data.val_samples=64"])
+    data = SyntheticClicks(cfg.data, ("click", "like", "see_less"))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, data.spec, torch.device("cpu")).eval()
+    assert (model.over_arch.pair_weights == 1).all()  # a factorization machine per task at first
+    with torch.no_grad():  # then any weights
+        model.over_arch.pair_weights.uniform_(-1, 1)
+    batch = data.batch("val", 0, 64)
+    with torch.no_grad():
+        pooled = model.pooled_embeddings(batch.sparse)
+        bottom = model.dense_arch(batch.dense)
+        shared = model.over_arch.inner(model.interaction.inner(bottom, pooled))
+        v = torch.cat((bottom[:, None], pooled), dim=1).double()
+        n, projection = v.shape[1], model.interaction.projection.weight.double()
+        want = shared.double().clone()
+        for t in range(3):
+            p_t = v @ projection[3 * t:3 * (t + 1)].T  # [B, n, 3]
+            pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+            for k, (i, j) in enumerate(pairs):
+                want[:, t] += model.over_arch.pair_weights[t, k].double() * (
+                    p_t[:, i] * p_t[:, j]).sum(1)
+        got = model(batch.dense, batch.sparse)
+    assert (want - shared).abs().min() > 0  # every task's dots count
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    # without it (the default), the names a multi-task checkpoint written before it holds
+    before = build_model(load_config(None, [tasks]).model, data.spec, torch.device("cpu"))
+    names = [k for k in before.state_dict() if not k.startswith("embedding_bags.")]
+    assert "over_arch.model.1.heads.1.0.weight" in names
+    assert not [k for k in names if ".inner." in k or "projection" in k or "pair_weights" in k]
 
 
 def planted(tasks, **data):

@@ -35,8 +35,17 @@ def test_a_single_task_model_trains_its_task_alone_on_the_multi_task_models_data
 
 def test_the_summary_line_names_each_tasks_auc_in_task_order(bench):
     line = bench.summary_line(TASKS, [0.71, 0.7, 0.69], [0.65, 0.64444, 0.63],
-                              [0.795, 0.7949, 0.8132])
+                              [0.795, 0.7949, 0.8132], [0.75, 0.74, 0.76])
     assert line == ("multitask: tasks=3 multi_auc=0.7100,0.7000,0.6900 "
-                    "single_auc=0.6500,0.6444,0.6300 oracle_auc=0.7950,0.7949,0.8132")
+                    "single_auc=0.6500,0.6444,0.6300 oracle_auc=0.7950,0.7949,0.8132 "
+                    "own_dots_auc=0.7500,0.7400,0.7600")
     number = r"\d\.\d{4}"
-    assert re.fullmatch(rf"multitask: tasks=3( \w+_auc={number}(,{number}){{2}}){{3}}", line)
+    assert re.fullmatch(rf"multitask: tasks=3( \w+_auc={number}(,{number}){{2}}){{4}}", line)
+
+
+def test_the_own_dots_row_gives_each_task_room_and_its_own_dots(bench):
+    """The row's model holds the shared and every task's own teacher latents (8 each) in a
+    row, and projects them per task: a model the planted teacher's task logits fit."""
+    cfg = load_config(None, PLANTED + [bench.tasks_set(TASKS), *bench.OWN_DOTS])
+    assert cfg.model.embedding_dim >= cfg.data.teacher_dim * (1 + len(TASKS))
+    assert cfg.model.task_dot_dim >= 2 * cfg.data.teacher_dim

@@ -269,10 +269,13 @@ def test_top_k_without_a_value_model_and_bad_task_labels_are_refused(served, tmp
 @pytest.mark.parametrize("variant", [
     ["model.mmoe.experts=2", "model.mmoe.expert_mlp=[8]"],
     ["model.interaction=dcn", "model.dcn.rank=4", "model.dcn.structure=parallel"],
+    ["model.task_dot_dim=3"],
+    ["model.task_dot_dim=2", "model.interaction=dcn", "model.dcn.rank=4"],
 ])
 def test_heads_behind_experts_or_a_parallel_cross_network_are_served_exactly(tmp_path, variant):
     """The served heads (after MMoE's gates, or reading dcn parallel's cross network beside the
-    trunk) give the trained model's probabilities, task by task."""
+    trunk, or with each task's own dots added) give the trained model's probabilities, task by
+    task."""
     (tmp_path / "mt.yaml").write_text(CONFIG)
     cfg = load_config(str(tmp_path / "mt.yaml"), variant)
     data = SyntheticClicks(cfg.data, TASKS)

@@ -23,6 +23,8 @@ CASES = {
     "dcn parallel no hidden, mmoe": ["model.interaction=dcn", "model.dcn.structure=parallel",
                                      "model.dcn.rank=6", "model.top_mlp=[1]",
                                      "model.mmoe.experts=2"],
+    "per-task dots": ["model.task_dot_dim=3"],
+    "per-task dots around dhen's layers": ["model.task_dot_dim=2", "model.interaction=dhen"],
 }
 
 

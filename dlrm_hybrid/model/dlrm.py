@@ -22,6 +22,7 @@ from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.cross import dcn_over_arch
 from dlrm_hybrid.model.embeddings import embedding_tables
 from dlrm_hybrid.model.interactions import FactorizationMachine, build_interaction
+from dlrm_hybrid.model.task_dots import with_task_dots
 from dlrm_hybrid.model.task_heads import TaskHeads, multitask_loss, ranking_loss
 
 
@@ -32,13 +33,14 @@ class DLRM(nn.Module):
                  embedding_precision: str = "fp32",
                  embedding_device: torch.device = torch.device("meta"),
                  tasks: Optional[List[TaskConfig]] = None, mmoe: Optional[MmoeConfig] = None,
-                 ranking: Optional[RankingLossConfig] = None) -> None:
+                 ranking: Optional[RankingLossConfig] = None, task_dot_dim: int = 0) -> None:
         """Embedding tables start on `embedding_device`; "meta" allocates nothing, because
         sharding materialises each table only on the rank that owns it. `lookups` says which
         tables each categorical feature is looked up in (compositional.py). `dcn`, `dhen`: those
         interactions' settings (the config's defaults if None). `tasks` (multi-task ranking):
         one head per task in place of the top MLP's last layer, logits [B, T]; `ranking`: a
-        learning-to-rank term beside their log loss, over requests of consecutive rows."""
+        learning-to-rank term beside their log loss, over requests of consecutive rows;
+        `task_dot_dim` > 0: each task's own dot interaction (model/task_dots.py)."""
         super().__init__()
         tables = embedding_tables(lookups, embedding_precision)
         self.lookups = lookups
@@ -64,6 +66,10 @@ class DLRM(nn.Module):
             _put_task_heads(self.over_arch, tasks, mmoe or MmoeConfig())
             self.register_buffer("task_weights", torch.tensor([t.weight for t in tasks]),
                                  persistent=False)
+            if task_dot_dim:
+                self.interaction, self.over_arch = with_task_dots(
+                    self.interaction, self.over_arch, width, len(lookups), self.embedding_dim,
+                    len(tasks), task_dot_dim)
         self.ranking = ranking if ranking is not None and ranking.kind != "none" else None
         # pooled: the lookup returns pooled vectors; des: per-sample partial sums of the first
         # operation on them, added up over their owners (parallel/exchange.py sets it).
@@ -198,4 +204,4 @@ def build_model(model_cfg, spec, embedding_device: torch.device = torch.device("
     return DLRM(spec.num_dense, lookups_of(model_cfg, spec), model_cfg.bottom_mlp,
                 model_cfg.top_mlp, model_cfg.interaction, model_cfg.self_interaction,
                 model_cfg.dcn, model_cfg.dhen, model_cfg.embedding_precision, embedding_device,
-                model_cfg.tasks, model_cfg.mmoe, model_cfg.ranking_loss)
+                model_cfg.tasks, model_cfg.mmoe, model_cfg.ranking_loss, model_cfg.task_dot_dim)

@@ -170,6 +170,10 @@ def dense_units(model_cfg, num_dense: int, features: int) -> List[Unit]:
         top_shapes = _mlp(width, hidden) + _last_layer(width + (hidden[-1] if hidden else width), m)
     else:
         top_shapes = _mlp(width, top[:-1]) + _last_layer(top[-2] if len(top) > 1 else width, m)
+    if m.tasks and m.task_dot_dim:  # model/task_dots.py: projections, then per-pair weights
+        interaction.append(Unit("per-task dots", {"projection": [(len(m.tasks) * m.task_dot_dim,
+                                                                   d)]}))
+        top_shapes = top_shapes + [(len(m.tasks), n * (n - 1) // 2)]
     return [Unit("bottom MLP", {"mlp": _mlp(aligned(num_dense), m.bottom_mlp)}), *interaction,
             Unit("top MLP", {"mlp": top_shapes})]
 

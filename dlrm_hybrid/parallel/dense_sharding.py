@@ -23,9 +23,10 @@ from torch.distributed.fsdp import fully_shard
 def dense_units(model: nn.Module) -> List[nn.Module]:
     """The modules sharded as one group each, bottom-up: the bottom MLP, the interaction (a
     stack's `layers` one by one, then the interaction itself if it holds parameters besides
-    them; a parameter-free one is left out), the top MLP."""
+    them; a parameter-free one is left out; model.task_dot_dim's per-task dots wrap a stack),
+    the top MLP."""
     interaction = model.interaction
-    layers = getattr(interaction, "layers", None)
+    layers = getattr(getattr(interaction, "inner", interaction), "layers", None)
     layers = list(layers) if isinstance(layers, nn.ModuleList) else []
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     units = [model.dense_arch, *layers]

@@ -30,6 +30,7 @@ from dlrm_hybrid.model.cross import WithInput
 from dlrm_hybrid.model.dlrm import DLRM, build_model
 from dlrm_hybrid.model.embeddings import table_order
 from dlrm_hybrid.model.interactions import FactorizationMachine
+from dlrm_hybrid.model.task_dots import TaskDotsInteraction
 from dlrm_hybrid.serve.rowwise import quantize_into
 from dlrm_hybrid.serve.scoring_model import (ScoringModel, StackedCrossNet,
                                              StackedMixtureCrossNet)
@@ -190,7 +191,10 @@ def load_dense_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor])
 
 
 def _scriptable(interaction: torch.nn.Module) -> torch.nn.Module:
-    """dcn's cross network in a form TorchScript compiles; the other interactions as they are."""
+    """dcn's cross network in a form TorchScript compiles (also under model.task_dot_dim's
+    per-task dots); the other interactions as they are."""
+    if isinstance(interaction, TaskDotsInteraction):
+        return interaction.around(_scriptable(interaction.inner))
     if isinstance(interaction, InteractionDCNArch):
         return InteractionDCNArch(interaction.F, _scriptable_crossnet(interaction.crossnet))
     return interaction
