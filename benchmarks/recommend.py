@@ -15,24 +15,31 @@ request costs.
 2. Models: two-tower models of the retrieval and of the early dataset with benchmarks/
    retrieval.py's BASE and the settings its grid chose on ml-100k (TOWER: the default loss,
    temperature 0.2, table learning rate 0.05, 29 epochs), `export --retrieval` (exact index);
-   one multi-task ranker of configs/multitask_demo.yaml per loss of `--losses` (pointwise;
-   pairwise and listwise add `model.ranking_loss` over each request of 1 + NEGATIVES rows),
-   CANDIDATE_RANKER_STEPS steps (RANKER_STEPS on the uniform dataset), tasks watched, liked,
-   disliked as the README trains them, `export`; `pixie build` of each retrieval dataset's
-   training split.
-3. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
+   multi-task rankers of configs/multitask_demo.yaml, one per loss of `--losses` (pointwise;
+   pairwise and listwise add `model.ranking_loss` over each request of 1 + NEGATIVES rows) and
+   per step count of `--ranker-steps` (CANDIDATE_RANKER_STEPS; RANKER_STEPS on the uniform
+   dataset), tasks watched, liked, disliked as the README trains them, `export`; `pixie build`
+   of each retrieval dataset's training split. `--work DIR` keeps them, each named by the
+   settings it depends on, and a later run reuses what DIR holds.
+3. The choice, on validation only: each user whose validation item is not a training item
+   asks with history = the training items (excluded); each ranker orders the same RANK_TOP
+   merged candidates with each value model of VALUES; per loss the steps and value model of
+   the best validation HR@10 are kept (ties: fewer steps), and the loss best on validation is
+   the ranked line. The test users are asked once, with the chosen rankers.
+4. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
    recommend.py) with history = the user's training items and validation item, every one of
    them excluded; sources PER_SOURCE candidates each, the ranker scoring the RANK_TOP best
-   merged, value model VALUE. HR@10 and recall@50 (one relevant item per user: recall@50 =
-   HR@50) of each source's list, of the merged list and of the ranked list. Latency: one
+   merged, the chosen value model. HR@10 and recall@50 (one relevant item per user: recall@50
+   = HR@50) of each source's list, of the merged list and of the ranked list. Latency: one
    request at a time, 1 thread, after WARMUP requests; p50/p99 of the whole request and of
    each stage.
-4. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
+5. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
    training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
    same exclusions (training and validation items).
 
-Prints the CPU, a markdown table (the first loss's requests; a ranked line for each other
-loss) and last the summary line (hr@10_ranked: the first loss's):
+Prints the CPU, a markdown table (the requests of the loss best on validation; a ranked line
+for each other loss), the validation table of every ranker and value model, and last the
+summary line (hr@10_ranked: the loss best on validation):
 
     recommend: data=NAME hr@10_pixie=X hr@10_two_tower=X hr@10_history=X hr@10_merged=X
         hr@10_ranked=X hr@10_ranked_pointwise=X hr@10_ranked_pairwise=X
@@ -78,8 +85,11 @@ WARMUP = 20
 
 
 def train_tower(args, data: str, scratch: Path, name: str) -> str:
-    """The two-tower model of `data` trained and exported (exact index): its folder."""
+    """The two-tower model of `data` trained and exported (exact index): its folder (kept where
+    --work already has it)."""
     cli = retrieval_bench.cli
+    if (scratch / name).is_dir():
+        return str(scratch / name)
     train = len(np.load(Path(data) / "train_user.npy"))
     per_epoch = retrieval_bench.write_config(scratch / f"{name}.yaml", {"path": data},
                                              args.epochs, train, TOWER)
@@ -97,8 +107,11 @@ def train_tower(args, data: str, scratch: Path, name: str) -> str:
 
 def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> str:
     """The multi-task ranker of configs/multitask_demo.yaml on `ranking`, with the ranking
-    loss `loss` (pointwise: none), `steps` steps, exported: its file."""
-    cli, name = retrieval_bench.cli, f"ranker_{loss}_{steps}"
+    loss `loss` (pointwise: none), `steps` steps, exported: its file (kept where --work already
+    has it)."""
+    cli, name = retrieval_bench.cli, f"{Path(ranking).name}_{loss}_{steps}"
+    if (scratch / f"{name}.pt").is_file():
+        return str(scratch / f"{name}.pt")
     start = time.perf_counter()
     half = steps // 2
     sets = [f"data.path={ranking}", f"model.tasks={TASKS}", "data.label_missing=0",
@@ -120,28 +133,43 @@ def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> st
 
 def build(args, scratch: Path) -> Dict[str, str]:
     """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>_<steps>`
-    for each of args.losses and args.ranker_steps."""
-    cli, out = retrieval_bench.cli, {k: str(scratch / k) for k in
-                                     ("retrieval", "early", "ranking", "graph", "early_graph")}
-    cli(["preprocess", "interactions", "--input", args.data, "--output", out["retrieval"],
-         "--positive", "rating>=4"])
+    for each of args.losses and args.ranker_steps. Each is named by the settings it depends on
+    and kept where `scratch` (--work) already has it, so a second run with other ranker
+    settings makes only what they change."""
+    cli, k = retrieval_bench.cli, args.holdout_recent
+    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}"
+            if args.ranker_data == "candidates"
+            else f"uniform_{args.negatives}")
+    out = {name: str(scratch / folder) for name, folder in (
+        ("retrieval", "retrieval"), ("early", f"early_{k}"), ("ranking", f"ranking_{kind}"),
+        ("graph", "graph"), ("early_graph", f"early_graph_{k}"))}
+
+    def make(what: str, command: List[str], done: str) -> None:
+        if not (Path(out[what]) / done).is_file():
+            cli(command)
+
+    make("retrieval", ["preprocess", "interactions", "--input", args.data, "--output",
+                       out["retrieval"], "--positive", "rating>=4"], "interactions.yaml")
     ranking = ["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
                "--labels", LABELS, "--ranking-negatives", str(args.negatives),
                "--holdout", out["retrieval"]]
     if args.ranker_data == "candidates":
-        cli(["preprocess", "interactions", "--input", args.data, "--output", out["early"],
-             "--positive", "rating>=4", "--holdout-recent", str(args.holdout_recent)])
-        early_tower = train_tower(args, out["early"], scratch, "early_tower")
-        cli(["pixie", "build", "--data", out["early"], "--out", out["early_graph"]])
+        make("early", ["preprocess", "interactions", "--input", args.data, "--output",
+                       out["early"], "--positive", "rating>=4", "--holdout-recent", str(k)],
+             "interactions.yaml")
+        early_tower = train_tower(args, out["early"], scratch, f"early_tower_{k}_e{args.epochs}")
+        make("early_graph", ["pixie", "build", "--data", out["early"], "--out",
+                             out["early_graph"]], "graph.yaml")
         ranking += ["--candidates", f"{early_tower},{out['early_graph']}",
                     "--candidate-ratio", str(args.candidate_ratio)]
-    cli(ranking)
-    out["tower"] = train_tower(args, out["retrieval"], scratch, "tower")
+    make("ranking", ranking, "feature_spec.yaml")
+    out["tower"] = train_tower(args, out["retrieval"], scratch, f"tower_e{args.epochs}")
     for loss in args.losses:
         for steps in args.ranker_steps:
             out[f"ranker_{loss}_{steps}"] = train_ranker(args, out["ranking"], scratch, loss,
                                                          steps)
-    cli(["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]])
+    make("graph", ["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]],
+         "graph.yaml")
     return out
 
 
@@ -293,8 +321,9 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=0, help="test users to ask (0: all)")
     parser.add_argument("--val-users", type=int, default=0, help="validation users that choose "
                         "the ranker (0: all)")
-    parser.add_argument("--work", help="build the datasets, models and graph in this new folder "
-                        "and keep them (default: a temporary folder)")
+    parser.add_argument("--work", help="build the datasets, models and graph in this folder and "
+                        "keep them; what it already holds (named by its settings) is reused "
+                        "(default: a temporary folder)")
     parser.add_argument("--ranker-data", choices=("candidates", "uniform"),
                         default="candidates", help="the ranker's negatives: the early funnel's "
                         "candidates with candidate features (default), or uniform (issue 44's "
@@ -306,7 +335,8 @@ def main() -> None:
     parser.add_argument("--holdout-recent", type=int, default=HOLDOUT_RECENT,
                         help="the early retrieval dataset's --holdout-recent K")
     parser.add_argument("--quick", action="store_true", help="a check that it runs: 1 epoch, "
-                        "30 ranker steps, 10,000 walk steps, 40 users, one peer setting each")
+                        "10 and 30 ranker steps, 10,000 walk steps, 40 test and 40 validation "
+                        "users, one peer setting each")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and faiss load
     if args.ranker_steps is None:
