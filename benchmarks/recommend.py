@@ -75,9 +75,10 @@ VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validatio
 TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
 RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
-# the candidate dataset (about 97k rows) overfits in 2,000 steps of 1,024 (21 epochs; ml-100k
-# test HR@10 0.118, 300 steps 0.132, 150 steps 0.140): a grid, chosen on validation
-CANDIDATE_RANKER_STEPS = (75, 150, 300, 600)
+# the candidate dataset (about 97k rows): a grid of 1.6 to 12.6 epochs, chosen on validation
+# (ml-100k validation HR@10, the best value model: 75 steps 0.127, 150 0.160, 300 0.164,
+# 600 0.173, 1,200 0.164, 2,000 0.150; docs/recommend.md)
+CANDIDATE_RANKER_STEPS = (150, 300, 600, 1200)
 PER_SOURCE, RANK_TOP = 200, 300
 STAGES = ("pixie", "two_tower", "history", "merged", "ranked")
 CUTS = (10, 50)
