@@ -252,6 +252,17 @@ def validation_hr(paths: Dict[str, str], root: Path, args
     return found
 
 
+def choose(on_val: Dict[Tuple[str, int, int], float]) -> Dict[str, Tuple[int, int]]:
+    """Per loss, the (steps, value model) of the best validation HR@10 (ties: fewer steps, then
+    VALUES order); the loss best on validation first."""
+    chosen = {}
+    for (loss, steps, value), hr in on_val.items():
+        best = chosen.get(loss)
+        if best is None or (hr, -steps, -value) > (on_val[(loss, *best)], -best[0], -best[1]):
+            chosen[loss] = (steps, value)
+    return dict(sorted(chosen.items(), key=lambda kv: -on_val[(kv[0], *kv[1])]))
+
+
 def findable(root: Path, split: str, earlier: Tuple[str, ...]):
     """(users, items) of `split`'s pairs whose item the user did not engage with in the
     `earlier` splits: a re-engagement is never returned (seen items are left out), as the
@@ -372,11 +383,8 @@ def main() -> None:
         if args.users:
             users, wanted = users[:args.users], wanted[:args.users]
         on_val = validation_hr(paths, root, args)
-        # per loss the steps and value model best on validation (ties: fewer steps, VALUES order)
-        chosen = {loss: max(((n, v) for n in args.ranker_steps for v in range(len(VALUES))),
-                            key=lambda nv: (on_val[(loss, *nv)], -nv[0], -nv[1]))
-                  for loss in args.losses}
-        args.losses.sort(key=lambda loss: -on_val[(loss, *chosen[loss])])  # the best first
+        chosen = choose(on_val)
+        args.losses = list(chosen)
         ranked = {}
         for n, loss in enumerate(args.losses):
             paths[f"ranker_{loss}"] = paths[f"ranker_{loss}_{chosen[loss][0]}"]

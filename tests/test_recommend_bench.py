@@ -108,3 +108,14 @@ def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench
     args.epochs = 3
     bench.build(args, tmp_path)
     assert [m[0] for m in made].count("train") == 4 and ["preprocess", "interactions"] in made
+
+
+def test_the_ranker_is_chosen_by_validation_hit_rate(bench):
+    """Per loss the steps and value model of the best validation HR@10, ties to fewer steps;
+    the loss best on validation is the reported (first) one."""
+    on_val = {("pointwise", 150, 0): 0.15, ("pointwise", 150, 1): 0.16,
+              ("pointwise", 600, 0): 0.17, ("pointwise", 600, 1): 0.12,
+              ("listwise", 150, 0): 0.18, ("listwise", 300, 0): 0.18, ("listwise", 300, 1): 0.1}
+    chosen = bench.choose(on_val)
+    assert chosen == {"listwise": (150, 0), "pointwise": (600, 0)}
+    assert list(chosen) == ["listwise", "pointwise"]
