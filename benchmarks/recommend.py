@@ -15,24 +15,31 @@ request costs.
 2. Models: two-tower models of the retrieval and of the early dataset with benchmarks/
    retrieval.py's BASE and the settings its grid chose on ml-100k (TOWER: the default loss,
    temperature 0.2, table learning rate 0.05, 29 epochs), `export --retrieval` (exact index);
-   one multi-task ranker of configs/multitask_demo.yaml per loss of `--losses` (pointwise;
-   pairwise and listwise add `model.ranking_loss` over each request of 1 + NEGATIVES rows),
-   CANDIDATE_RANKER_STEPS steps (RANKER_STEPS on the uniform dataset), tasks watched, liked,
-   disliked as the README trains them, `export`; `pixie build` of each retrieval dataset's
-   training split.
-3. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
+   multi-task rankers of configs/multitask_demo.yaml, one per loss of `--losses` (pointwise;
+   pairwise and listwise add `model.ranking_loss` over each request of 1 + NEGATIVES rows) and
+   per step count of `--ranker-steps` (CANDIDATE_RANKER_STEPS; RANKER_STEPS on the uniform
+   dataset), tasks watched, liked, disliked as the README trains them, `export`; `pixie build`
+   of each retrieval dataset's training split. `--work DIR` keeps them, each named by the
+   settings it depends on, and a later run reuses what DIR holds.
+3. The choice, on validation only: each user whose validation item is not a training item
+   asks with history = the training items (excluded); each ranker orders the same RANK_TOP
+   merged candidates with each value model of VALUES; per loss the steps and value model of
+   the best validation HR@10 are kept (ties: fewer steps), and the loss best on validation is
+   the ranked line. The test users are asked once, with the chosen rankers.
+4. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
    recommend.py) with history = the user's training items and validation item, every one of
    them excluded; sources PER_SOURCE candidates each, the ranker scoring the RANK_TOP best
-   merged, value model VALUE. HR@10 and recall@50 (one relevant item per user: recall@50 =
-   HR@50) of each source's list, of the merged list and of the ranked list. Latency: one
+   merged, the chosen value model. HR@10 and recall@50 (one relevant item per user: recall@50
+   = HR@50) of each source's list, of the merged list and of the ranked list. Latency: one
    request at a time, 1 thread, after WARMUP requests; p50/p99 of the whole request and of
    each stage.
-4. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
+5. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
    training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
    same exclusions (training and validation items).
 
-Prints the CPU, a markdown table (the first loss's requests; a ranked line for each other
-loss) and last the summary line (hr@10_ranked: the first loss's):
+Prints the CPU, a markdown table (the requests of the loss best on validation; a ranked line
+for each other loss), the validation table of every ranker and value model, and last the
+summary line (hr@10_ranked: the loss best on validation):
 
     recommend: data=NAME hr@10_pixie=X hr@10_two_tower=X hr@10_history=X hr@10_merged=X
         hr@10_ranked=X hr@10_ranked_pointwise=X hr@10_ranked_pairwise=X
@@ -64,12 +71,14 @@ HOLDOUT_RECENT = 10  # the early retrieval dataset leaves out each user's 10 mos
 LOSSES = ("pointwise", "pairwise", "listwise")
 TASKS = "[{name: watched}, {name: liked, head: [16]}, {name: disliked, head: [16]}]"
 VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}
+VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validation chooses from
 TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
 RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
-# the candidate dataset (about 97k rows) overfits in 2,000 steps of 1,024 (21 epochs; ml-100k
-# HR@10 0.118, 300 steps 0.132, 150 steps 0.140): 150 steps, about 1.6 epochs
-CANDIDATE_RANKER_STEPS = 150
+# the candidate dataset (about 97k rows): a grid of 1.6 to 12.6 epochs, chosen on validation
+# (ml-100k validation HR@10, the best value model: 75 steps 0.127, 150 0.160, 300 0.164,
+# 600 0.173, 1,200 0.164, 2,000 0.150; docs/recommend.md)
+CANDIDATE_RANKER_STEPS = (150, 300, 600, 1200)
 PER_SOURCE, RANK_TOP = 200, 300
 STAGES = ("pixie", "two_tower", "history", "merged", "ranked")
 CUTS = (10, 50)
@@ -77,8 +86,11 @@ WARMUP = 20
 
 
 def train_tower(args, data: str, scratch: Path, name: str) -> str:
-    """The two-tower model of `data` trained and exported (exact index): its folder."""
+    """The two-tower model of `data` trained and exported (exact index): its folder (kept where
+    --work already has it)."""
     cli = retrieval_bench.cli
+    if (scratch / name).is_dir():
+        return str(scratch / name)
     train = len(np.load(Path(data) / "train_user.npy"))
     per_epoch = retrieval_bench.write_config(scratch / f"{name}.yaml", {"path": data},
                                              args.epochs, train, TOWER)
@@ -94,59 +106,76 @@ def train_tower(args, data: str, scratch: Path, name: str) -> str:
     return str(scratch / name)
 
 
-def train_ranker(args, ranking: str, scratch: Path, loss: str) -> str:
+def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> str:
     """The multi-task ranker of configs/multitask_demo.yaml on `ranking`, with the ranking
-    loss `loss` (pointwise: none), exported: its file."""
-    cli, name = retrieval_bench.cli, f"ranker_{loss}"
+    loss `loss` (pointwise: none), `steps` steps, exported: its file (kept where --work already
+    has it)."""
+    cli, name = retrieval_bench.cli, f"{Path(ranking).name}_{loss}_{steps}"
+    if (scratch / f"{name}.pt").is_file():
+        return str(scratch / f"{name}.pt")
     start = time.perf_counter()
-    half = args.ranker_steps // 2
+    half = steps // 2
     sets = [f"data.path={ranking}", f"model.tasks={TASKS}", "data.label_missing=0",
             "value_model={" + ", ".join(f"{t}: {w}" for t, w in VALUE.items()) + "}",
-            f"train.max_steps={args.ranker_steps}", "train.eval_every=0",
-            f"train.log_every={args.ranker_steps}", f"optim.warmup_steps={min(20, half)}",
-            f"optim.decay_start_step={half}", f"optim.decay_steps={args.ranker_steps - half}",
-            "train.progress_bar=false", "train.tensorboard=false",
-            f"train.run_dir={scratch / (name + '_run')}"]
+            f"train.max_steps={steps}", "train.eval_every=0", f"train.log_every={steps}",
+            f"optim.warmup_steps={min(20, half)}", f"optim.decay_start_step={half}",
+            f"optim.decay_steps={steps - half}", "train.progress_bar=false",
+            "train.tensorboard=false", f"train.run_dir={scratch / (name + '_run')}"]
     if loss != "pointwise":
         sets += [f"model.ranking_loss.kind={loss}",
                  f"model.ranking_loss.group={1 + args.negatives}"]
     cli(["train", "--config", str(ROOT / "configs/multitask_demo.yaml"),
          *[a for s in sets for a in ("--set", s)]])
-    print(f"  ranker ({loss}): {args.ranker_steps} steps in {time.perf_counter() - start:.0f} s",
-          flush=True)
-    cli(["export", "--checkpoint", str(scratch / f"{name}_run/checkpoints" /
-                                       f"step_{args.ranker_steps}"),
+    print(f"  ranker ({loss}): {steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
+    cli(["export", "--checkpoint", str(scratch / f"{name}_run/checkpoints" / f"step_{steps}"),
          "--out", str(scratch / f"{name}.pt")])
     return str(scratch / f"{name}.pt")
 
 
 def build(args, scratch: Path) -> Dict[str, str]:
-    """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>` for
-    each of args.losses."""
-    cli, out = retrieval_bench.cli, {k: str(scratch / k) for k in
-                                     ("retrieval", "early", "ranking", "graph", "early_graph")}
-    cli(["preprocess", "interactions", "--input", args.data, "--output", out["retrieval"],
-         "--positive", "rating>=4"])
+    """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>_<steps>`
+    for each of args.losses and args.ranker_steps. Each is named by the settings it depends on
+    and kept where `scratch` (--work) already has it, so a second run with other ranker
+    settings makes only what they change."""
+    cli, k = retrieval_bench.cli, args.holdout_recent
+    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}"
+            if args.ranker_data == "candidates"
+            else f"uniform_{args.negatives}")
+    out = {name: str(scratch / folder) for name, folder in (
+        ("retrieval", "retrieval"), ("early", f"early_{k}"), ("ranking", f"ranking_{kind}"),
+        ("graph", "graph"), ("early_graph", f"early_graph_{k}"))}
+
+    def make(what: str, command: List[str], done: str) -> None:
+        if not (Path(out[what]) / done).is_file():
+            cli(command)
+
+    make("retrieval", ["preprocess", "interactions", "--input", args.data, "--output",
+                       out["retrieval"], "--positive", "rating>=4"], "interactions.yaml")
     ranking = ["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
                "--labels", LABELS, "--ranking-negatives", str(args.negatives),
                "--holdout", out["retrieval"]]
     if args.ranker_data == "candidates":
-        cli(["preprocess", "interactions", "--input", args.data, "--output", out["early"],
-             "--positive", "rating>=4", "--holdout-recent", str(args.holdout_recent)])
-        early_tower = train_tower(args, out["early"], scratch, "early_tower")
-        cli(["pixie", "build", "--data", out["early"], "--out", out["early_graph"]])
+        make("early", ["preprocess", "interactions", "--input", args.data, "--output",
+                       out["early"], "--positive", "rating>=4", "--holdout-recent", str(k)],
+             "interactions.yaml")
+        early_tower = train_tower(args, out["early"], scratch, f"early_tower_{k}_e{args.epochs}")
+        make("early_graph", ["pixie", "build", "--data", out["early"], "--out",
+                             out["early_graph"]], "graph.yaml")
         ranking += ["--candidates", f"{early_tower},{out['early_graph']}",
                     "--candidate-ratio", str(args.candidate_ratio)]
-    cli(ranking)
-    out["tower"] = train_tower(args, out["retrieval"], scratch, "tower")
+    make("ranking", ranking, "feature_spec.yaml")
+    out["tower"] = train_tower(args, out["retrieval"], scratch, f"tower_e{args.epochs}")
     for loss in args.losses:
-        out[f"ranker_{loss}"] = train_ranker(args, out["ranking"], scratch, loss)
-    cli(["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]])
+        for steps in args.ranker_steps:
+            out[f"ranker_{loss}_{steps}"] = train_ranker(args, out["ranking"], scratch, loss,
+                                                         steps)
+    make("graph", ["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]],
+         "graph.yaml")
     return out
 
 
 def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args,
-             loss: str) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
+             loss: str, value: Dict[str, float]) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
     """Each user's stages, the ms of each request and of each stage (after WARMUP requests)."""
     import torch
 
@@ -155,7 +184,7 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
 
     torch.set_num_threads(1)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
+    settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=value,
                                  pixie=PixieParams(steps=args.pixie_steps))
     rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{loss}"], paths["ranking"],
                       settings)
@@ -182,14 +211,66 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     return stages, total, per_stage
 
 
-def findable_test(root: Path):
-    """(users, items) of the test pairs whose item the user did not engage with in train or
-    validation: a re-engagement is never returned (seen items are left out), as the
+def validation_hr(paths: Dict[str, str], root: Path, args
+                  ) -> Dict[Tuple[str, int, int], float]:
+    """HR@10 on the validation items of each ranker of args.losses x args.ranker_steps with
+    each value model of VALUES (key: loss, steps, the value model's place in VALUES): each user
+    whose validation item is findable asks with history = the training items (those excluded),
+    as the test requests ask with the validation item added. The sources and the merge are
+    computed once per user; each ranker orders the same RANK_TOP merged items."""
+    import torch
+
+    from dlrm_hybrid.graph.pixie import PixieParams
+    from dlrm_hybrid.serve.candidate_sources import SOURCES
+    from dlrm_hybrid.serve.rank_fusion import merge
+    from dlrm_hybrid.serve.recommend_inputs import open_ranker, value_model_weights
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    torch.set_num_threads(1)
+    users, wanted = findable(root, "val", ("train",))
+    if args.val_users:
+        users, wanted = users[:args.val_users], wanted[:args.val_users]
+    settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
+                                 pixie=PixieParams(steps=args.pixie_steps))
+    keys = [(loss, steps) for loss in args.losses for steps in args.ranker_steps]
+    rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{keys[0][0]}_{keys[0][1]}"],
+                      paths["ranking"], settings)
+    asked = []
+    for user in users.tolist():
+        seen = rec.retriever.seen(user)
+        timeline = rec.retriever.timeline(user) if rec.retriever.history_length else None
+        lists = {s: rec.sources.source(s, user, seen, seen, timeline) for s in SOURCES}
+        asked.append((user, merge({s: lists[s][0] for s in SOURCES})[0][:RANK_TOP], lists))
+    found = {}
+    for loss, steps in keys:
+        rec.ranker, description = open_ranker(paths[f"ranker_{loss}_{steps}"])
+        for v, value in enumerate(VALUES):
+            rec.weights = value_model_weights(value, rec.tasks, description)
+            found[loss, steps, v] = float(np.mean([
+                item in rec._rank(user, merged, lists)[0][:10]
+                for (user, merged, lists), item in zip(asked, wanted)]))
+    return found
+
+
+def choose(on_val: Dict[Tuple[str, int, int], float]) -> Dict[str, Tuple[int, int]]:
+    """Per loss, the (steps, value model) of the best validation HR@10 (ties: fewer steps, then
+    VALUES order); the loss best on validation first."""
+    chosen = {}
+    for (loss, steps, value), hr in on_val.items():
+        best = chosen.get(loss)
+        if best is None or (hr, -steps, -value) > (on_val[(loss, *best)], -best[0], -best[1]):
+            chosen[loss] = (steps, value)
+    return dict(sorted(chosen.items(), key=lambda kv: -on_val[(kv[0], *kv[1])]))
+
+
+def findable(root: Path, split: str, earlier: Tuple[str, ...]):
+    """(users, items) of `split`'s pairs whose item the user did not engage with in the
+    `earlier` splits: a re-engagement is never returned (seen items are left out), as the
     evaluation's rule says (docs/retrieval.md)."""
     from dlrm_hybrid.data.interactions.interaction_data import open_interactions
 
     data = open_interactions(str(root))
-    indptr, items = data.findable("test", ("train", "val"))
+    indptr, items = data.findable(split, earlier)
     return np.repeat(np.arange(data.users), np.diff(indptr)), items
 
 
@@ -244,13 +325,17 @@ def main() -> None:
     parser.add_argument("--name", help="the data's name in the summary (default: the log's "
                         "folder, e.g. ml-100k)")
     parser.add_argument("--epochs", type=int, default=EPOCHS, help="two-tower training epochs")
-    parser.add_argument("--ranker-steps", type=int, help="multi-task ranker steps of 1,024 "
-                        f"samples (default {CANDIDATE_RANKER_STEPS}; {RANKER_STEPS} with "
-                        f"--ranker-data uniform)")
+    parser.add_argument("--ranker-steps", help="multi-task ranker steps of 1,024 samples, "
+                        "comma-separated: one ranker each, the best on validation kept (default "
+                        f"{','.join(map(str, CANDIDATE_RANKER_STEPS))}; {RANKER_STEPS} with "
+                        "--ranker-data uniform)")
     parser.add_argument("--pixie-steps", type=int, default=100_000, help="walk steps a request")
     parser.add_argument("--users", type=int, default=0, help="test users to ask (0: all)")
-    parser.add_argument("--work", help="build the datasets, models and graph in this new folder "
-                        "and keep them (default: a temporary folder)")
+    parser.add_argument("--val-users", type=int, default=0, help="validation users that choose "
+                        "the ranker (0: all)")
+    parser.add_argument("--work", help="build the datasets, models and graph in this folder and "
+                        "keep them; what it already holds (named by its settings) is reused "
+                        "(default: a temporary folder)")
     parser.add_argument("--ranker-data", choices=("candidates", "uniform"),
                         default="candidates", help="the ranker's negatives: the early funnel's "
                         "candidates with candidate features (default), or uniform (issue 44's "
@@ -262,15 +347,22 @@ def main() -> None:
     parser.add_argument("--holdout-recent", type=int, default=HOLDOUT_RECENT,
                         help="the early retrieval dataset's --holdout-recent K")
     parser.add_argument("--quick", action="store_true", help="a check that it runs: 1 epoch, "
-                        "30 ranker steps, 10,000 walk steps, 40 users, one peer setting each")
+                        "10 and 30 ranker steps, 10,000 walk steps, 40 test and 40 validation "
+                        "users, one peer setting each")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and faiss load
     if args.ranker_steps is None:
-        args.ranker_steps = RANKER_STEPS if args.ranker_data == "uniform" else \
-            CANDIDATE_RANKER_STEPS
+        args.ranker_steps = str(RANKER_STEPS) if args.ranker_data == "uniform" else \
+            ",".join(map(str, CANDIDATE_RANKER_STEPS))
+    try:
+        args.ranker_steps = sorted({int(s) for s in args.ranker_steps.split(",") if s.strip()})
+    except ValueError:
+        parser.error(f"--ranker-steps: {args.ranker_steps!r}; give step counts, e.g. 75,150")
+    if not args.ranker_steps or min(args.ranker_steps) < 2:
+        parser.error("--ranker-steps: give step counts of 2 or more")
     if args.quick:
-        args.epochs, args.ranker_steps, args.pixie_steps = 1, 30, 10_000
-        args.users = args.users or 40
+        args.epochs, args.ranker_steps, args.pixie_steps = 1, [10, 30], 10_000
+        args.users, args.val_users = args.users or 40, args.val_users or 40
     args.losses = [loss.strip() for loss in args.losses.split(",") if loss.strip()]
     if args.ranker_data == "uniform":
         args.losses, args.negatives = ["pointwise"], 4
@@ -285,14 +377,19 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         paths = build(args, work)
         root = Path(paths["retrieval"])
-        users, wanted = findable_test(root)
+        users, wanted = findable(root, "test", ("train", "val"))
         val = dict(zip(np.load(root / "val_user.npy").tolist(),
                        np.load(root / "val_item.npy").tolist()))
         if args.users:
             users, wanted = users[:args.users], wanted[:args.users]
+        on_val = validation_hr(paths, root, args)
+        chosen = choose(on_val)
+        args.losses = list(chosen)
         ranked = {}
         for n, loss in enumerate(args.losses):
-            asked, took, took_per_stage = requests(paths, users, val, args, loss)
+            paths[f"ranker_{loss}"] = paths[f"ranker_{loss}_{chosen[loss][0]}"]
+            asked, took, took_per_stage = requests(paths, users, val, args, loss,
+                                                   VALUES[chosen[loss][1]])
             ranked[loss] = hit_rates(asked, wanted)
             if not n:
                 stages, total, per_stage = asked, took, took_per_stage
@@ -305,10 +402,11 @@ def main() -> None:
             "two_tower": "two-tower user tower, exact search", "history":
             "history: item-to-item neighbours (max)", "merged": "merged (reciprocal-rank fusion)",
             "ranked": f"ranked: multi-task ranker on the top {RANK_TOP}, value model "
-                      f"({args.ranker_data} negatives, {args.losses[0]})"}
+                      f"({args.ranker_data} negatives, {args.losses[0]}, "
+                      f"{chosen[args.losses[0]][0]} steps)"}
     print(f"\n{name}: {len(users)} test users (each user's last positive, rating >= 4); history "
           f"and exclusions: training + validation items; value = "
-          + value_text(VALUE) + f"; {cpu}")
+          + value_text(VALUES[chosen[args.losses[0]][1]]) + f"; {cpu}")
     print("| candidates | HR@10 | recall@50 | items per request | ms p50 | ms p99 |")
     print("|---|---:|---:|---:|---:|---:|")
     for stage in STAGES:
@@ -316,11 +414,20 @@ def main() -> None:
         print(f"| {what[stage]} | {hr[f'{stage}_hr@10']:.4f} | {hr[f'{stage}_hr@50']:.4f} | "
               f"{mean[stage]:.0f} | {percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
     for loss, h in list(ranked.items())[1:]:
-        print(f"| ranked, {loss} loss | {h['ranked_hr@10']:.4f} | {h['ranked_hr@50']:.4f} | | | |")
+        print(f"| ranked, {loss} loss, {chosen[loss][0]} steps, value "
+              f"{value_text(VALUES[chosen[loss][1]])} | {h['ranked_hr@10']:.4f} | "
+              f"{h['ranked_hr@50']:.4f} | | | |")
     for peer, m in found.items():
         print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
     print(f"| whole request (one at a time, after {WARMUP} warm-up) | | | | "
           f"{percentile(total, 50):.2f} | {percentile(total, 99):.2f} |")
+    print("\nvalidation HR@10 of each ranker (loss, steps) and value model: the best chosen")
+    print("| loss | steps | " + " | ".join(value_text(v) for v in VALUES) + " |")
+    print("|---|---:|" + "---:|" * len(VALUES))
+    for loss in args.losses:
+        for steps in args.ranker_steps:
+            print(f"| {loss} | {steps} | " + " | ".join(
+                f"{on_val[loss, steps, v]:.4f}" for v in range(len(VALUES))) + " |")
     print(summary_line(name, hr, total, ranked))
 
 

@@ -2,6 +2,8 @@
 and its last line is the one scripts read."""
 
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -51,5 +53,69 @@ def test_the_test_items_asked_for_leave_out_re_watches(bench, tmp_path):
     data = InteractionData(InteractionMeta(3, 5), pairs, np.zeros((3, 0), np.int64),
                            np.zeros((5, 0), np.int64))
     write_interactions(data, str(tmp_path / "log"))
-    users, items = bench.findable_test(tmp_path / "log")
+    users, items = bench.findable(tmp_path / "log", "test", ("train", "val"))
     assert users.tolist() == [1] and items.tolist() == [4]
+    # validation asks (the ranker's choice) with the training items only as history
+    users, items = bench.findable(tmp_path / "log", "val", ("train",))
+    assert users.tolist() == [0, 1, 2] and items.tolist() == [3, 0, 4]
+    data.pairs["train"] = (np.array([0, 0, 1, 2]), np.array([1, 3, 3, 0]))  # u0 re-watches 3
+    write_interactions(data, str(tmp_path / "log2"))
+    users, items = bench.findable(tmp_path / "log2", "val", ("train",))
+    assert users.tolist() == [1, 2] and items.tolist() == [0, 4]
+
+
+def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench, tmp_path,
+                                                                          monkeypatch):
+    """--work: a second run makes nothing already made; another candidate ratio makes only its
+    ranking dataset and rankers; other tower epochs remake the towers and what reads them."""
+    import argparse
+
+    made = []
+
+    def cli(command):  # records the command; writes what the real one would leave
+        made.append(command[:2] if command[0] != "export" else ["export", Path(out_of(command))
+                                                                 .name])
+        target = Path(out_of(command)) if "--out" in command or "--output" in command else None
+        if target is None:
+            return ""
+        if command[0] == "export":
+            (target.mkdir() if "--retrieval" in command else target.write_text("ranker"))
+            return ""
+        target.mkdir(parents=True)
+        np.save(target / "train_user.npy", np.zeros(5, np.int64))
+        for done in ("interactions.yaml", "graph.yaml", "feature_spec.yaml"):
+            (target / done).write_text("")
+        return ""
+
+    def out_of(command):
+        return command[command.index("--out" if "--out" in command else "--output") + 1]
+
+    monkeypatch.setattr(bench.retrieval_bench, "cli", cli)
+    args = argparse.Namespace(data="u.data", holdout_recent=10, negatives=7,
+                              candidate_ratio=0.75, ranker_data="candidates", epochs=2,
+                              losses=["pointwise"], ranker_steps=[10, 20])
+    first = bench.build(args, tmp_path)
+    assert [m[0] for m in made].count("train") == 4  # two towers, two rankers
+    made.clear()
+    assert bench.build(args, tmp_path) == first and made == []
+    args.candidate_ratio = 1.0
+    again = bench.build(args, tmp_path)
+    assert [m[:2] for m in made if m[0] != "export"] == [["preprocess", "interactions"],
+                                                         ["train", "--config"],
+                                                         ["train", "--config"]]
+    assert again["ranking"] != first["ranking"] and again["tower"] == first["tower"]
+    made.clear()
+    args.epochs = 3
+    bench.build(args, tmp_path)
+    assert [m[0] for m in made].count("train") == 4 and ["preprocess", "interactions"] in made
+
+
+def test_the_ranker_is_chosen_by_validation_hit_rate(bench):
+    """Per loss the steps and value model of the best validation HR@10, ties to fewer steps;
+    the loss best on validation is the reported (first) one."""
+    on_val = {("pointwise", 150, 0): 0.15, ("pointwise", 150, 1): 0.16,
+              ("pointwise", 600, 0): 0.17, ("pointwise", 600, 1): 0.12,
+              ("listwise", 150, 0): 0.18, ("listwise", 300, 0): 0.18, ("listwise", 300, 1): 0.1}
+    chosen = bench.choose(on_val)
+    assert chosen == {"listwise": (150, 0), "pointwise": (600, 0)}
+    assert list(chosen) == ["listwise", "pointwise"]
