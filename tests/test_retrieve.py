@@ -233,6 +233,24 @@ def test_retrieve_answers_without_the_trainer(trained, exported):
     assert [line.split("\t")[0] for line in text.stdout.splitlines()] == answers["tower"]["items"]
 
 
+def test_history_retrieval_scores_every_item_by_its_best_history_item(exported, monkeypatch):
+    """A long history on the flat index, scored in blocks of a few history items: each item
+    ranks by its max inner product with any history item, the history and the user's training
+    items left out, exactly as brute force orders them."""
+    from dlrm_hybrid.serve import retrieve
+
+    retriever = retrieve.Retriever(str(exported / "flat"))
+    vectors = retriever.item_vectors
+    monkeypatch.setattr(retrieve, "HISTORY_BLOCK", 3 * len(vectors))  # 3 history items a block
+    history = np.array([1, 4, 16, 39, 52, 75, 90, 122, 145, 171, 193], np.int64)
+    items, scores = retriever.from_history(history, 10, user=5)
+    near = (vectors[history] @ vectors.T).max(0)
+    skip = set(history) | set(retriever.seen(5))
+    expected = [i for i in np.argsort(-near, kind="stable") if i not in skip][:10]
+    assert sorted(items) == sorted(expected)
+    assert np.allclose(scores, near[items]) and np.all(np.diff(scores) <= 0)
+
+
 def test_retrieve_a_batch_of_users_to_a_file(trained, exported, tmp_path):
     (tmp_path / "users.txt").write_text("\ufeffu5\n\nu7\n")  # a byte-order mark, a blank line
     out = tmp_path / "answers.jsonl"
