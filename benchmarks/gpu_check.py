@@ -245,7 +245,8 @@ def two_process(plan: Plan, timeout: float) -> dict:
     """A real `train` job on 2 ranks (GPUs: NCCL, bf16, CUDA Graphs): its `done:` line."""
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_two_"))
     sets = [f"train.max_steps={10 if plan.rehearsal else 300}", "train.eval_every=0",
-            "train.progress_bar=false", f"data.val_samples={65536 * 2}", f"train.run_dir={run_dir}",
+            "train.progress_bar=false", f"data.val_samples={2 * plan.batch}",
+            f"train.run_dir={run_dir}",
             "checkpoint.resume=none", f"parallel.backend={plan.backend}",
             *setting_overrides("fp32" if plan.rehearsal else "bf16+graphs")]
     done = run([sys.executable, "-m", "torch.distributed.run", "--standalone",

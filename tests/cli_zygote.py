@@ -47,9 +47,9 @@ from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 # What train, eval, export, predict and bench import (torch, torchrec and fbgemm among them).
-PRELOAD = ("torch", "torchrec", "fbgemm_gpu", "torch.utils.tensorboard", "torchmetrics",
-           "dlrm_hybrid.cli", "dlrm_hybrid.parallel.host_memory",
-           "dlrm_hybrid.parallel.process_group", "dlrm_hybrid.train.loop",
+PRELOAD = ("torch", "torchrec", "fbgemm_gpu", "torch.utils.tensorboard", "dlrm_hybrid.cli",
+           "dlrm_hybrid.parallel.host_memory", "dlrm_hybrid.parallel.process_group",
+           "dlrm_hybrid.train.loop",
            "dlrm_hybrid.train.inference", "dlrm_hybrid.serve.export", "dlrm_hybrid.serve.predict",
            "dlrm_hybrid.bench.run")
 # Read by the interpreter or by libraries when they load (libgomp: OMP_NUM_THREADS; ATen: its

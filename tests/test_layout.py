@@ -154,6 +154,18 @@ def test_loading_and_checking_a_config_imports_no_torch():
     assert done.stdout.strip() == "[]"
 
 
+def test_no_module_imports_torchmetrics():
+    """Its import (every metric it has, and matplotlib) cost ~1 s of CPU, ~15% of the start of
+    every process that trains or evaluates; the AUC is train/evaluate.py's own."""
+    for name, path in module_files().items():
+        tree = ast.parse(path.read_text(), str(path))
+        tops = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+        tops |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom)}
+        assert "torchmetrics" not in tops, f"{name} imports torchmetrics"
+
+
 MAX_LINES = 450
 
 

@@ -202,6 +202,36 @@ def test_output_is_identical_for_any_worker_count_and_task_size(tmp_path, monkey
     assert dataset_files(tmp_path / "one") == dataset_files(tmp_path / "two")
 
 
+def test_the_job_starts_its_workers_once_and_writes_beside_no_idle_one(tmp_path, small_tasks,
+                                                                     monkeypatch):
+    """Every phase runs on the job's own workers, started once (a spawned worker costs an
+    interpreter's start); when the memory plan allows fewer writers than counted, the write pass
+    runs with those alone (an idle worker would hold memory the plan gave them), same bytes."""
+    import multiprocessing
+
+    from dlrm_hybrid.data.criteo import budget
+    from dlrm_hybrid.data.criteo.work import WorkFolder
+
+    (tmp_path / "train.txt").write_text("".join("\t".join(r) + "\n" for r in make_rows(2000)))
+    steps, real_commit = [], WorkFolder.commit
+
+    def commit(self, step, record):  # in the parent, as each step's record is kept
+        steps.append((step.split(".")[0], record["pid"], len(multiprocessing.active_children())))
+        real_commit(self, step, record)
+
+    monkeypatch.setattr(WorkFolder, "commit", commit)
+    preprocess_criteo([tmp_path / "train.txt"], tmp_path / "a", workers=2)
+    assert [phase for phase, _, _ in steps].count("count") > 2
+    assert {phase for phase, _, _ in steps} == {"count", "number", "write"}
+    assert len({pid for _, pid, _ in steps}) == 2 and max(alive for *_, alive in steps) == 2
+    steps.clear()
+    monkeypatch.setattr(budget.MemoryPlan, "lookup_workers", lambda self, values, parse: 1)
+    preprocess_criteo([tmp_path / "train.txt"], tmp_path / "b", workers=2)
+    writers = [alive for phase, _, alive in steps if phase == "write"]
+    assert max(alive for *_, alive in steps) == 2 and len(writers) > 2 and max(writers) == 1
+    assert dataset_files(tmp_path / "a") == dataset_files(tmp_path / "b")
+
+
 def test_unreadable_inputs_are_one_line_errors_naming_the_file(tmp_path):
     whole = gzip.compress("".join("\t".join(r) + "\n" for r in make_rows(500)).encode())
     (tmp_path / "day_1.gz").write_bytes(whole[: len(whole) // 2])

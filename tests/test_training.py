@@ -138,6 +138,25 @@ def test_auc_of_a_one_class_split_is_reported_undefined_not_zero(tmp_path, proce
     assert math.isfinite(result.metrics["val_logloss"])
 
 
+def test_auc_is_torchmetrics_binary_auroc_ties_included():
+    """The validation AUC (train/evaluate.py's own, without torchmetrics' import) is the value
+    torchmetrics' binary_auroc gives: tied scores, unbalanced classes, two samples."""
+    from torchmetrics.functional.classification import binary_auroc as reference
+
+    from dlrm_hybrid.train.evaluate import binary_auroc
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [(torch.tensor([0.3, 0.7]), torch.tensor([1, 0])),
+             (torch.tensor([0.5, 0.5, 0.5, 0.2]), torch.tensor([1, 0, 0, 1]))]
+    for size, levels in ((50, 4), (3000, 30), (3000, 0)):
+        scores = torch.rand(size, generator=generator)
+        scores = (scores * levels).round() / levels if levels else scores  # ties, or none
+        cases.append((scores, (torch.rand(size, generator=generator) < 0.1).long()))
+    for scores, labels in cases:
+        assert binary_auroc(scores, labels).item() == reference(scores, labels).item()
+    assert binary_auroc(torch.tensor([0.9, 0.1]), torch.tensor([1, 0])).item() == 1.0
+
+
 def test_a_shuffled_epoch_is_ordered_by_train_seed(tmp_path, process_group, monkeypatch):
     """data.shuffle: each epoch's global batches in a permutation seeded by (train.seed, epoch).
     Training hands its loader train.seed, and with seed 3 (8 batches an epoch) that loader

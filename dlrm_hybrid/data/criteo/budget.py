@@ -6,8 +6,8 @@ the rest of the limit is split among the workers: a worker parses `chunk_bytes` 
 counts at most `counter_capacity` distinct keys before it spills a run, and an aggregation range
 holds at most `range_entries` run entries. The parent keeps only per-task records.
 
-Peak RSS of the tree is bounded from above by the parent's peak plus, for the phase whose workers
-peaked highest together, the sum of each worker's peak (each reports its own VmHWM).
+Peak RSS of the tree is bounded from above by the parent's peak plus, for the pool of workers
+that peaked highest together, the sum of each worker's peak (each reports its own VmHWM).
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
     out = Path(output)
     work = WorkFolder(out, identity(inputs, options.__dict__), restart)
     try:
-        job = Job(inputs, out, options, workers, plan, work)
-        report = _run(job, split, start)
+        with Job(inputs, out, options, workers, plan, work) as job:
+            report = _run(job, split, start)
     except BaseException as error:
         _keep_or_discard(work, error)
         raise

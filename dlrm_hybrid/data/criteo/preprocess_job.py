@@ -1,6 +1,10 @@
-"""One run of `preprocess criteo` (`Job`): its tasks, memory plan and work folder; the pools of
-spawned workers that run its steps (worker_steps.py), each step recorded as it ends and reused by
-a later run while its record still holds; the three phases (count, number, write) as steps."""
+"""One run of `preprocess criteo` (`Job`): its tasks, memory plan and work folder; the pool of
+spawned workers that runs its steps (worker_steps.py), each step recorded as it ends and reused by
+a later run while its record still holds; the three phases (count, number, write) as steps.
+
+The job's workers are started once, as its first steps need them, and run every phase: a spawned
+worker spends ~0.4 s of CPU importing numpy and the steps' modules, a cost paid once per worker
+rather than once per worker and phase. They are joined when the job ends (`close`)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ import json
 import multiprocessing
 import os
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -50,7 +53,7 @@ class Options:
 
 
 class Job:
-    """One run of the command: the plan, the work folder, the pools, the figures."""
+    """One run of the command: the plan, the work folder, the pool, the figures."""
 
     def __init__(self, inputs: List[str], output: Path, options: Options, workers: int,
                  plan: budget.MemoryPlan, work: WorkFolder) -> None:
@@ -59,26 +62,46 @@ class Job:
         self.tasks = task_plan.plan_tasks(inputs, options.task_bytes)
         self.files = {p: os.stat(p) for p in inputs}
         self.input_bytes = sum(t.size for t in self.tasks)
-        self.peaks: Dict[str, Dict[int, int]] = {}  # phase -> worker pid -> peak RSS
+        self.peaks: List[Dict[int, int]] = []  # per pool started: worker pid -> peak RSS
         self.passes: Dict[str, dict] = {}
         self.reused = 0
         self.counted_digest: Optional[str] = None  # of the count records the later steps use
+        self._pool: Optional[ProcessPoolExecutor] = None
+        self._processes = 0  # at most this many workers started in the pool
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Join the workers (steps not started are cancelled)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._processes = None, 0
 
     def file_state(self, path: str) -> list:
         stat = self.files[path]
         return [stat.st_size, stat.st_mtime_ns]
 
-    @contextmanager
-    def pool(self, phase: str, workers: int):
-        """Spawned workers (they start without the parent's memory); always joined."""
-        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"))
-        self.peaks.setdefault(phase, {})
-        try:
-            yield pool
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+    def pool(self, workers: int) -> ProcessPoolExecutor:
+        """The job's spawned workers (they start without the parent's memory), for a phase that
+        runs at most `workers` steps at a time. The pool starts a worker only when no started one
+        is idle, so it holds at most the most steps any phase ran at once."""
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"))
+            self.peaks.append({})
+        self._processes = max(self._processes, workers)
+        return self._pool
 
-    def run_steps(self, phase: str, workers: int, steps: Sequence[Tuple[str, Callable, tuple]],
+    def at_most(self, workers: int) -> None:
+        """At most `workers` processes from now on: a phase whose memory plan counts only its own
+        workers (the write pass) must not run beside idle ones still holding their memory."""
+        if self._processes > workers:
+            self.close()
+
+    def run_steps(self, workers: int, steps: Sequence[Tuple[str, Callable, tuple]],
                   done: Callable[[int, dict, bool], None]) -> None:
         """Run the `steps` (name, function, arguments) an earlier run did not record, and record
         each as it ends (after `done(index, record, fresh)`, which may add to the record)."""
@@ -92,20 +115,34 @@ class Job:
                 todo.append((i, (name, fn, args)))
         if not todo:
             return
-        with self.pool(phase, min(workers, len(todo))) as pool:
-            futures = {pool.submit(fn, *args): (i, name) for i, (name, fn, args) in todo}
-            pending = set(futures)
-            while pending:
-                finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                for future in sorted(finished, key=lambda f: futures[f][0]):
-                    i, name = futures[future]
-                    record = future.result()  # raises the worker's error
-                    self.peaks[phase][record["pid"]] = max(
-                        record["peak_rss"], self.peaks[phase].get(record["pid"], 0))
-                    if not name.startswith("count."):
-                        record["counted"] = self.counted_digest
-                    done(i, record, True)
-                    self.work.commit(name, record)
+        workers = min(workers, len(todo))
+        pool, queued = self.pool(workers), iter(todo)
+        futures: Dict = {}
+        pending = set()
+
+        def submit() -> None:  # the next step, if any: at most `workers` run at once
+            step = next(queued, None)
+            if step is not None:
+                i, (name, fn, args) = step
+                future = pool.submit(fn, *args)
+                futures[future] = (i, name)
+                pending.add(future)
+
+        for _ in range(workers):
+            submit()
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_EXCEPTION)
+            pending.difference_update(finished)
+            for future in sorted(finished, key=lambda f: futures[f][0]):
+                i, name = futures[future]
+                record = future.result()  # raises the worker's error
+                self.peaks[-1][record["pid"]] = max(record["peak_rss"],
+                                                    self.peaks[-1].get(record["pid"], 0))
+                if not name.startswith("count."):
+                    record["counted"] = self.counted_digest
+                done(i, record, True)
+                self.work.commit(name, record)
+                submit()
 
     def _valid_record(self, name: str) -> Optional[dict]:
         """An earlier run's record of step `name`, if it still holds: a task counted from its
@@ -122,9 +159,9 @@ class Job:
         return record if valid else None
 
     def peak_rss(self) -> int:
-        """Upper bound of the tree's peak: the parent's, and the phase whose workers' peaks sum
-        highest."""
-        return budget.own_peak_rss() + max((sum(p.values()) for p in self.peaks.values()),
+        """Upper bound of the tree's peak: the parent's, and the pool whose workers' peaks sum
+        highest (a worker lives as long as its pool, idle or not)."""
+        return budget.own_peak_rss() + max((sum(p.values()) for p in self.peaks),
                                            default=0)
 
     # -- pass 1 --
@@ -146,7 +183,7 @@ class Job:
             records[i] = record
             progress.add(record["rows"], self.tasks[i].size, fresh)
 
-        self.run_steps("count", self.workers, steps, done)
+        self.run_steps(self.workers, steps, done)
         self.counted_digest = hashlib.sha1(json.dumps(
             [[r["rows"], r["runs"], r["file"]] for r in records]).encode()).hexdigest()
         return records
@@ -159,7 +196,7 @@ class Job:
         vocabulary.mkdir(parents=True, exist_ok=True)
         if options.vocabulary:
             result = {}
-            self.run_steps("number", 1, [("number.given", copy_vocabulary,
+            self.run_steps(1, [("number.given", copy_vocabulary,
                                           (options.vocabulary, str(self.work.dataset)))],
                            lambda i, r, fresh: result.update(r))
             return result["cardinalities"], {"partitions": 0, "distinct_values": None}
@@ -168,7 +205,7 @@ class Job:
         threshold, max_rows = options.frequency_threshold, options.max_table_size
         if entries <= self.plan.range_entries:
             result = {}
-            self.run_steps("number", 1, [("number.all", number_all,
+            self.run_steps(1, [("number.all", number_all,
                                           (runs, threshold, max_rows, str(self.work.dataset)))],
                            lambda i, r, fresh: result.update(r))
             return result["cardinalities"], {"partitions": 1,
@@ -176,7 +213,7 @@ class Job:
         ranges = self._ranges(runs)
         stems = [str(self.work.path("ranges", f"r{k}")) for k in range(len(ranges))]
         results: list = [None] * len(ranges)
-        self.run_steps("aggregate", self.workers,
+        self.run_steps(self.workers,
                        [(f"aggregate.{k}", aggregate_range, (runs, lo, hi, threshold, stems[k]))
                         for k, (lo, hi) in enumerate(ranges)],
                        lambda k, r, fresh: results.__setitem__(k, r))
@@ -187,7 +224,7 @@ class Job:
             with open(vocabulary / file_name(f), "ab") as out:
                 out.truncate(4 * (rows - 1))
         kept_runs = [counts.Run(stem, r["kept"]) for stem, r in zip(stems, results)]
-        self.run_steps("number", self.workers,
+        self.run_steps(self.workers,
                        [(f"number.{k}", number_range, (kept_runs[k], bases[k], max_rows,
                                                        str(vocabulary)))
                         for k in range(len(ranges))], lambda k, r, fresh: None)
@@ -242,7 +279,8 @@ class Job:
         def done(i: int, record: dict, fresh: bool) -> None:
             progress.add(sum(record["written"]), self.tasks[i].size, fresh)
 
-        self.run_steps("write", workers, steps, done)
+        self.at_most(workers)
+        self.run_steps(workers, steps, done)
         return fspec, dict(zip(SPLITS, totals))
 
 
