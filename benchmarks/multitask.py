@@ -9,9 +9,10 @@ same training budget, MMoE against the shared trunk, and what each extra task co
    missing with data.label_missing 0.3), each task's head HEAD. Trained at one budget of
    S x batch samples: one multi-task model (shared trunk) for S steps; the same with an MMoE
    of EXPERTS experts; the same with each task's own dots (OWN_DOTS: model.task_dot_dim, and
-   room for every task's latents in the embeddings); one single-task model per task for S/T
-   steps each (the sum: S steps);
-   and, for scale, one per task for S steps each (T times the budget). A single-task model is
+   room for every task's latents in the embeddings) for OWN_DOTS_BUDGET x S steps; one
+   single-task model per task for S/T steps each (the sum: S steps), the same at
+   OWN_DOTS_BUDGET x S (the own-dots row's budget) and, for scale, one per task for S steps
+   each (T times the budget). A single-task model is
    the same network with only its task's weight non-zero (the other heads get no gradient,
    so the trunk learns that task alone): the planted teacher is defined by the task list, so
    this keeps every model's data identical. Per-task val AUC over 65,536 samples (the samples
@@ -32,7 +33,7 @@ the CPU, markdown tables and last the planted run's summary line:
     multitask: tasks=N multi_auc=A1,.. single_auc=A1,.. oracle_auc=A1,.. own_dots_auc=A1,..
 
 (multi: the shared trunk; single: one model per task at the same total budget; own_dots: the
-multi-task model with each task's own dots.)
+multi-task model with each task's own dots, at OWN_DOTS_BUDGET x S.)
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ EXPERTS = 4
 # and each task's own (the teacher's d = 8 each: 32), and a projection per task of that width
 # (16 would hold the shared and the task's own; 32 learnt faster, and width 64 slower)
 OWN_DOTS = ["model.embedding_dim=32", "model.bottom_mlp=[64,32]", "model.task_dot_dim=32"]
+# The own-dots row trains OWN_DOTS_BUDGET x S steps (at S it stays 0.03-0.04 below the oracle on
+# like and see_less), beside one model per task at that budget
+OWN_DOTS_BUDGET = 2
 LABEL_MISSING = 0.3
 LOG_LABELS = "watched,liked:rating>=4,disliked:rating<=2"
 LOG_NEGATIVES = 4
@@ -70,7 +74,8 @@ COST_BATCHES = 8  # distinct batches cycled by the step-cost runs
 COST_ROUNDS = 10
 
 
-OWN_DOTS_ROW = "multi-task, each task's own dots (embedding_dim 32, task_dot_dim 32)"
+OWN_DOTS_ROW = (f"multi-task, each task's own dots (embedding_dim 32, task_dot_dim 32), "
+                f"{OWN_DOTS_BUDGET}x the budget")
 
 
 def tasks_set(tasks: Sequence[str], only: Optional[str] = None) -> str:
@@ -133,22 +138,30 @@ class Row:
                 for a, s in zip(self.auc(), spread)]
 
 
+def plans(tasks: Sequence[str], steps: int
+          ) -> Dict[str, Tuple[int, List[Tuple[Optional[str], List[str]]]]]:
+    """The comparison's rows at budget S = `steps`: {row name: (steps per model, [(the task the
+    model is scored on, None: every task; its settings)])}."""
+    singles = [(task, [tasks_set(tasks, only=task)]) for task in tasks]
+    multiples = sorted({1, OWN_DOTS_BUDGET, len(tasks)})  # budgets of one model per task
+    return {
+        "multi-task, shared trunk": (steps, [(None, [tasks_set(tasks)])]),
+        f"multi-task, MMoE ({EXPERTS} experts)":
+            (steps, [(None, [tasks_set(tasks), f"model.mmoe.experts={EXPERTS}"])]),
+        OWN_DOTS_ROW: (steps * OWN_DOTS_BUDGET, [(None, [tasks_set(tasks), *OWN_DOTS])]),
+        **{"single-task, one per task" + ("" if k == 1 else ", T x the budget" if k == len(tasks)
+                                          else f", {k}x the budget"):
+           (max(1, steps * k // len(tasks)), singles) for k in multiples}}
+
+
 def compare(data: List[str], tasks: Sequence[str], steps: int, seeds: int, scratch: str, env,
             splits: Sequence[str] = ("val",)) -> Tuple[Dict[str, Row], List[float]]:
     """Every model of the comparison on `data` for train.seed 0..seeds-1, scored on `splits`
     (val, or val and test): ({row name: Row}, the oracle val AUC per task where the data know
     the true probabilities, else [])."""
-    singles = [(task, [tasks_set(tasks, only=task)]) for task in tasks]
-    models = {  # row name: (steps per model, [(the task it is scored on or None: all, settings)])
-        "multi-task, shared trunk": (steps, [(None, [tasks_set(tasks)])]),
-        f"multi-task, MMoE ({EXPERTS} experts)":
-            (steps, [(None, [tasks_set(tasks), f"model.mmoe.experts={EXPERTS}"])]),
-        OWN_DOTS_ROW: (steps, [(None, [tasks_set(tasks), *OWN_DOTS])]),
-        "single-task, one per task": (max(1, steps // len(tasks)), singles),
-        "single-task, one per task, T x the budget": (steps, singles)}
     rows: Dict[str, Row] = {}
     oracle: List[float] = []
-    for name, (n, runs) in models.items():
+    for name, (n, runs) in plans(tasks, steps).items():
         row = rows[name] = Row(len(runs), n)
         for seed in range(seeds):
             aucs: Dict[str, float] = {}

@@ -49,3 +49,17 @@ def test_the_own_dots_row_gives_each_task_room_and_its_own_dots(bench):
     cfg = load_config(None, PLANTED + [bench.tasks_set(TASKS), *bench.OWN_DOTS])
     assert cfg.model.embedding_dim >= cfg.data.teacher_dim * (1 + len(TASKS))
     assert cfg.model.task_dot_dim >= 2 * cfg.data.teacher_dim
+
+
+@pytest.mark.parametrize("steps", [1500, 60])
+def test_one_model_per_task_is_trained_at_the_own_dots_rows_budget(bench, steps):
+    """The own-dots row trains OWN_DOTS_BUDGET x S steps; a row of one model per task at the
+    same number of training samples stands beside it, and the shared trunk keeps S."""
+    rows = bench.plans(TASKS, steps)
+    own_steps, own_runs = rows[bench.OWN_DOTS_ROW]
+    assert own_steps == steps * bench.OWN_DOTS_BUDGET and len(own_runs) == 1
+    singles = {name: n * len(runs) for name, (n, runs) in rows.items()
+               if name.startswith("single-task")}
+    assert own_steps in singles.values()
+    assert singles["single-task, one per task"] == steps
+    assert rows["multi-task, shared trunk"][0] == steps
