@@ -8,8 +8,11 @@ hundred best, a value model, final rules.
    from the history items on the item-user graph (graph/pixie.py).
 2. Merge: each item once, with every source that found it, ordered by reciprocal-rank fusion
    (rank_fusion.py).
-3. Rank: the first `rank_top` merged items through the multi-task ranker (an `export`ed file),
-   ordered by the value model sum_t w_t p_t (ties: merged order).
+3. First stage (with a first-stage ranker, first_stage.py): every merged item scored by a light
+   two-tower model of the heavy ranker's top-K choices, its best `first_stage_keep` kept.
+   Rank: those (without a first stage: the first `rank_top` merged items) through the
+   multi-task ranker (an `export`ed file), ordered by the value model sum_t w_t p_t (ties: the
+   order they came in).
 4. Rules: the blocklist out; diversity, no two items of one category in a row (greedily the next
    best item whose category differs from the last taken; when none is left, the rest in order);
    the first K.
@@ -29,6 +32,7 @@ import numpy as np
 
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.serve.candidate_sources import SOURCES, CandidateSources, candidate_features
+from dlrm_hybrid.serve.first_stage import FirstStage
 from dlrm_hybrid.serve.rank_fusion import merge
 from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_ranker,
                                                 open_retriever, trained_on, value_model_weights)
@@ -36,7 +40,7 @@ from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_
 if TYPE_CHECKING:
     from dlrm_hybrid.graph.pixie import PixieParams
 
-STAGES = (*SOURCES, "merged", "ranked")
+STAGES = (*SOURCES, "merged", "first_stage", "ranked")
 DIVERSITY = ("auto", "on", "off")
 
 
@@ -51,13 +55,14 @@ class RecommendSettings:
     k: int = 20
     sources: Tuple[str, ...] = SOURCES
     per_source: int = 200  # candidates each source gives
-    rank_top: int = 300  # merged candidates the ranker scores
+    rank_top: int = 300  # merged candidates the ranker scores (without a first stage)
     value: Optional[Dict[str, float]] = None  # task -> weight; None: the ranker's value_model
     drop_seen: bool = True
     blocklist: Tuple[str, ...] = ()  # raw item ids
     diversity: str = "auto"  # auto: on where the graph knows the items' categories
     pixie: "PixieParams" = field(default_factory=_walk_defaults)
     device: str = "cpu"
+    first_stage_keep: int = 100  # with a first stage: its best, which the ranker scores
 
     def check(self) -> None:
         if self.k < 1:
@@ -73,6 +78,9 @@ class RecommendSettings:
                             f"must score at least the K items returned")
         if self.diversity not in DIVERSITY:
             raise UserError(f"--diversity: {self.diversity!r}; give one of {', '.join(DIVERSITY)}")
+        if self.first_stage_keep < self.k:
+            raise UserError(f"--first-stage-keep: {self.first_stage_keep} is less than --k "
+                            f"{self.k}; the ranker must score at least the K items returned")
         self.pixie.check()
 
 
@@ -80,7 +88,7 @@ class RecommendSettings:
 class Recommendation:
     """One request's answer: `items` (dense ids, final order) with their `value`, their tasks'
     `probabilities` [K, T] and the `sources` that found each; `stages`: each stage's list, best
-    first (a source left out: empty); `ms`: each stage's milliseconds; `names`: the raw ids of
+    first (a source left out, or no first stage: empty); `ms`: each stage's milliseconds; `names`: the raw ids of
     `items` (from `recommend`)."""
 
     items: np.ndarray
@@ -94,11 +102,12 @@ class Recommendation:
 
 
 class Recommender:
-    """The retrieval folder, the graph, the ranker and its dataset's features, loaded and
-    checked against each other once; then requests."""
+    """The retrieval folder, the graph, the ranker and its dataset's features (and a first-stage
+    ranker), loaded and checked against each other once; then requests."""
 
     def __init__(self, retrieval: str, pixie: str, ranker: str, ranker_data: Optional[str] = None,
-                 settings: Optional[RecommendSettings] = None) -> None:
+                 settings: Optional[RecommendSettings] = None,
+                 first_stage: Optional[str] = None) -> None:
         from dlrm_hybrid.graph.bipartite import read_graph
         from dlrm_hybrid.graph.pixie import PixieWalker
         from dlrm_hybrid.serve.ranking_features import RankingFeatures
@@ -111,6 +120,7 @@ class Recommender:
         self.walker = PixieWalker(graph, settings.device)
         self.sources = CandidateSources(self.retriever, self.walker, settings.per_source,
                                         settings.pixie, settings.sources)
+        self.first_stage = FirstStage(first_stage, self.retriever) if first_stage else None
         self.ranker, description = open_ranker(ranker)
         self.tasks: List[str] = list(description["tasks"])
         self.features = RankingFeatures(ranker_data or trained_on(description, ranker))
@@ -176,9 +186,16 @@ class Recommender:
         start = time.perf_counter()
         stages["merged"], found_by = merge({src: stages[src] for src in s.sources})
         ms["merge"] = _since(start)
+        to_rank = stages["merged"][:s.rank_top]
+        stages["first_stage"] = np.zeros(0, np.int64)
+        if self.first_stage is not None:
+            start = time.perf_counter()
+            stages["first_stage"], _ = self.first_stage.keep(user, stages["merged"],
+                                                             s.first_stage_keep)
+            to_rank = stages["first_stage"]
+            ms["first_stage"] = _since(start)
         start = time.perf_counter()
-        stages["ranked"], probabilities, value = self._rank(user, stages["merged"][:s.rank_top],
-                                                             lists)
+        stages["ranked"], probabilities, value = self._rank(user, to_rank, lists)
         ms["rank"] = _since(start)
         start = time.perf_counter()
         keep = np.flatnonzero(~np.isin(stages["ranked"], self.blocked))
