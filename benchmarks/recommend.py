@@ -19,14 +19,19 @@ request costs.
    pairwise and listwise add `model.ranking_loss` over each request of 1 + NEGATIVES rows),
    CANDIDATE_RANKER_STEPS steps (RANKER_STEPS on the uniform dataset), tasks watched, liked,
    disliked as the README trains them, `export`; `pixie build` of each retrieval dataset's
-   training split.
+   training split. The first-stage ranker: the first loss's ranker's top TOP_K_LABEL of each
+   request of the ranking train split (`predict --top-k-label`), `preprocess first-stage`, a
+   two-tower model of it as the retrieval one (TOWER, EPOCHS), `export --retrieval`.
+   With `--work DIR`, what DIR already holds is reused (delete a part to rebuild it).
 3. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
    recommend.py) with history = the user's training items and validation item, every one of
    them excluded; sources PER_SOURCE candidates each, the ranker scoring the RANK_TOP best
    merged, value model VALUE. HR@10 and recall@50 (one relevant item per user: recall@50 =
-   HR@50) of each source's list, of the merged list and of the ranked list. Latency: one
-   request at a time, 1 thread, after WARMUP requests; p50/p99 of the whole request and of
-   each stage.
+   HR@50) of each source's list, of the merged list and of the ranked list. Then the
+   three-stage funnel (the first loss's ranker): sources THREE_PER_SOURCE each (about 1,000
+   merged), the first stage scoring them all, the heavy ranker its best FIRST_STAGE_KEEP.
+   Latency: one request at a time, 1 thread, after WARMUP requests; p50/p99 of the whole
+   request and of each stage.
 4. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
    training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
    same exclusions (training and validation items).
@@ -36,7 +41,8 @@ loss) and last the summary line (hr@10_ranked: the first loss's):
 
     recommend: data=NAME hr@10_pixie=X hr@10_two_tower=X hr@10_history=X hr@10_merged=X
         hr@10_ranked=X hr@10_ranked_pointwise=X hr@10_ranked_pairwise=X
-        hr@10_ranked_listwise=X p50_ms=X p99_ms=X
+        hr@10_ranked_listwise=X p50_ms=X p99_ms=X hr@10_first_stage=X
+        hr@10_ranked_three_stage=X p50_ms_three_stage=X p99_ms_three_stage=X
 """
 
 from __future__ import annotations
@@ -71,14 +77,21 @@ RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking datase
 # HR@10 0.118, 300 steps 0.132, 150 steps 0.140): 150 steps, about 1.6 epochs
 CANDIDATE_RANKER_STEPS = 150
 PER_SOURCE, RANK_TOP = 200, 300
+TOP_K_LABEL = 10  # the first stage learns the heavy ranker's top 10 of each request
+THREE_PER_SOURCE, FIRST_STAGE_KEEP = 400, 100  # about 1,000 merged; the heavy ranker's 100
 STAGES = ("pixie", "two_tower", "history", "merged", "ranked")
+THREE_STAGES = ("merged", "first_stage", "ranked")
 CUTS = (10, 50)
+SOURCES_MS = {"pixie": "pixie", "two_tower": "two_tower", "history": "history",
+              "merged": "merge", "first_stage": "first_stage", "ranked": "rank"}  # stage: ms key
 WARMUP = 20
 
 
 def train_tower(args, data: str, scratch: Path, name: str) -> str:
     """The two-tower model of `data` trained and exported (exact index): its folder."""
     cli = retrieval_bench.cli
+    if (scratch / name).exists():
+        return str(scratch / name)
     train = len(np.load(Path(data) / "train_user.npy"))
     per_epoch = retrieval_bench.write_config(scratch / f"{name}.yaml", {"path": data},
                                              args.epochs, train, TOWER)
@@ -98,6 +111,8 @@ def train_ranker(args, ranking: str, scratch: Path, loss: str) -> str:
     """The multi-task ranker of configs/multitask_demo.yaml on `ranking`, with the ranking
     loss `loss` (pointwise: none), exported: its file."""
     cli, name = retrieval_bench.cli, f"ranker_{loss}"
+    if (scratch / f"{name}.pt").exists():
+        return str(scratch / f"{name}.pt")
     start = time.perf_counter()
     half = args.ranker_steps // 2
     sets = [f"data.path={ranking}", f"model.tasks={TASKS}", "data.label_missing=0",
@@ -122,9 +137,16 @@ def train_ranker(args, ranking: str, scratch: Path, loss: str) -> str:
 
 def build(args, scratch: Path) -> Dict[str, str]:
     """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>` for
-    each of args.losses."""
-    cli, out = retrieval_bench.cli, {k: str(scratch / k) for k in
-                                     ("retrieval", "early", "ranking", "graph", "early_graph")}
+    each of args.losses; `first_stage`, the first-stage ranker. A part `scratch` holds is
+    reused."""
+    out = {k: str(scratch / k) for k in ("retrieval", "early", "ranking", "graph",
+                                         "early_graph", "first_stage_data")}
+
+    def cli(argv: List[str]) -> None:  # each step writes the folder after --output or --out
+        made = argv[argv.index("--output" if "--output" in argv else "--out") + 1]
+        if not Path(made).exists():
+            retrieval_bench.cli(argv)
+
     cli(["preprocess", "interactions", "--input", args.data, "--output", out["retrieval"],
          "--positive", "rating>=4"])
     ranking = ["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
@@ -142,12 +164,23 @@ def build(args, scratch: Path) -> Dict[str, str]:
     for loss in args.losses:
         out[f"ranker_{loss}"] = train_ranker(args, out["ranking"], scratch, loss)
     cli(["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]])
+    labels = str(scratch / f"top{args.top_k_label}.txt")
+    if not Path(labels).exists():
+        retrieval_bench.cli(["predict", "--model", out[f"ranker_{args.losses[0]}"], "--data",
+                             out["ranking"], "--split", "train", "--out",
+                             str(scratch / "ranking_train_scores.csv"), "--top-k-label",
+                             str(args.top_k_label), "--label-out", labels])
+    cli(["preprocess", "first-stage", "--retrieval", out["retrieval"], "--ranking",
+         out["ranking"], "--labels", labels, "--output", out["first_stage_data"]])
+    out["first_stage"] = train_tower(args, out["first_stage_data"], scratch, "first_stage")
     return out
 
 
 def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args,
-             loss: str) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
-    """Each user's stages, the ms of each request and of each stage (after WARMUP requests)."""
+             loss: str, three: bool = False
+             ) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
+    """Each user's stages, the ms of each request and of each stage (after WARMUP requests);
+    `three`: through the first stage (THREE_PER_SOURCE, args.first_stage_keep)."""
     import torch
 
     from dlrm_hybrid.graph.pixie import PixieParams
@@ -155,10 +188,12 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
 
     torch.set_num_threads(1)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
-                                 pixie=PixieParams(steps=args.pixie_steps))
+    settings = RecommendSettings(k=10, per_source=THREE_PER_SOURCE if three else PER_SOURCE,
+                                 rank_top=RANK_TOP, value=VALUE,
+                                 pixie=PixieParams(steps=args.pixie_steps),
+                                 first_stage_keep=args.first_stage_keep)
     rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{loss}"], paths["ranking"],
-                      settings)
+                      settings, paths["first_stage"] if three else None)
 
     def ask(user: int):
         seen = rec.retriever.seen(user)
@@ -193,11 +228,13 @@ def findable_test(root: Path):
     return np.repeat(np.arange(data.users), np.diff(indptr)), items
 
 
-def hit_rates(stages: List[Dict[str, np.ndarray]], wanted: np.ndarray) -> Dict[str, float]:
-    """hr@K of each stage: the share of users whose test item is in the stage's first K."""
+def hit_rates(stages: List[Dict[str, np.ndarray]], wanted: np.ndarray,
+              names: Tuple[str, ...] = STAGES) -> Dict[str, float]:
+    """hr@K of each stage of `names`: the share of users whose test item is in the stage's
+    first K."""
     return {f"{stage}_hr@{k}": float(np.mean([item in s[stage][:k]
                                               for s, item in zip(stages, wanted)]))
-            for stage in STAGES for k in CUTS}
+            for stage in names for k in CUTS}
 
 
 def peers(retrieval: str, quick: bool) -> Dict[str, Dict[str, float]]:
@@ -223,14 +260,21 @@ def value_text(value: Dict[str, float]) -> str:
 
 
 def summary_line(name: str, hr: Dict[str, float], total_ms: List[float],
-                 ranked: Optional[Dict[str, Dict[str, float]]] = None) -> str:
+                 ranked: Optional[Dict[str, Dict[str, float]]] = None,
+                 three: Optional[Tuple[Dict[str, float], List[float]]] = None) -> str:
     """The benchmark's last line, for scripts: hr@10_ranked is the first loss's, then each
-    loss's as hr@10_ranked_<loss>."""
+    loss's as hr@10_ranked_<loss>; `three` (the three-stage funnel's hit rates and request
+    ms): its first stage's and ranked list's hr@10 and its p50/p99."""
     return (f"recommend: data={name} "
             + " ".join(f"hr@10_{stage}={hr[f'{stage}_hr@10']:.4f}" for stage in STAGES)
             + "".join(f" hr@10_ranked_{loss}={h['ranked_hr@10']:.4f}"
                       for loss, h in (ranked or {}).items())
-            + f" p50_ms={percentile(total_ms, 50):.2f} p99_ms={percentile(total_ms, 99):.2f}")
+            + f" p50_ms={percentile(total_ms, 50):.2f} p99_ms={percentile(total_ms, 99):.2f}"
+            + ("" if three is None else
+               f" hr@10_first_stage={three[0]['first_stage_hr@10']:.4f}"
+               f" hr@10_ranked_three_stage={three[0]['ranked_hr@10']:.4f}"
+               f" p50_ms_three_stage={percentile(three[1], 50):.2f}"
+               f" p99_ms_three_stage={percentile(three[1], 99):.2f}"))
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -261,6 +305,12 @@ def main() -> None:
     parser.add_argument("--candidate-ratio", type=float, default=CANDIDATE_RATIO)
     parser.add_argument("--holdout-recent", type=int, default=HOLDOUT_RECENT,
                         help="the early retrieval dataset's --holdout-recent K")
+    parser.add_argument("--top-k-label", type=int, default=TOP_K_LABEL, help="the first stage's "
+                        "labels: the heavy ranker's top K of each request (predict "
+                        f"--top-k-label, default {TOP_K_LABEL})")
+    parser.add_argument("--first-stage-keep", type=int, default=FIRST_STAGE_KEEP,
+                        help="candidates the first stage passes to the heavy ranker "
+                             f"(default {FIRST_STAGE_KEEP})")
     parser.add_argument("--quick", action="store_true", help="a check that it runs: 1 epoch, "
                         "30 ranker steps, 10,000 walk steps, 40 users, one peer setting each")
     args = parser.parse_args()
@@ -296,11 +346,12 @@ def main() -> None:
             ranked[loss] = hit_rates(asked, wanted)
             if not n:
                 stages, total, per_stage = asked, took, took_per_stage
+        three_asked, three_total, three_per_stage = requests(paths, users, val, args,
+                                                             args.losses[0], three=True)
         found = peers(paths["retrieval"], args.quick)
     hr = hit_rates(stages, wanted)
+    three_hr = hit_rates(three_asked, wanted, THREE_STAGES)
     mean = {stage: np.mean([len(s[stage]) for s in stages]) for stage in STAGES}
-    stage_ms = {"pixie": "pixie", "two_tower": "two_tower", "history": "history",
-                "merged": "merge", "ranked": "rank"}
     what = {"pixie": f"Pixie walk from the history ({args.pixie_steps:,} steps)",
             "two_tower": "two-tower user tower, exact search", "history":
             "history: item-to-item neighbours (max)", "merged": "merged (reciprocal-rank fusion)",
@@ -312,7 +363,7 @@ def main() -> None:
     print("| candidates | HR@10 | recall@50 | items per request | ms p50 | ms p99 |")
     print("|---|---:|---:|---:|---:|---:|")
     for stage in STAGES:
-        times = per_stage.get(stage_ms[stage], [])
+        times = per_stage.get(SOURCES_MS[stage], [])
         print(f"| {what[stage]} | {hr[f'{stage}_hr@10']:.4f} | {hr[f'{stage}_hr@50']:.4f} | "
               f"{mean[stage]:.0f} | {percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
     for loss, h in list(ranked.items())[1:]:
@@ -321,7 +372,21 @@ def main() -> None:
         print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
     print(f"| whole request (one at a time, after {WARMUP} warm-up) | | | | "
           f"{percentile(total, 50):.2f} | {percentile(total, 99):.2f} |")
-    print(summary_line(name, hr, total, ranked))
+    print(f"\nThree stages ({args.losses[0]} ranker): sources {THREE_PER_SOURCE} each, the first "
+          f"stage (two-tower of the heavy ranker's top {args.top_k_label}) on every merged "
+          f"candidate, the heavy ranker on its best {args.first_stage_keep}")
+    print("| stage | HR@10 | recall@50 | items per request | ms p50 | ms p99 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    three_mean = {stage: np.mean([len(s[stage]) for s in three_asked]) for stage in SOURCES_MS}
+    for stage, label in SOURCES_MS.items():
+        times = three_per_stage.get(label, [])
+        hr_cells = (f"{three_hr[f'{stage}_hr@10']:.4f} | {three_hr[f'{stage}_hr@50']:.4f}"
+                    if stage in THREE_STAGES else " | ")
+        print(f"| {stage} | {hr_cells} | {three_mean[stage]:.0f} | "
+              f"{percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
+    print(f"| whole request | | | | {percentile(three_total, 50):.2f} | "
+          f"{percentile(three_total, 99):.2f} |")
+    print(summary_line(name, hr, total, ranked, (three_hr, three_total)))
 
 
 if __name__ == "__main__":
