@@ -88,8 +88,8 @@ class RecommendSettings:
 class Recommendation:
     """One request's answer: `items` (dense ids, final order) with their `value`, their tasks'
     `probabilities` [K, T] and the `sources` that found each; `stages`: each stage's list, best
-    first (a source left out, or no first stage: empty); `ms`: each stage's milliseconds; `names`: the raw ids of
-    `items` (from `recommend`)."""
+    first (a source left out, or no first stage: empty); `ms`: each stage's milliseconds;
+    `names`: the raw ids of `items` (from `recommend`)."""
 
     items: np.ndarray
     value: np.ndarray
