@@ -78,9 +78,6 @@ class RecommendSettings:
                             f"must score at least the K items returned")
         if self.diversity not in DIVERSITY:
             raise UserError(f"--diversity: {self.diversity!r}; give one of {', '.join(DIVERSITY)}")
-        if self.first_stage_keep < self.k:
-            raise UserError(f"--first-stage-keep: {self.first_stage_keep} is less than --k "
-                            f"{self.k}; the ranker must score at least the K items returned")
         self.pixie.check()
 
 
@@ -114,6 +111,9 @@ class Recommender:
 
         self.settings = settings = settings or RecommendSettings()
         settings.check()
+        if first_stage and settings.first_stage_keep < settings.k:
+            raise UserError(f"--first-stage-keep: {settings.first_stage_keep} is less than --k "
+                            f"{settings.k}; the ranker must score at least the K items returned")
         self.retriever = open_retriever(retrieval)
         graph = read_graph(pixie)
         check_graph(graph.description, self.retriever, pixie)
