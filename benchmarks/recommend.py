@@ -30,8 +30,9 @@ request costs.
    HR@50) of each source's list, of the merged list and of the ranked list. Then the
    three-stage funnel (the first loss's ranker): sources THREE_PER_SOURCE each (about 1,000
    merged), the first stage scoring them all, the heavy ranker its best FIRST_STAGE_KEEP.
-   Latency: one request at a time, 1 thread, after WARMUP requests; p50/p99 of the whole
-   request and of each stage.
+   Latency: one request at a time, 1 thread, after WARMUP requests; p50/p99 of each stage and
+   of the whole request in CPU milliseconds (the thread's own time, `time.thread_time`: the
+   machine may be shared), and of the whole request in wall milliseconds.
 4. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
    training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
    same exclusions (training and validation items).
@@ -41,8 +42,9 @@ loss) and last the summary line (hr@10_ranked: the first loss's):
 
     recommend: data=NAME hr@10_pixie=X hr@10_two_tower=X hr@10_history=X hr@10_merged=X
         hr@10_ranked=X hr@10_ranked_pointwise=X hr@10_ranked_pairwise=X
-        hr@10_ranked_listwise=X p50_ms=X p99_ms=X hr@10_first_stage=X
-        hr@10_ranked_three_stage=X p50_ms_three_stage=X p99_ms_three_stage=X
+        hr@10_ranked_listwise=X p50_ms=X p99_ms=X p50_cpu_ms=X p99_cpu_ms=X
+        hr@10_first_stage=X hr@10_ranked_three_stage=X p50_ms_three_stage=X
+        p99_ms_three_stage=X p50_cpu_ms_three_stage=X p99_cpu_ms_three_stage=X
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ def build(args, scratch: Path) -> Dict[str, str]:
     each of args.losses; `first_stage`, the first-stage ranker. A part `scratch` holds is
     reused."""
     out = {k: str(scratch / k) for k in ("retrieval", "early", "ranking", "graph",
-                                         "early_graph", "first_stage_data")}
+                                         "early_graph")}
+    out["first_stage_data"] = str(scratch / f"first_stage_data_top{args.top_k_label}")
 
     def cli(argv: List[str]) -> None:  # each step writes the folder after --output or --out
         made = argv[argv.index("--output" if "--output" in argv else "--out") + 1]
@@ -172,14 +175,16 @@ def build(args, scratch: Path) -> Dict[str, str]:
                              str(args.top_k_label), "--label-out", labels])
     cli(["preprocess", "first-stage", "--retrieval", out["retrieval"], "--ranking",
          out["ranking"], "--labels", labels, "--output", out["first_stage_data"]])
-    out["first_stage"] = train_tower(args, out["first_stage_data"], scratch, "first_stage")
+    out["first_stage"] = train_tower(args, out["first_stage_data"], scratch,
+                                     f"first_stage_top{args.top_k_label}")
     return out
 
 
 def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args,
              loss: str, three: bool = False
              ) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
-    """Each user's stages, the ms of each request and of each stage (after WARMUP requests);
+    """Each user's stages, the wall ms of each request, the CPU ms of each stage and of each
+    request (`request`; after WARMUP requests);
     `three`: through the first stage (THREE_PER_SOURCE, args.first_stage_keep)."""
     import torch
 
@@ -194,6 +199,7 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
                                  first_stage_keep=args.first_stage_keep)
     rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{loss}"], paths["ranking"],
                       settings, paths["first_stage"] if three else None)
+    rec.clock = time.thread_time  # the stages' CPU time: other jobs may share the machine
 
     def ask(user: int):
         seen = rec.retriever.seen(user)
@@ -208,9 +214,10 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
         ask(int(user))
     stages, total, per_stage = [], [], {}
     for user in users:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         answer = ask(int(user))
         total.append((time.perf_counter() - start) * 1e3)
+        per_stage.setdefault("request", []).append((time.thread_time() - cpu) * 1e3)
         stages.append(answer.stages)
         for stage, ms in answer.ms.items():
             per_stage.setdefault(stage, []).append(ms)
@@ -261,20 +268,26 @@ def value_text(value: Dict[str, float]) -> str:
 
 def summary_line(name: str, hr: Dict[str, float], total_ms: List[float],
                  ranked: Optional[Dict[str, Dict[str, float]]] = None,
-                 three: Optional[Tuple[Dict[str, float], List[float]]] = None) -> str:
+                 three: Optional[Tuple[Dict[str, float], List[float], List[float]]] = None,
+                 cpu_ms: Optional[List[float]] = None) -> str:
     """The benchmark's last line, for scripts: hr@10_ranked is the first loss's, then each
-    loss's as hr@10_ranked_<loss>; `three` (the three-stage funnel's hit rates and request
-    ms): its first stage's and ranked list's hr@10 and its p50/p99."""
+    loss's as hr@10_ranked_<loss>; the requests' wall p50/p99 (`cpu_ms`: and CPU); `three`
+    (the three-stage funnel's hit rates, request wall ms and CPU ms): its first stage's and
+    ranked list's hr@10 and its p50/p99."""
     return (f"recommend: data={name} "
             + " ".join(f"hr@10_{stage}={hr[f'{stage}_hr@10']:.4f}" for stage in STAGES)
             + "".join(f" hr@10_ranked_{loss}={h['ranked_hr@10']:.4f}"
                       for loss, h in (ranked or {}).items())
             + f" p50_ms={percentile(total_ms, 50):.2f} p99_ms={percentile(total_ms, 99):.2f}"
+            + ("" if cpu_ms is None else f" p50_cpu_ms={percentile(cpu_ms, 50):.2f}"
+                                         f" p99_cpu_ms={percentile(cpu_ms, 99):.2f}")
             + ("" if three is None else
                f" hr@10_first_stage={three[0]['first_stage_hr@10']:.4f}"
                f" hr@10_ranked_three_stage={three[0]['ranked_hr@10']:.4f}"
                f" p50_ms_three_stage={percentile(three[1], 50):.2f}"
-               f" p99_ms_three_stage={percentile(three[1], 99):.2f}"))
+               f" p99_ms_three_stage={percentile(three[1], 99):.2f}"
+               f" p50_cpu_ms_three_stage={percentile(three[2], 50):.2f}"
+               f" p99_cpu_ms_three_stage={percentile(three[2], 99):.2f}"))
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -360,7 +373,7 @@ def main() -> None:
     print(f"\n{name}: {len(users)} test users (each user's last positive, rating >= 4); history "
           f"and exclusions: training + validation items; value = "
           + value_text(VALUE) + f"; {cpu}")
-    print("| candidates | HR@10 | recall@50 | items per request | ms p50 | ms p99 |")
+    print("| candidates | HR@10 | recall@50 | items per request | CPU ms p50 | CPU ms p99 |")
     print("|---|---:|---:|---:|---:|---:|")
     for stage in STAGES:
         times = per_stage.get(SOURCES_MS[stage], [])
@@ -371,11 +384,14 @@ def main() -> None:
     for peer, m in found.items():
         print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
     print(f"| whole request (one at a time, after {WARMUP} warm-up) | | | | "
-          f"{percentile(total, 50):.2f} | {percentile(total, 99):.2f} |")
+          f"{percentile(per_stage['request'], 50):.2f} | "
+          f"{percentile(per_stage['request'], 99):.2f} |")
+    print(f"| whole request, wall ms | | | | {percentile(total, 50):.2f} | "
+          f"{percentile(total, 99):.2f} |")
     print(f"\nThree stages ({args.losses[0]} ranker): sources {THREE_PER_SOURCE} each, the first "
           f"stage (two-tower of the heavy ranker's top {args.top_k_label}) on every merged "
           f"candidate, the heavy ranker on its best {args.first_stage_keep}")
-    print("| stage | HR@10 | recall@50 | items per request | ms p50 | ms p99 |")
+    print("| stage | HR@10 | recall@50 | items per request | CPU ms p50 | CPU ms p99 |")
     print("|---|---:|---:|---:|---:|---:|")
     three_mean = {stage: np.mean([len(s[stage]) for s in three_asked]) for stage in SOURCES_MS}
     for stage, label in SOURCES_MS.items():
@@ -384,9 +400,11 @@ def main() -> None:
                     if stage in THREE_STAGES else " | ")
         print(f"| {stage} | {hr_cells} | {three_mean[stage]:.0f} | "
               f"{percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
-    print(f"| whole request | | | | {percentile(three_total, 50):.2f} | "
-          f"{percentile(three_total, 99):.2f} |")
-    print(summary_line(name, hr, total, ranked, (three_hr, three_total)))
+    for what, times in (("", three_per_stage["request"]), (", wall ms", three_total)):
+        print(f"| whole request{what} | | | | {percentile(times, 50):.2f} | "
+              f"{percentile(times, 99):.2f} |")
+    print(summary_line(name, hr, total, ranked,
+                       (three_hr, three_total, three_per_stage["request"]), per_stage["request"]))
 
 
 if __name__ == "__main__":

@@ -36,10 +36,13 @@ def test_hit_rates_count_the_test_item_among_each_stages_first_k(bench):
     assert line.endswith("hr@10_ranked=0.5000 hr@10_ranked_pointwise=0.5000 "
                          "hr@10_ranked_listwise=0.2500 p50_ms=1.00 p99_ms=1.00")
     three = {"merged_hr@10": 0.5, "first_stage_hr@10": 0.75, "ranked_hr@10": 0.25}
-    line = bench.summary_line("ml-100k", hr, [1.0], None, (three, [2.0, 4.0]))
-    assert line.endswith("hr@10_ranked=0.5000 p50_ms=1.00 p99_ms=1.00 hr@10_first_stage=0.7500 "
+    line = bench.summary_line("ml-100k", hr, [1.0], None, (three, [2.0, 4.0], [1.0, 2.0]),
+                              [0.5])
+    assert line.endswith("hr@10_ranked=0.5000 p50_ms=1.00 p99_ms=1.00 p50_cpu_ms=0.50 "
+                         "p99_cpu_ms=0.50 hr@10_first_stage=0.7500 "
                          "hr@10_ranked_three_stage=0.2500 p50_ms_three_stage=3.00 "
-                         "p99_ms_three_stage=3.98")
+                         "p99_ms_three_stage=3.98 p50_cpu_ms_three_stage=1.50 "
+                         "p99_cpu_ms_three_stage=1.99")
     assert bench.value_text({"watched": 0.5, "liked": 1.0, "disliked": -2.0}) == \
         "0.5 P(watched) + 1 P(liked) - 2 P(disliked)"
 
