@@ -112,6 +112,9 @@ def test_mismatched_labels_and_outputs_over_inputs_are_refused(funnel):
              "--output")
     _refused([*base, "--labels", str(root / "top.txt"), "--output", str(root / "first")],
              "already exists")
+    _refused(["--retrieval", str(root / "rank"), "--ranking", str(root / "rank"), "--labels",
+              str(root / "top.txt"), "--output", str(root / "x")],
+             f"--retrieval: {root / 'rank'} has no interactions.yaml")
     _refused(["--retrieval", str(root / "first"), "--ranking", str(root / "rank"), "--labels",
               str(root / "top.txt"), "--output", str(root / "x")], "is a first-stage dataset")
     (root / "short.txt").unlink()

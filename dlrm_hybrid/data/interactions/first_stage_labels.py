@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Dict, List
 import numpy as np
 
 from dlrm_hybrid.data.feature_spec import load_feature_spec
-from dlrm_hybrid.data.interactions.interaction_meta import InteractionMeta
+from dlrm_hybrid.data.interactions.interaction_meta import (META_FILE, InteractionMeta,
+                                                            is_interaction_folder)
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 
@@ -68,6 +69,9 @@ def run(args) -> None:
     refuse_overwriting_inputs([("--output", args.output)],
                               [("--retrieval", args.retrieval), ("--ranking", args.ranking),
                                ("--labels", args.labels)], "preprocess first-stage")
+    if not is_interaction_folder(args.retrieval):
+        raise UserError(f"--retrieval: {args.retrieval} has no {META_FILE}; give the retrieval "
+                        f"dataset `preprocess interactions` wrote")
     retrieval = open_interactions(args.retrieval)
     if retrieval.meta.extra.get("first_stage"):
         raise UserError(f"--retrieval: {args.retrieval} is a first-stage dataset; give the "
