@@ -20,8 +20,9 @@ request costs.
    CANDIDATE_RANKER_STEPS steps (RANKER_STEPS on the uniform dataset), tasks watched, liked,
    disliked as the README trains them, `export`; `pixie build` of each retrieval dataset's
    training split. The first-stage ranker: the first loss's ranker's top TOP_K_LABEL of each
-   request of the ranking train split (`predict --top-k-label`), `preprocess first-stage`, a
-   two-tower model of it as the retrieval one (TOWER, EPOCHS), `export --retrieval`.
+   request of the ranking train split (`predict --top-k-label`), `preprocess first-stage
+   --engagements` (with the retrieval training engagements; `--first-stage-labels-only`:
+   without), a two-tower model of it as the retrieval one (TOWER, EPOCHS), `export --retrieval`.
    With `--work DIR`, what DIR already holds is reused (delete a part to rebuild it).
 3. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
    recommend.py) with history = the user's training items and validation item, every one of
@@ -143,7 +144,8 @@ def build(args, scratch: Path) -> Dict[str, str]:
     reused."""
     out = {k: str(scratch / k) for k in ("retrieval", "early", "ranking", "graph",
                                          "early_graph")}
-    out["first_stage_data"] = str(scratch / f"first_stage_data_top{args.top_k_label}")
+    kind = f"top{args.top_k_label}" + ("" if args.first_stage_labels_only else "_engaged")
+    out["first_stage_data"] = str(scratch / f"first_stage_data_{kind}")
 
     def cli(argv: List[str]) -> None:  # each step writes the folder after --output or --out
         made = argv[argv.index("--output" if "--output" in argv else "--out") + 1]
@@ -174,9 +176,9 @@ def build(args, scratch: Path) -> Dict[str, str]:
                              str(scratch / "ranking_train_scores.csv"), "--top-k-label",
                              str(args.top_k_label), "--label-out", labels])
     cli(["preprocess", "first-stage", "--retrieval", out["retrieval"], "--ranking",
-         out["ranking"], "--labels", labels, "--output", out["first_stage_data"]])
-    out["first_stage"] = train_tower(args, out["first_stage_data"], scratch,
-                                     f"first_stage_top{args.top_k_label}")
+         out["ranking"], "--labels", labels, "--output", out["first_stage_data"],
+         *([] if args.first_stage_labels_only else ["--engagements"])])
+    out["first_stage"] = train_tower(args, out["first_stage_data"], scratch, f"first_stage_{kind}")
     return out
 
 
@@ -321,6 +323,9 @@ def main() -> None:
     parser.add_argument("--top-k-label", type=int, default=TOP_K_LABEL, help="the first stage's "
                         "labels: the heavy ranker's top K of each request (predict "
                         f"--top-k-label, default {TOP_K_LABEL})")
+    parser.add_argument("--first-stage-labels-only", action="store_true", help="train the "
+                        "first stage on the labels alone (default: with the retrieval "
+                        "training engagements, `preprocess first-stage --engagements`)")
     parser.add_argument("--first-stage-keep", type=int, default=FIRST_STAGE_KEEP,
                         help="candidates the first stage passes to the heavy ranker "
                              f"(default {FIRST_STAGE_KEEP})")

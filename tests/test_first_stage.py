@@ -89,6 +89,27 @@ def test_the_dataset_holds_the_rows_labelled_1_and_the_retrieval_evaluation(funn
     assert f"rows={len(labels)} labelled={labels.sum()}" in funnel.made
 
 
+def test_engagements_stay_beside_the_labels_when_asked(funnel):
+    """--engagements: the retrieval dataset's training engagements and the labelled rows,
+    together (seeded: the same seed, the same order)."""
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+
+    root = funnel.root
+    for name, seed in (("eng", "0"), ("eng_again", "0"), ("eng_other", "1")):
+        cli("preprocess", "first-stage", "--retrieval", str(root / "ret"), "--ranking",
+            str(root / "rank"), "--labels", str(root / "top.txt"), "--output", str(root / name),
+            "--engagements", "--seed", seed)
+    ret, first = open_interactions(str(root / "ret")), open_interactions(str(root / "first"))
+    eng = open_interactions(str(root / "eng"))
+    pairs = lambda data: Counter(zip(*(a.tolist() for a in data.pairs["train"])))  # noqa: E731
+    assert pairs(eng) == pairs(ret) + pairs(first)
+    assert eng.meta.extra["first_stage"]["engagements"] == ret.num_samples("train")
+    again = open_interactions(str(root / "eng_again"))
+    other = open_interactions(str(root / "eng_other"))
+    assert all(np.array_equal(a, b) for a, b in zip(eng.pairs["train"], again.pairs["train"]))
+    assert not np.array_equal(eng.pairs["train"][1], other.pairs["train"][1])
+
+
 def _refused(args: list, says: str) -> None:
     result = run_cli(["preprocess", "first-stage", *args])
     assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)

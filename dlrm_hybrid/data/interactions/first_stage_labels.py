@@ -17,6 +17,10 @@ whose training engagements are the heavy ranker's choices (Instagram Explore's d
   lacks (an item never engaged with positively) is left out, counted in interactions.yaml's
   `extra.first_stage`, which also records every input and the counts (rows = labelled 1 kept
   + left out + labelled 0). A pair labelled 1 in several requests stays once per label.
+- `--engagements`: RETRIEVAL's own training engagements stay as well, the two sets shuffled
+  together (seeded by `--seed`): the model learns the users' tastes from the engagements and the
+  heavy ranker's choices from the labels (on ml-100k, HR@10 of the first stage alone 0.062 ->
+  0.109, docs/recommend.md). No evaluation pair is among either.
 - The output folder appears whole or not at all and never replaces an input.
 
 Trained with the two-tower model's global in-batch softmax and logQ correction (the defaults),
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 
@@ -59,6 +63,11 @@ def add_arguments(parser) -> None:
                         help="`predict --top-k-label K --label-out FILE`'s file: one 0/1 per "
                              "row of the split, in row order")
     parser.add_argument("--output", required=True, metavar="DIR", help="new dataset folder")
+    parser.add_argument("--engagements", action="store_true",
+                        help="keep --retrieval's training engagements beside the labelled rows "
+                             "(shuffled together)")
+    parser.add_argument("--seed", type=int, default=0, help="--engagements: the training "
+                        "rows' order (default 0)")
 
 
 def run(args) -> None:
@@ -78,7 +87,8 @@ def run(args) -> None:
                         f"retrieval dataset of the log (`preprocess interactions`)")
     users, items = ranking_rows(args.ranking, args.split)
     labels = read_labels(args.labels, len(users), args.ranking, args.split)
-    data, counts = first_stage_data(retrieval, args.retrieval, args.ranking, users, items, labels)
+    data, counts = first_stage_data(retrieval, args.retrieval, args.ranking, users, items, labels,
+                                    args.seed if args.engagements else None)
     counts.update(ranking=str(args.ranking), split=args.split, labels=str(args.labels),
                   retrieval=str(args.retrieval))
     data.meta.extra["first_stage"] = counts
@@ -86,7 +96,8 @@ def run(args) -> None:
                        _names(args.retrieval, "items.txt"))
     print(f"wrote {args.output} in {time.perf_counter() - start:.1f} s\n"
           f"done: rows={counts['rows']} labelled={counts['labelled']} kept={counts['kept']} "
-          f"left_out={counts['left_out']} users={data.users} items={data.items} "
+          f"left_out={counts['left_out']} engagements={counts['engagements']} "
+          f"users={data.users} items={data.items} "
           + " ".join(f"{s}={data.num_samples(s)}" for s in data.pairs))
 
 
@@ -133,9 +144,11 @@ def read_labels(path: str, rows: int, ranking: str, split: str) -> np.ndarray:
 
 
 def first_stage_data(retrieval: "InteractionData", retrieval_path: str, ranking: str,
-                     users: np.ndarray, items: np.ndarray, labels: np.ndarray
-                     ) -> tuple:
-    """`retrieval` with its train pairs the labelled rows (module docstring), and the counts."""
+                     users: np.ndarray, items: np.ndarray, labels: np.ndarray,
+                     engagements_seed: Optional[int] = None) -> tuple:
+    """`retrieval` with its train pairs the labelled rows (module docstring), and the counts;
+    `engagements_seed` not None: retrieval's train pairs too, shuffled with the labelled ones
+    by this seed."""
     from dlrm_hybrid.data.interactions.interaction_data import InteractionData
 
     user_of = {n: i for i, n in enumerate(_names(retrieval_path, "users.txt"))}
@@ -151,6 +164,13 @@ def first_stage_data(retrieval: "InteractionData", retrieval_path: str, ranking:
         raise UserError(f"--ranking: none of {ranking}'s labelled users and items are in "
                         f"{retrieval_path}; give the retrieval dataset of the same log")
     pairs: Dict[str, tuple] = {"train": (user[known], item[known])}
+    engaged = 0
+    if engagements_seed is not None:
+        both = [np.concatenate([np.asarray(a, np.int64), b]) for a, b in
+                zip(retrieval.pairs["train"], pairs["train"])]
+        order = np.random.default_rng(engagements_seed).permutation(len(both[0]))
+        pairs["train"] = (both[0][order], both[1][order])
+        engaged = len(retrieval.pairs["train"][0])
     pairs.update({s: retrieval.pairs[s] for s in retrieval.pairs if s != "train"})
     old = retrieval.meta
     meta = InteractionMeta(old.users, old.items, dict(old.user_side), dict(old.item_side), {},
@@ -158,7 +178,8 @@ def first_stage_data(retrieval: "InteractionData", retrieval_path: str, ranking:
     data = InteractionData(meta, pairs, np.asarray(retrieval.user_side),
                            np.asarray(retrieval.item_side), "", None)
     counts = {"rows": int(len(labels)), "labelled": int(len(chosen)),
-              "kept": int(known.sum()), "left_out": int((~known).sum())}
+              "kept": int(known.sum()), "left_out": int((~known).sum()),
+              "engagements": int(engaged)}
     return data, counts
 
 
