@@ -1,6 +1,6 @@
 """The whole funnel on one interaction log: each candidate source alone, the merged candidates and
-the ranked list, against the retrieval peers, on the same leave-last-out test items; and what a
-request costs.
+the ranked list, against the retrieval peers, on the same leave-last-out test items; the
+three-stage funnel with a first-stage ranker; and what a request costs.
 
     .venv/bin/python benchmarks/recommend.py --data ml-100k/u.data [--name NAME] [--quick]
 
@@ -12,9 +12,10 @@ request costs.
    they retrieve, each with 7 negatives, 5 from the early funnel's candidates, 2 uniform, and the
    candidate features; docs/recommend.md). `--ranker-data uniform`: issue 44's ranking dataset
    instead (4 uniform negatives, no candidate features, pointwise).
-2. Models: two-tower models of the retrieval and of the early dataset with benchmarks/
-   retrieval.py's BASE and the settings its grid chose on ml-100k (TOWER: the default loss,
-   temperature 0.2, table learning rate 0.05, 29 epochs), `export --retrieval` (exact index);
+2. Models (benchmarks/recommend_build.py builds them and the first stage): two-tower models of
+   the retrieval and of the early dataset with benchmarks/retrieval.py's BASE and the settings
+   its grid chose on ml-100k (TOWER: the default loss, temperature 0.2, table learning rate
+   0.05, 29 epochs), `export --retrieval` (exact index);
    multi-task rankers of configs/multitask_demo.yaml, one per loss of `--losses` (pointwise;
    pairwise and listwise add `model.ranking_loss` over each request of 1 + NEGATIVES rows) and
    per step count of `--ranker-steps` (CANDIDATE_RANKER_STEPS; RANKER_STEPS on the uniform
@@ -25,25 +26,40 @@ request costs.
    asks with history = the training items (excluded); each ranker orders the same RANK_TOP
    merged candidates with each value model of VALUES; per loss the steps and value model of
    the best validation HR@10 are kept (ties: fewer steps), and the loss best on validation is
-   the ranked line. The test users are asked once, with the chosen rankers.
-4. Requests: for each test user, one `Recommender.recommend_dense` (dlrm_hybrid/serve/
-   recommend.py) with history = the user's training items and validation item, every one of
-   them excluded; sources PER_SOURCE candidates each, the ranker scoring the RANK_TOP best
-   merged, the chosen value model. HR@10 and recall@50 (one relevant item per user: recall@50
-   = HR@50) of each source's list, of the merged list and of the ranked list. Latency: one
-   request at a time, 1 thread, after WARMUP requests; p50/p99 of the whole request and of
-   each stage.
-5. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
+   the ranked line and the heavy ranker of the three-stage funnel.
+4. The first-stage ranker, of that chosen heavy ranker (loss, steps, value model): its top
+   `--top-k-label` (TOP_K_LABEL) of each request of the ranking train split (`predict
+   --top-k-label`, with `--value` the chosen value model), `preprocess first-stage
+   --engagements` (the retrieval training engagements beside those labels;
+   `--first-stage-labels-only`: without), a two-tower model of it as the retrieval one
+   (TOWER, EPOCHS), `export --retrieval`; each part named by the ranker, value model, K and
+   labels-only or engaged it depends on, so --work keeps and reuses it too.
+5. Requests, only now asking the test users, with the chosen rankers: for each, one
+   `Recommender.recommend_dense` (dlrm_hybrid/serve/recommend.py) with history = the user's
+   training items and validation item, every one of them excluded; sources PER_SOURCE
+   candidates each, each loss's chosen ranker scoring the RANK_TOP best merged with its chosen
+   value model. HR@10 and recall@50 (one relevant item per user: recall@50 = HR@50) of each
+   source's list, of the merged list and of the ranked list. Then the three-stage funnel (the
+   chosen heavy ranker of the best loss and its value model): sources THREE_PER_SOURCE each
+   (645 merged on ml-100k), the first stage scoring them all, the heavy ranker its best
+   `--first-stage-keep` (FIRST_STAGE_KEEP). Latency: one request at a time, 1 thread, after
+   WARMUP requests; p50/p99 of each stage and of the whole request in CPU milliseconds (the
+   thread's own time, `time.thread_time`: the machine may be shared), and of the whole request
+   in wall milliseconds.
+6. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
    training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
    same exclusions (training and validation items).
 
 Prints the CPU, a markdown table (the requests of the loss best on validation; a ranked line
-for each other loss), the validation table of every ranker and value model, and last the
-summary line (hr@10_ranked: the loss best on validation):
+for each other loss), the three-stage table, the validation table of every ranker and value
+model, and last the summary line (hr@10_ranked: the loss best on validation; p50_ms, p99_ms:
+wall; the losses in their validation order):
 
     recommend: data=NAME hr@10_pixie=X hr@10_two_tower=X hr@10_history=X hr@10_merged=X
         hr@10_ranked=X hr@10_ranked_pointwise=X hr@10_ranked_pairwise=X
-        hr@10_ranked_listwise=X p50_ms=X p99_ms=X
+        hr@10_ranked_listwise=X p50_ms=X p99_ms=X p50_cpu_ms=X p99_cpu_ms=X
+        hr@10_first_stage=X hr@10_ranked_three_stage=X p50_ms_three_stage=X
+        p99_ms_three_stage=X p50_cpu_ms_three_stage=X p99_cpu_ms_three_stage=X
 """
 
 from __future__ import annotations
@@ -62,17 +78,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 
-import retrieval as retrieval_bench  # noqa: E402  (its BASE, cli, peers' grids)
+import recommend_build  # noqa: E402  (build, build_first_stage)
+import retrieval as retrieval_bench  # noqa: E402  (cli, peers' grids)
+from recommend_build import VALUE  # noqa: E402
 
-LABELS = "watched,liked:rating>=4,disliked:rating<=2"
 NEGATIVES = 7  # per engagement: 1 + 7 rows a request, a divisor of the ranker's batch
 CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
 HOLDOUT_RECENT = 10  # the early retrieval dataset leaves out each user's 10 most recent
 LOSSES = ("pointwise", "pairwise", "listwise")
-TASKS = "[{name: watched}, {name: liked, head: [16]}, {name: disliked, head: [16]}]"
-VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}
 VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validation chooses from
-TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
 RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
 # the candidate dataset (about 97k rows): a grid of 1.6 to 12.6 epochs, chosen on validation
@@ -80,103 +94,22 @@ RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking datase
 # 600 0.173, 1,200 0.164, 2,000 0.150; docs/recommend.md)
 CANDIDATE_RANKER_STEPS = (150, 300, 600, 1200)
 PER_SOURCE, RANK_TOP = 200, 300
+TOP_K_LABEL = 10  # the first stage learns the heavy ranker's top 10 of each request
+THREE_PER_SOURCE, FIRST_STAGE_KEEP = 400, 100  # 645 merged on ml-100k; the heavy ranker's 100
 STAGES = ("pixie", "two_tower", "history", "merged", "ranked")
+THREE_STAGES = ("merged", "first_stage", "ranked")
 CUTS = (10, 50)
+SOURCES_MS = {"pixie": "pixie", "two_tower": "two_tower", "history": "history",
+              "merged": "merge", "first_stage": "first_stage", "ranked": "rank"}  # stage: ms key
 WARMUP = 20
 
 
-def train_tower(args, data: str, scratch: Path, name: str) -> str:
-    """The two-tower model of `data` trained and exported (exact index): its folder (kept where
-    --work already has it)."""
-    cli = retrieval_bench.cli
-    if (scratch / name).is_dir():
-        return str(scratch / name)
-    train = len(np.load(Path(data) / "train_user.npy"))
-    per_epoch = retrieval_bench.write_config(scratch / f"{name}.yaml", {"path": data},
-                                             args.epochs, train, TOWER)
-    start = time.perf_counter()
-    cli(["train", "--config", str(scratch / f"{name}.yaml"), "--set",
-         f"train.run_dir={scratch / (name + '_run')}"])
-    steps = max(1, args.epochs * per_epoch)
-    print(f"  {name}: {args.epochs} epochs ({steps} steps) in "
-          f"{time.perf_counter() - start:.0f} s", flush=True)
-    cli(["export", "--retrieval", "--checkpoint", str(scratch / f"{name}_run/checkpoints" /
-                                                       f"step_{steps}"),
-         "--out", str(scratch / name)])
-    return str(scratch / name)
-
-
-def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> str:
-    """The multi-task ranker of configs/multitask_demo.yaml on `ranking`, with the ranking
-    loss `loss` (pointwise: none), `steps` steps, exported: its file (kept where --work already
-    has it)."""
-    cli, name = retrieval_bench.cli, f"{Path(ranking).name}_{loss}_{steps}"
-    if (scratch / f"{name}.pt").is_file():
-        return str(scratch / f"{name}.pt")
-    start = time.perf_counter()
-    half = steps // 2
-    sets = [f"data.path={ranking}", f"model.tasks={TASKS}", "data.label_missing=0",
-            "value_model={" + ", ".join(f"{t}: {w}" for t, w in VALUE.items()) + "}",
-            f"train.max_steps={steps}", "train.eval_every=0", f"train.log_every={steps}",
-            f"optim.warmup_steps={min(20, half)}", f"optim.decay_start_step={half}",
-            f"optim.decay_steps={steps - half}", "train.progress_bar=false",
-            "train.tensorboard=false", f"train.run_dir={scratch / (name + '_run')}"]
-    if loss != "pointwise":
-        sets += [f"model.ranking_loss.kind={loss}",
-                 f"model.ranking_loss.group={1 + args.negatives}"]
-    cli(["train", "--config", str(ROOT / "configs/multitask_demo.yaml"),
-         *[a for s in sets for a in ("--set", s)]])
-    print(f"  ranker ({loss}): {steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
-    cli(["export", "--checkpoint", str(scratch / f"{name}_run/checkpoints" / f"step_{steps}"),
-         "--out", str(scratch / f"{name}.pt")])
-    return str(scratch / f"{name}.pt")
-
-
-def build(args, scratch: Path) -> Dict[str, str]:
-    """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>_<steps>`
-    for each of args.losses and args.ranker_steps. Each is named by the settings it depends on
-    and kept where `scratch` (--work) already has it, so a second run with other ranker
-    settings makes only what they change."""
-    cli, k = retrieval_bench.cli, args.holdout_recent
-    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}"
-            if args.ranker_data == "candidates"
-            else f"uniform_{args.negatives}")
-    out = {name: str(scratch / folder) for name, folder in (
-        ("retrieval", "retrieval"), ("early", f"early_{k}"), ("ranking", f"ranking_{kind}"),
-        ("graph", "graph"), ("early_graph", f"early_graph_{k}"))}
-
-    def make(what: str, command: List[str], done: str) -> None:
-        if not (Path(out[what]) / done).is_file():
-            cli(command)
-
-    make("retrieval", ["preprocess", "interactions", "--input", args.data, "--output",
-                       out["retrieval"], "--positive", "rating>=4"], "interactions.yaml")
-    ranking = ["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
-               "--labels", LABELS, "--ranking-negatives", str(args.negatives),
-               "--holdout", out["retrieval"]]
-    if args.ranker_data == "candidates":
-        make("early", ["preprocess", "interactions", "--input", args.data, "--output",
-                       out["early"], "--positive", "rating>=4", "--holdout-recent", str(k)],
-             "interactions.yaml")
-        early_tower = train_tower(args, out["early"], scratch, f"early_tower_{k}_e{args.epochs}")
-        make("early_graph", ["pixie", "build", "--data", out["early"], "--out",
-                             out["early_graph"]], "graph.yaml")
-        ranking += ["--candidates", f"{early_tower},{out['early_graph']}",
-                    "--candidate-ratio", str(args.candidate_ratio)]
-    make("ranking", ranking, "feature_spec.yaml")
-    out["tower"] = train_tower(args, out["retrieval"], scratch, f"tower_e{args.epochs}")
-    for loss in args.losses:
-        for steps in args.ranker_steps:
-            out[f"ranker_{loss}_{steps}"] = train_ranker(args, out["ranking"], scratch, loss,
-                                                         steps)
-    make("graph", ["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]],
-         "graph.yaml")
-    return out
-
-
 def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args,
-             loss: str, value: Dict[str, float]) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
-    """Each user's stages, the ms of each request and of each stage (after WARMUP requests)."""
+             loss: str, value: Dict[str, float], three: bool = False
+             ) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
+    """Each user's stages, the wall ms of each request, the CPU ms of each stage and of each
+    request (`request`; after WARMUP requests), with `loss`'s ranker and the value model
+    `value`; `three`: through the first stage (THREE_PER_SOURCE, args.first_stage_keep)."""
     import torch
 
     from dlrm_hybrid.graph.pixie import PixieParams
@@ -184,10 +117,13 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
 
     torch.set_num_threads(1)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=value,
-                                 pixie=PixieParams(steps=args.pixie_steps))
+    settings = RecommendSettings(k=10, per_source=THREE_PER_SOURCE if three else PER_SOURCE,
+                                 rank_top=RANK_TOP, value=value,
+                                 pixie=PixieParams(steps=args.pixie_steps),
+                                 first_stage_keep=args.first_stage_keep)
     rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{loss}"], paths["ranking"],
-                      settings)
+                      settings, paths["first_stage"] if three else None)
+    rec.clock = time.thread_time  # the stages' CPU time: other jobs may share the machine
 
     def ask(user: int):
         seen = rec.retriever.seen(user)
@@ -202,9 +138,10 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
         ask(int(user))
     stages, total, per_stage = [], [], {}
     for user in users:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         answer = ask(int(user))
         total.append((time.perf_counter() - start) * 1e3)
+        per_stage.setdefault("request", []).append((time.thread_time() - cpu) * 1e3)
         stages.append(answer.stages)
         for stage, ms in answer.ms.items():
             per_stage.setdefault(stage, []).append(ms)
@@ -274,11 +211,13 @@ def findable(root: Path, split: str, earlier: Tuple[str, ...]):
     return np.repeat(np.arange(data.users), np.diff(indptr)), items
 
 
-def hit_rates(stages: List[Dict[str, np.ndarray]], wanted: np.ndarray) -> Dict[str, float]:
-    """hr@K of each stage: the share of users whose test item is in the stage's first K."""
+def hit_rates(stages: List[Dict[str, np.ndarray]], wanted: np.ndarray,
+              names: Tuple[str, ...] = STAGES) -> Dict[str, float]:
+    """hr@K of each stage of `names`: the share of users whose test item is in the stage's
+    first K."""
     return {f"{stage}_hr@{k}": float(np.mean([item in s[stage][:k]
                                               for s, item in zip(stages, wanted)]))
-            for stage in STAGES for k in CUTS}
+            for stage in names for k in CUTS}
 
 
 def peers(retrieval: str, quick: bool) -> Dict[str, Dict[str, float]]:
@@ -304,14 +243,27 @@ def value_text(value: Dict[str, float]) -> str:
 
 
 def summary_line(name: str, hr: Dict[str, float], total_ms: List[float],
-                 ranked: Optional[Dict[str, Dict[str, float]]] = None) -> str:
+                 ranked: Optional[Dict[str, Dict[str, float]]] = None,
+                 three: Optional[Tuple[Dict[str, float], List[float], List[float]]] = None,
+                 cpu_ms: Optional[List[float]] = None) -> str:
     """The benchmark's last line, for scripts: hr@10_ranked is the first loss's, then each
-    loss's as hr@10_ranked_<loss>."""
+    loss's as hr@10_ranked_<loss>; the requests' wall p50/p99 (`cpu_ms`: and CPU); `three`
+    (the three-stage funnel's hit rates, request wall ms and CPU ms): its first stage's and
+    ranked list's hr@10 and its p50/p99."""
     return (f"recommend: data={name} "
             + " ".join(f"hr@10_{stage}={hr[f'{stage}_hr@10']:.4f}" for stage in STAGES)
             + "".join(f" hr@10_ranked_{loss}={h['ranked_hr@10']:.4f}"
                       for loss, h in (ranked or {}).items())
-            + f" p50_ms={percentile(total_ms, 50):.2f} p99_ms={percentile(total_ms, 99):.2f}")
+            + f" p50_ms={percentile(total_ms, 50):.2f} p99_ms={percentile(total_ms, 99):.2f}"
+            + ("" if cpu_ms is None else f" p50_cpu_ms={percentile(cpu_ms, 50):.2f}"
+                                         f" p99_cpu_ms={percentile(cpu_ms, 99):.2f}")
+            + ("" if three is None else
+               f" hr@10_first_stage={three[0]['first_stage_hr@10']:.4f}"
+               f" hr@10_ranked_three_stage={three[0]['ranked_hr@10']:.4f}"
+               f" p50_ms_three_stage={percentile(three[1], 50):.2f}"
+               f" p99_ms_three_stage={percentile(three[1], 99):.2f}"
+               f" p50_cpu_ms_three_stage={percentile(three[2], 50):.2f}"
+               f" p99_cpu_ms_three_stage={percentile(three[2], 99):.2f}"))
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -346,6 +298,15 @@ def main() -> None:
     parser.add_argument("--candidate-ratio", type=float, default=CANDIDATE_RATIO)
     parser.add_argument("--holdout-recent", type=int, default=HOLDOUT_RECENT,
                         help="the early retrieval dataset's --holdout-recent K")
+    parser.add_argument("--top-k-label", type=int, default=TOP_K_LABEL, help="the first stage's "
+                        "labels: the chosen heavy ranker's top K of each request (predict "
+                        f"--top-k-label, default {TOP_K_LABEL})")
+    parser.add_argument("--first-stage-labels-only", action="store_true", help="train the "
+                        "first stage on the labels alone (default: with the retrieval "
+                        "training engagements, `preprocess first-stage --engagements`)")
+    parser.add_argument("--first-stage-keep", type=int, default=FIRST_STAGE_KEEP,
+                        help="candidates the first stage passes to the heavy ranker "
+                             f"(default {FIRST_STAGE_KEEP})")
     parser.add_argument("--quick", action="store_true", help="a check that it runs: 1 epoch, "
                         "10 and 30 ranker steps, 10,000 walk steps, 40 test and 40 validation "
                         "users, one peer setting each")
@@ -375,7 +336,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        paths = build(args, work)
+        paths = recommend_build.build(args, work)
         root = Path(paths["retrieval"])
         users, wanted = findable(root, "test", ("train", "val"))
         val = dict(zip(np.load(root / "val_user.npy").tolist(),
@@ -385,19 +346,24 @@ def main() -> None:
         on_val = validation_hr(paths, root, args)
         chosen = choose(on_val)
         args.losses = list(chosen)
+        for loss in args.losses:
+            paths[f"ranker_{loss}"] = paths[f"ranker_{loss}_{chosen[loss][0]}"]
+        best, value = args.losses[0], VALUES[chosen[args.losses[0]][1]]
+        paths["first_stage"] = recommend_build.build_first_stage(
+            args, work, paths, paths[f"ranker_{best}"], value)
         ranked = {}
         for n, loss in enumerate(args.losses):
-            paths[f"ranker_{loss}"] = paths[f"ranker_{loss}_{chosen[loss][0]}"]
             asked, took, took_per_stage = requests(paths, users, val, args, loss,
                                                    VALUES[chosen[loss][1]])
             ranked[loss] = hit_rates(asked, wanted)
             if not n:
                 stages, total, per_stage = asked, took, took_per_stage
+        three_asked, three_total, three_per_stage = requests(paths, users, val, args, best,
+                                                             value, three=True)
         found = peers(paths["retrieval"], args.quick)
     hr = hit_rates(stages, wanted)
+    three_hr = hit_rates(three_asked, wanted, THREE_STAGES)
     mean = {stage: np.mean([len(s[stage]) for s in stages]) for stage in STAGES}
-    stage_ms = {"pixie": "pixie", "two_tower": "two_tower", "history": "history",
-                "merged": "merge", "ranked": "rank"}
     what = {"pixie": f"Pixie walk from the history ({args.pixie_steps:,} steps)",
             "two_tower": "two-tower user tower, exact search", "history":
             "history: item-to-item neighbours (max)", "merged": "merged (reciprocal-rank fusion)",
@@ -407,10 +373,10 @@ def main() -> None:
     print(f"\n{name}: {len(users)} test users (each user's last positive, rating >= 4); history "
           f"and exclusions: training + validation items; value = "
           + value_text(VALUES[chosen[args.losses[0]][1]]) + f"; {cpu}")
-    print("| candidates | HR@10 | recall@50 | items per request | ms p50 | ms p99 |")
+    print("| candidates | HR@10 | recall@50 | items per request | CPU ms p50 | CPU ms p99 |")
     print("|---|---:|---:|---:|---:|---:|")
     for stage in STAGES:
-        times = per_stage.get(stage_ms[stage], [])
+        times = per_stage.get(SOURCES_MS[stage], [])
         print(f"| {what[stage]} | {hr[f'{stage}_hr@10']:.4f} | {hr[f'{stage}_hr@50']:.4f} | "
               f"{mean[stage]:.0f} | {percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
     for loss, h in list(ranked.items())[1:]:
@@ -420,7 +386,26 @@ def main() -> None:
     for peer, m in found.items():
         print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
     print(f"| whole request (one at a time, after {WARMUP} warm-up) | | | | "
-          f"{percentile(total, 50):.2f} | {percentile(total, 99):.2f} |")
+          f"{percentile(per_stage['request'], 50):.2f} | "
+          f"{percentile(per_stage['request'], 99):.2f} |")
+    print(f"| whole request, wall ms | | | | {percentile(total, 50):.2f} | "
+          f"{percentile(total, 99):.2f} |")
+    print(f"\nThree stages ({best} ranker, {chosen[best][0]} steps, value {value_text(value)}): "
+          f"sources {THREE_PER_SOURCE} each, the first stage (two-tower of the heavy ranker's "
+          f"top {args.top_k_label}) on every merged candidate, the heavy ranker on its best "
+          f"{args.first_stage_keep}")
+    print("| stage | HR@10 | recall@50 | items per request | CPU ms p50 | CPU ms p99 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    three_mean = {stage: np.mean([len(s[stage]) for s in three_asked]) for stage in SOURCES_MS}
+    for stage, label in SOURCES_MS.items():
+        times = three_per_stage.get(label, [])
+        hr_cells = (f"{three_hr[f'{stage}_hr@10']:.4f} | {three_hr[f'{stage}_hr@50']:.4f}"
+                    if stage in THREE_STAGES else " | ")
+        print(f"| {stage} | {hr_cells} | {three_mean[stage]:.0f} | "
+              f"{percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
+    for what_ms, times in (("", three_per_stage["request"]), (", wall ms", three_total)):
+        print(f"| whole request{what_ms} | | | | {percentile(times, 50):.2f} | "
+              f"{percentile(times, 99):.2f} |")
     print("\nvalidation HR@10 of each ranker (loss, steps) and value model: the best chosen")
     print("| loss | steps | " + " | ".join(value_text(v) for v in VALUES) + " |")
     print("|---|---:|" + "---:|" * len(VALUES))
@@ -428,7 +413,8 @@ def main() -> None:
         for steps in args.ranker_steps:
             print(f"| {loss} | {steps} | " + " | ".join(
                 f"{on_val[loss, steps, v]:.4f}" for v in range(len(VALUES))) + " |")
-    print(summary_line(name, hr, total, ranked))
+    print(summary_line(name, hr, total, ranked,
+                       (three_hr, three_total, three_per_stage["request"]), per_stage["request"]))
 
 
 if __name__ == "__main__":

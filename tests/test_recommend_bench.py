@@ -37,6 +37,14 @@ def test_hit_rates_count_the_test_item_among_each_stages_first_k(bench):
                                                      {"ranked_hr@10": 0.25}})
     assert line.endswith("hr@10_ranked=0.5000 hr@10_ranked_pointwise=0.5000 "
                          "hr@10_ranked_listwise=0.2500 p50_ms=1.00 p99_ms=1.00")
+    three = {"merged_hr@10": 0.5, "first_stage_hr@10": 0.75, "ranked_hr@10": 0.25}
+    line = bench.summary_line("ml-100k", hr, [1.0], None, (three, [2.0, 4.0], [1.0, 2.0]),
+                              [0.5])
+    assert line.endswith("hr@10_ranked=0.5000 p50_ms=1.00 p99_ms=1.00 p50_cpu_ms=0.50 "
+                         "p99_cpu_ms=0.50 hr@10_first_stage=0.7500 "
+                         "hr@10_ranked_three_stage=0.2500 p50_ms_three_stage=3.00 "
+                         "p99_ms_three_stage=3.98 p50_cpu_ms_three_stage=1.50 "
+                         "p99_cpu_ms_three_stage=1.99")
     assert bench.value_text({"watched": 0.5, "liked": 1.0, "disliked": -2.0}) == \
         "0.5 P(watched) + 1 P(liked) - 2 P(disliked)"
 
@@ -64,19 +72,26 @@ def test_the_test_items_asked_for_leave_out_re_watches(bench, tmp_path):
     assert users.tolist() == [1, 2] and items.tolist() == [0, 4]
 
 
-def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench, tmp_path,
-                                                                          monkeypatch):
-    """--work: a second run makes nothing already made; another candidate ratio makes only its
-    ranking dataset and rankers; other tower epochs remake the towers and what reads them."""
-    import argparse
-
+@pytest.fixture
+def made(bench, monkeypatch):
+    """The commands the build runs (their first two words; an export: the folder or file it
+    writes), through a stand-in cli that leaves what the real one would."""
     made = []
 
-    def cli(command):  # records the command; writes what the real one would leave
-        made.append(command[:2] if command[0] != "export" else ["export", Path(out_of(command))
-                                                                 .name])
+    def out_of(command):
+        return command[command.index("--out" if "--out" in command else "--output") + 1]
+
+    def cli(command):
+        made.append(command if command[0] in ("predict", "preprocess") and
+                    command[1] in ("--model", "first-stage") else
+                    command[:2] if command[0] != "export" else ["export",
+                                                                Path(out_of(command)).name])
         target = Path(out_of(command)) if "--out" in command or "--output" in command else None
         if target is None:
+            return ""
+        if command[0] == "predict":
+            target.write_text("scores")
+            Path(command[command.index("--label-out") + 1]).write_text("0\n1\n")
             return ""
         if command[0] == "export":
             (target.mkdir() if "--retrieval" in command else target.write_text("ranker"))
@@ -87,27 +102,71 @@ def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench
             (target / done).write_text("")
         return ""
 
-    def out_of(command):
-        return command[command.index("--out" if "--out" in command else "--output") + 1]
+    monkeypatch.setattr(bench.recommend_build.retrieval_bench, "cli", cli)
+    return made
 
-    monkeypatch.setattr(bench.retrieval_bench, "cli", cli)
+
+def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench, tmp_path,
+                                                                          made):
+    """--work: a second run makes nothing already made; another candidate ratio makes only its
+    ranking dataset and rankers; other tower epochs remake the towers and what reads them."""
+    import argparse
+
     args = argparse.Namespace(data="u.data", holdout_recent=10, negatives=7,
                               candidate_ratio=0.75, ranker_data="candidates", epochs=2,
                               losses=["pointwise"], ranker_steps=[10, 20])
-    first = bench.build(args, tmp_path)
+    build = bench.recommend_build.build
+    first = build(args, tmp_path)
     assert [m[0] for m in made].count("train") == 4  # two towers, two rankers
     made.clear()
-    assert bench.build(args, tmp_path) == first and made == []
+    assert build(args, tmp_path) == first and made == []
     args.candidate_ratio = 1.0
-    again = bench.build(args, tmp_path)
+    again = build(args, tmp_path)
     assert [m[:2] for m in made if m[0] != "export"] == [["preprocess", "interactions"],
                                                          ["train", "--config"],
                                                          ["train", "--config"]]
     assert again["ranking"] != first["ranking"] and again["tower"] == first["tower"]
     made.clear()
     args.epochs = 3
-    bench.build(args, tmp_path)
+    build(args, tmp_path)
     assert [m[0] for m in made].count("train") == 4 and ["preprocess", "interactions"] in made
+
+
+def test_the_first_stage_learns_the_chosen_ranker_and_value_model(bench, tmp_path, made):
+    """The first stage's labels are the chosen ranker's top K under the chosen value model
+    (predict --value), with the engagements unless labels-only; each part is named by what it
+    depends on: a second run makes nothing, another value model or labels-only remakes only
+    what reads it."""
+    import argparse
+
+    args = argparse.Namespace(epochs=2, top_k_label=10, first_stage_labels_only=False)
+    paths = {"retrieval": str(tmp_path / "retrieval"), "ranking": str(tmp_path / "ranking")}
+    np.save(tmp_path / "train_user.npy", np.zeros(5, np.int64))
+    ranker = str(tmp_path / "ranking_x_pointwise_600.pt")
+    build = bench.recommend_build.build_first_stage
+    first = build(args, tmp_path, paths, ranker, {"liked": 1.0})
+    predict, preprocess = made[0], made[1]
+    assert predict[predict.index("--model") + 1] == ranker
+    assert predict[predict.index("--value") + 1] == "liked=1"
+    assert predict[predict.index("--top-k-label") + 1] == "10"
+    assert predict[predict.index("--split") + 1] == "train"
+    assert preprocess[preprocess.index("--labels") + 1] == predict[
+        predict.index("--label-out") + 1]
+    assert "--engagements" in preprocess
+    assert [m[0] for m in made[2:]] == ["train", "export"]
+    assert not list(tmp_path.glob("*.scores.csv"))  # predict's scores are not kept
+    made.clear()
+    assert build(args, tmp_path, paths, ranker, {"liked": 1.0}) == first and made == []
+    value = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}
+    other = build(args, tmp_path, paths, ranker, value)
+    assert other != first and made[0][made[0].index("--value") + 1] == \
+        "watched=0.5,liked=1,disliked=-2"
+    made.clear()
+    args.first_stage_labels_only = True
+    alone = build(args, tmp_path, paths, ranker, value)
+    assert alone not in (first, other)
+    assert [m[:2] for m in made[:1]] == [["preprocess", "first-stage"]]
+    assert "--engagements" not in made[0]
 
 
 def test_the_ranker_is_chosen_by_validation_hit_rate(bench):

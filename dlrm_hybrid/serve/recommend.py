@@ -39,7 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--per-source", type=int, default=200,
                         help="candidates each source gives (default 200)")
     parser.add_argument("--rank-top", type=int, default=300,
-                        help="merged candidates the ranker scores (default 300)")
+                        help="merged candidates the ranker scores without a first stage "
+                             "(default 300)")
+    parser.add_argument("--first-stage", metavar="DIR", help="a first-stage ranker (`export "
+                        "--retrieval` of a model trained on `preprocess first-stage`'s dataset): "
+                        "it scores every merged candidate and the ranker scores its best")
+    parser.add_argument("--first-stage-keep", type=int, default=100, metavar="N",
+                        help="--first-stage: candidates it passes to the ranker (default 100)")
     parser.add_argument("--value", default="", metavar="TASK=W,...",
                         help="value model weights in place of the ranker's exported value_model")
     parser.add_argument("--keep-seen", action="store_true",
@@ -66,10 +72,12 @@ def run(args: argparse.Namespace) -> None:
         refuse_overwriting_inputs([("--out", args.out)], [
             ("--users", args.users), ("--retrieval", args.retrieval), ("--pixie", args.pixie),
             ("--ranker", args.ranker), ("--ranker-data", args.ranker_data),
+            ("--first-stage", args.first_stage),
             ("--blocklist", args.blocklist)], "recommend")
         require_file_target("--out", args.out)
     names = _lines("--users", args.users) if args.users else [args.user]
-    recommender = Recommender(args.retrieval, args.pixie, args.ranker, args.ranker_data, settings)
+    recommender = Recommender(args.retrieval, args.pixie, args.ranker, args.ranker_data, settings,
+                              args.first_stage)
     if recommender.unknown_blocklist:
         print(f"warning: --blocklist: {len(recommender.unknown_blocklist)} items are not the "
               f"retrieval model's (e.g. {recommender.unknown_blocklist[0]!r}); nothing to block "
@@ -98,7 +106,7 @@ def settings_of(args: argparse.Namespace) -> RecommendSettings:
     settings = RecommendSettings(
         args.k, sources, args.per_source, args.rank_top, _parse_value(args.value),
         not args.keep_seen, tuple(_lines("--blocklist", args.blocklist)) if args.blocklist else (),
-        args.diversity, walk_params(args), args.device)
+        args.diversity, walk_params(args), args.device, args.first_stage_keep)
     settings.check()
     return settings
 

@@ -8,8 +8,11 @@ hundred best, a value model, final rules.
    from the history items on the item-user graph (graph/pixie.py).
 2. Merge: each item once, with every source that found it, ordered by reciprocal-rank fusion
    (rank_fusion.py).
-3. Rank: the first `rank_top` merged items through the multi-task ranker (an `export`ed file),
-   ordered by the value model sum_t w_t p_t (ties: merged order).
+3. First stage (with a first-stage ranker, first_stage.py): every merged item scored by a light
+   two-tower model of the heavy ranker's top-K choices, its best `first_stage_keep` kept.
+   Rank: those (without a first stage: the first `rank_top` merged items) through the
+   multi-task ranker (an `export`ed file), ordered by the value model sum_t w_t p_t (ties: the
+   order they came in).
 4. Rules: the blocklist out; diversity, no two items of one category in a row (greedily the next
    best item whose category differs from the last taken; when none is left, the rest in order);
    the first K.
@@ -29,6 +32,7 @@ import numpy as np
 
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.serve.candidate_sources import SOURCES, CandidateSources, candidate_features
+from dlrm_hybrid.serve.first_stage import FirstStage
 from dlrm_hybrid.serve.rank_fusion import merge
 from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_ranker,
                                                 open_retriever, trained_on, value_model_weights)
@@ -36,7 +40,7 @@ from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_
 if TYPE_CHECKING:
     from dlrm_hybrid.graph.pixie import PixieParams
 
-STAGES = (*SOURCES, "merged", "ranked")
+STAGES = (*SOURCES, "merged", "first_stage", "ranked")
 DIVERSITY = ("auto", "on", "off")
 
 
@@ -51,13 +55,14 @@ class RecommendSettings:
     k: int = 20
     sources: Tuple[str, ...] = SOURCES
     per_source: int = 200  # candidates each source gives
-    rank_top: int = 300  # merged candidates the ranker scores
+    rank_top: int = 300  # merged candidates the ranker scores (without a first stage)
     value: Optional[Dict[str, float]] = None  # task -> weight; None: the ranker's value_model
     drop_seen: bool = True
     blocklist: Tuple[str, ...] = ()  # raw item ids
     diversity: str = "auto"  # auto: on where the graph knows the items' categories
     pixie: "PixieParams" = field(default_factory=_walk_defaults)
     device: str = "cpu"
+    first_stage_keep: int = 100  # with a first stage: its best, which the ranker scores
 
     def check(self) -> None:
         if self.k < 1:
@@ -80,8 +85,8 @@ class RecommendSettings:
 class Recommendation:
     """One request's answer: `items` (dense ids, final order) with their `value`, their tasks'
     `probabilities` [K, T] and the `sources` that found each; `stages`: each stage's list, best
-    first (a source left out: empty); `ms`: each stage's milliseconds; `names`: the raw ids of
-    `items` (from `recommend`)."""
+    first (a source left out, or no first stage: empty); `ms`: each stage's milliseconds;
+    `names`: the raw ids of `items` (from `recommend`)."""
 
     items: np.ndarray
     value: np.ndarray
@@ -94,23 +99,28 @@ class Recommendation:
 
 
 class Recommender:
-    """The retrieval folder, the graph, the ranker and its dataset's features, loaded and
-    checked against each other once; then requests."""
+    """The retrieval folder, the graph, the ranker and its dataset's features (and a first-stage
+    ranker), loaded and checked against each other once; then requests."""
 
     def __init__(self, retrieval: str, pixie: str, ranker: str, ranker_data: Optional[str] = None,
-                 settings: Optional[RecommendSettings] = None) -> None:
+                 settings: Optional[RecommendSettings] = None,
+                 first_stage: Optional[str] = None) -> None:
         from dlrm_hybrid.graph.bipartite import read_graph
         from dlrm_hybrid.graph.pixie import PixieWalker
         from dlrm_hybrid.serve.ranking_features import RankingFeatures
 
         self.settings = settings = settings or RecommendSettings()
         settings.check()
+        if first_stage and settings.first_stage_keep < settings.k:
+            raise UserError(f"--first-stage-keep: {settings.first_stage_keep} is less than --k "
+                            f"{settings.k}; the ranker must score at least the K items returned")
         self.retriever = open_retriever(retrieval)
         graph = read_graph(pixie)
         check_graph(graph.description, self.retriever, pixie)
         self.walker = PixieWalker(graph, settings.device)
         self.sources = CandidateSources(self.retriever, self.walker, settings.per_source,
                                         settings.pixie, settings.sources)
+        self.first_stage = FirstStage(first_stage, self.retriever) if first_stage else None
         self.ranker, description = open_ranker(ranker)
         self.tasks: List[str] = list(description["tasks"])
         self.features = RankingFeatures(ranker_data or trained_on(description, ranker))
@@ -132,6 +142,9 @@ class Recommender:
                  if n in self.retriever.item_of]
         self.blocked = np.unique(np.array(known, np.int64))
         self.unknown_blocklist = [n for n in settings.blocklist if n not in self.retriever.item_of]
+        # what `ms` measures stages with: wall time; a benchmark on a shared machine may set
+        # time.thread_time (the request's own CPU time: one thread does all its work)
+        self.clock = time.perf_counter
 
     def recommend(self, user: str, history: Optional[Sequence[str]] = None) -> Recommendation:
         """`user`'s top K by raw ids; `history` (raw item ids, most recent first) in place of
@@ -168,27 +181,37 @@ class Recommender:
         exclude = np.asarray(exclude, np.int64)
         lists = {}
         for source in SOURCES:
-            start = time.perf_counter()
+            start = self.clock()
             lists[source] = (self.sources.source(source, user, history, exclude, timeline)
                              if source in s.sources else (np.zeros(0, np.int64), np.zeros(0)))
             stages[source] = lists[source][0]
-            ms[source] = _since(start)
-        start = time.perf_counter()
+            ms[source] = self._since(start)
+        start = self.clock()
         stages["merged"], found_by = merge({src: stages[src] for src in s.sources})
-        ms["merge"] = _since(start)
-        start = time.perf_counter()
-        stages["ranked"], probabilities, value = self._rank(user, stages["merged"][:s.rank_top],
-                                                             lists)
-        ms["rank"] = _since(start)
-        start = time.perf_counter()
+        ms["merge"] = self._since(start)
+        to_rank = stages["merged"][:s.rank_top]
+        stages["first_stage"] = np.zeros(0, np.int64)
+        if self.first_stage is not None:
+            start = self.clock()
+            stages["first_stage"], _ = self.first_stage.keep(user, stages["merged"],
+                                                             s.first_stage_keep)
+            to_rank = stages["first_stage"]
+            ms["first_stage"] = self._since(start)
+        start = self.clock()
+        stages["ranked"], probabilities, value = self._rank(user, to_rank, lists)
+        ms["rank"] = self._since(start)
+        start = self.clock()
         keep = np.flatnonzero(~np.isin(stages["ranked"], self.blocked))
         if self.category is not None:
             keep = keep[diversify(self.category[stages["ranked"][keep]], s.k)]
         keep = keep[:s.k]
-        ms["rules"] = _since(start)
+        ms["rules"] = self._since(start)
         items = stages["ranked"][keep]
         return Recommendation(items, value[keep], probabilities[keep], self.tasks,
                               [found_by[int(i)] for i in items], stages, ms)
+
+    def _since(self, start: float) -> float:
+        return round((self.clock() - start) * 1000, 3)
 
     def _rank(self, user: int, items: np.ndarray, lists: Dict[str, Tuple[np.ndarray, np.ndarray]]
               ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -230,8 +253,6 @@ def diversify(categories: np.ndarray, k: int) -> np.ndarray:
     return np.array(taken[:k], np.int64)
 
 
-def _since(start: float) -> float:
-    return round((time.perf_counter() - start) * 1000, 3)
 
 
 def _mapped(names: List[str], index: Dict[str, int]) -> np.ndarray:

@@ -1,0 +1,141 @@
+"""What benchmarks/recommend.py measures, built: the datasets, two-tower models, multi-task
+rankers and graphs (`build`), and the first-stage ranker of the chosen heavy ranker
+(`build_first_stage`). Each part is named by the settings it depends on, so a `--work` folder
+keeps several and a later run makes only what its settings change."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+import retrieval as retrieval_bench  # noqa: E402  (its BASE, cli)
+
+LABELS = "watched,liked:rating>=4,disliked:rating<=2"
+TASKS = "[{name: watched}, {name: liked, head: [16]}, {name: disliked, head: [16]}]"
+VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}  # the rankers' exported value model
+TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
+
+
+def train_tower(args, data: str, scratch: Path, name: str) -> str:
+    """The two-tower model of `data` trained and exported (exact index): its folder (kept where
+    --work already has it)."""
+    cli = retrieval_bench.cli
+    if (scratch / name).is_dir():
+        return str(scratch / name)
+    train = len(np.load(Path(data) / "train_user.npy"))
+    per_epoch = retrieval_bench.write_config(scratch / f"{name}.yaml", {"path": data},
+                                             args.epochs, train, TOWER)
+    start = time.perf_counter()
+    cli(["train", "--config", str(scratch / f"{name}.yaml"), "--set",
+         f"train.run_dir={scratch / (name + '_run')}"])
+    steps = max(1, args.epochs * per_epoch)
+    print(f"  {name}: {args.epochs} epochs ({steps} steps) in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    cli(["export", "--retrieval", "--checkpoint", str(scratch / f"{name}_run/checkpoints" /
+                                                       f"step_{steps}"),
+         "--out", str(scratch / name)])
+    return str(scratch / name)
+
+
+def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> str:
+    """The multi-task ranker of configs/multitask_demo.yaml on `ranking`, with the ranking
+    loss `loss` (pointwise: none), `steps` steps, exported: its file (kept where --work already
+    has it)."""
+    cli, name = retrieval_bench.cli, f"{Path(ranking).name}_{loss}_{steps}"
+    if (scratch / f"{name}.pt").is_file():
+        return str(scratch / f"{name}.pt")
+    start = time.perf_counter()
+    half = steps // 2
+    sets = [f"data.path={ranking}", f"model.tasks={TASKS}", "data.label_missing=0",
+            "value_model={" + ", ".join(f"{t}: {w}" for t, w in VALUE.items()) + "}",
+            f"train.max_steps={steps}", "train.eval_every=0", f"train.log_every={steps}",
+            f"optim.warmup_steps={min(20, half)}", f"optim.decay_start_step={half}",
+            f"optim.decay_steps={steps - half}", "train.progress_bar=false",
+            "train.tensorboard=false", f"train.run_dir={scratch / (name + '_run')}"]
+    if loss != "pointwise":
+        sets += [f"model.ranking_loss.kind={loss}",
+                 f"model.ranking_loss.group={1 + args.negatives}"]
+    cli(["train", "--config", str(ROOT / "configs/multitask_demo.yaml"),
+         *[a for s in sets for a in ("--set", s)]])
+    print(f"  ranker ({loss}): {steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
+    cli(["export", "--checkpoint", str(scratch / f"{name}_run/checkpoints" / f"step_{steps}"),
+         "--out", str(scratch / f"{name}.pt")])
+    return str(scratch / f"{name}.pt")
+
+
+def build(args, scratch: Path) -> Dict[str, str]:
+    """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>_<steps>`
+    for each of args.losses and args.ranker_steps. Each is named by the settings it depends on
+    and kept where `scratch` (--work) already has it, so a second run with other ranker
+    settings makes only what they change."""
+    cli, k = retrieval_bench.cli, args.holdout_recent
+    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}"
+            if args.ranker_data == "candidates"
+            else f"uniform_{args.negatives}")
+    out = {name: str(scratch / folder) for name, folder in (
+        ("retrieval", "retrieval"), ("early", f"early_{k}"), ("ranking", f"ranking_{kind}"),
+        ("graph", "graph"), ("early_graph", f"early_graph_{k}"))}
+
+    def make(what: str, command: List[str], done: str) -> None:
+        if not (Path(out[what]) / done).is_file():
+            cli(command)
+
+    make("retrieval", ["preprocess", "interactions", "--input", args.data, "--output",
+                       out["retrieval"], "--positive", "rating>=4"], "interactions.yaml")
+    ranking = ["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
+               "--labels", LABELS, "--ranking-negatives", str(args.negatives),
+               "--holdout", out["retrieval"]]
+    if args.ranker_data == "candidates":
+        make("early", ["preprocess", "interactions", "--input", args.data, "--output",
+                       out["early"], "--positive", "rating>=4", "--holdout-recent", str(k)],
+             "interactions.yaml")
+        early_tower = train_tower(args, out["early"], scratch, f"early_tower_{k}_e{args.epochs}")
+        make("early_graph", ["pixie", "build", "--data", out["early"], "--out",
+                             out["early_graph"]], "graph.yaml")
+        ranking += ["--candidates", f"{early_tower},{out['early_graph']}",
+                    "--candidate-ratio", str(args.candidate_ratio)]
+    make("ranking", ranking, "feature_spec.yaml")
+    out["tower"] = train_tower(args, out["retrieval"], scratch, f"tower_e{args.epochs}")
+    for loss in args.losses:
+        for steps in args.ranker_steps:
+            out[f"ranker_{loss}_{steps}"] = train_ranker(args, out["ranking"], scratch, loss,
+                                                         steps)
+    make("graph", ["pixie", "build", "--data", out["retrieval"], "--out", out["graph"]],
+         "graph.yaml")
+    return out
+
+
+def build_first_stage(args, scratch: Path, paths: Dict[str, str], ranker: str,
+                      value: Dict[str, float]) -> str:
+    """The first-stage ranker of the heavy ranker `ranker` (an exported file) with the value
+    model `value`: its top args.top_k_label of each request of the ranking train split, the
+    first-stage dataset (with the retrieval training engagements unless
+    args.first_stage_labels_only), its two-tower model exported: the model's folder. Each part
+    is named by what it depends on and kept where `scratch` (--work) already has it."""
+    cli = retrieval_bench.cli
+    labels_name = f"{Path(ranker).stem}_{value_tag(value)}_top{args.top_k_label}"
+    kind = labels_name + ("" if args.first_stage_labels_only else "_engaged")
+    labels, data = scratch / f"{labels_name}.labels", scratch / f"first_stage_data_{kind}"
+    if not labels.is_file():
+        scores = scratch / f"{labels_name}.scores.csv"
+        cli(["predict", "--model", ranker, "--data", paths["ranking"], "--split", "train",
+             "--out", str(scores), "--top-k-label", str(args.top_k_label), "--label-out",
+             str(labels), "--value", ",".join(f"{t}={w:g}" for t, w in value.items())])
+        scores.unlink()
+    if not (data / "interactions.yaml").is_file():
+        cli(["preprocess", "first-stage", "--retrieval", paths["retrieval"], "--ranking",
+             paths["ranking"], "--labels", str(labels), "--output", str(data),
+             *([] if args.first_stage_labels_only else ["--engagements"])])
+    return train_tower(args, str(data), scratch, f"first_stage_{kind}_e{args.epochs}")
+
+
+def value_tag(value: Dict[str, float]) -> str:
+    """A value model in a file name, e.g. watched0.5_liked1_disliked-2."""
+    return "_".join(f"{t}{w:g}" for t, w in value.items())

@@ -1,0 +1,218 @@
+"""The first-stage ranker: `preprocess first-stage` makes a two-tower dataset of the heavy ranker's
+top-K labels (rows matched one to one, mismatches refused in one line, nothing left behind); its
+model's cached item side scores as the trained model does; `recommend --first-stage` hands the
+heavy ranker exactly the first stage's best N and returns them in the heavy ranker's order."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import failure, run_cli
+from test_recommend import RANKER, TWO_TOWER, planted_log
+
+LABELS = "watched,liked:rating>=4,disliked:rating<=2"
+TOP_K = 3
+
+
+def cli(*args: str):
+    result = run_cli(list(args))
+    assert result.returncode == 0, failure(result)
+    return result
+
+
+@pytest.fixture(scope="module")
+def funnel(tmp_path_factory):
+    """The planted log's retrieval and ranking datasets, a two-tower model, a heavy ranker and
+    a graph (as test_recommend's), the heavy ranker's top-3 labels of the ranking train split,
+    the first-stage dataset they make and its model, exported."""
+    root = tmp_path_factory.mktemp("first_stage")
+    rows = planted_log()
+    (root / "log.csv").write_text("".join(",".join(map(str, r)) + "\n" for r in rows))
+    read = ["preprocess", "interactions", "--input", str(root / "log.csv"),
+            "--columns", "user,item,rating,timestamp,item:category"]
+    cli(*read, "--positive", "rating>=1", "--output", str(root / "ret"))
+    cli(*read, "--labels", LABELS, "--ranking-negatives", "2", "--output", str(root / "rank"))
+    for name, config, data in (("tt", TWO_TOWER, "ret"), ("rk", RANKER, "rank")):
+        (root / f"{name}.yaml").write_text(config)
+        cli("train", "--config", str(root / f"{name}.yaml"), "--set", f"data.path={root / data}",
+            "--set", f"train.run_dir={root / name}")
+    cli("export", "--checkpoint", str(root / "tt/checkpoints/step_150"), "--out",
+        str(root / "R"), "--retrieval")
+    cli("export", "--checkpoint", str(root / "rk/checkpoints/step_200"), "--out",
+        str(root / "M.pt"))
+    cli("pixie", "build", "--data", str(root / "ret"), "--out", str(root / "G"))
+    cli("predict", "--model", str(root / "M.pt"), "--data", str(root / "rank"), "--split",
+        "train", "--out", str(root / "p.csv"), "--top-k-label", str(TOP_K), "--label-out",
+        str(root / "top.txt"))
+    made = cli("preprocess", "first-stage", "--retrieval", str(root / "ret"), "--ranking",
+               str(root / "rank"), "--labels", str(root / "top.txt"), "--output",
+               str(root / "first"))
+    cli("train", "--config", str(root / "tt.yaml"), "--set", f"data.path={root / 'first'}",
+        "--set", f"train.run_dir={root / 'ft'}", "--set", "train.max_steps=60")
+    cli("export", "--checkpoint", str(root / "ft/checkpoints/step_60"), "--out",
+        str(root / "F"), "--retrieval")
+    return SimpleNamespace(root=root, made=made.stdout)
+
+
+def ranking_pairs(root: Path, split: str = "train") -> list:
+    """The (raw user, raw item) of each row of the ranking dataset's split, in row order."""
+    from dlrm_hybrid.data.interactions.first_stage_labels import ranking_rows
+
+    users, items = ranking_rows(str(root / "rank"), split)
+    return list(zip(users.tolist(), items.tolist()))
+
+
+def test_the_dataset_holds_the_rows_labelled_1_and_the_retrieval_evaluation(funnel):
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+
+    root = funnel.root
+    labels = np.loadtxt(root / "top.txt", dtype=np.int64)
+    pairs = ranking_pairs(root)
+    assert len(labels) == len(pairs) and 0 < labels.sum() < len(labels)
+    first, ret = open_interactions(str(root / "first")), open_interactions(str(root / "ret"))
+    users = (root / "ret/users.txt").read_text().splitlines()
+    items = (root / "ret/items.txt").read_text().splitlines()
+    got = Counter((users[u], items[i]) for u, i in zip(*first.pairs["train"]))
+    assert got == Counter(p for p, label in zip(pairs, labels) if label)
+    for split in ("val", "test"):  # the retrieval dataset's evaluation, unchanged
+        assert all(np.array_equal(a, b) for a, b in zip(first.pairs[split], ret.pairs[split]))
+    assert (root / "first/items.txt").read_text() == (root / "ret/items.txt").read_text()
+    counts = first.meta.extra["first_stage"]
+    assert counts["rows"] == len(labels) and counts["kept"] == labels.sum()
+    assert f"rows={len(labels)} labelled={labels.sum()}" in funnel.made
+
+
+def test_engagements_stay_beside_the_labels_when_asked(funnel):
+    """--engagements: the retrieval dataset's training engagements and the labelled rows,
+    together (seeded: the same seed, the same order)."""
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+
+    root = funnel.root
+    for name, seed in (("eng", "0"), ("eng_again", "0"), ("eng_other", "1")):
+        cli("preprocess", "first-stage", "--retrieval", str(root / "ret"), "--ranking",
+            str(root / "rank"), "--labels", str(root / "top.txt"), "--output", str(root / name),
+            "--engagements", "--seed", seed)
+    ret, first = open_interactions(str(root / "ret")), open_interactions(str(root / "first"))
+    eng = open_interactions(str(root / "eng"))
+    pairs = lambda data: Counter(zip(*(a.tolist() for a in data.pairs["train"])))  # noqa: E731
+    assert pairs(eng) == pairs(ret) + pairs(first)
+    assert eng.meta.extra["first_stage"]["engagements"] == ret.num_samples("train")
+    again = open_interactions(str(root / "eng_again"))
+    other = open_interactions(str(root / "eng_other"))
+    assert all(np.array_equal(a, b) for a, b in zip(eng.pairs["train"], again.pairs["train"]))
+    assert not np.array_equal(eng.pairs["train"][1], other.pairs["train"][1])
+
+
+def _refused(args: list, says: str) -> None:
+    result = run_cli(["preprocess", "first-stage", *args])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)
+    assert says in result.stderr, result.stderr
+
+
+def test_mismatched_labels_and_outputs_over_inputs_are_refused(funnel):
+    root = funnel.root
+    before = sorted(p.name for p in root.iterdir())
+    lines = (root / "top.txt").read_text().split()
+    (root / "short.txt").write_text("\n".join(lines[:-1]) + "\n")
+    (root / "bad.txt").write_text("\n".join(["2"] + lines[1:]) + "\n")
+    base = ["--retrieval", str(root / "ret"), "--ranking", str(root / "rank")]
+    _refused([*base, "--labels", str(root / "short.txt"), "--output", str(root / "x")],
+             f"has {len(lines) - 1} labels, {root / 'rank'}'s train split has {len(lines)} rows")
+    _refused([*base, "--split", "val", "--labels", str(root / "top.txt"), "--output",
+              str(root / "x")], "'s val split has")
+    _refused([*base, "--labels", str(root / "bad.txt"), "--output", str(root / "x")],
+             "line 1 is '2'; each line is 0 or 1")
+    _refused([*base, "--labels", str(root / "top.txt"), "--output", str(root / "rank")],
+             "--output")
+    _refused([*base, "--labels", str(root / "top.txt"), "--output", str(root / "first")],
+             "already exists")
+    _refused(["--retrieval", str(root / "rank"), "--ranking", str(root / "rank"), "--labels",
+              str(root / "top.txt"), "--output", str(root / "x")],
+             f"--retrieval: {root / 'rank'} has no interactions.yaml")
+    _refused(["--retrieval", str(root / "first"), "--ranking", str(root / "rank"), "--labels",
+              str(root / "top.txt"), "--output", str(root / "x")], "is a first-stage dataset")
+    (root / "short.txt").unlink()
+    (root / "bad.txt").unlink()
+    assert sorted(p.name for p in root.iterdir()) == before  # nothing written, no partial
+
+
+def test_the_cached_item_side_scores_as_the_trained_model(funnel):
+    """FirstStage.scores (the exported item vectors, cached) equals the trained model's own
+    user tower . item tower for the same user and items."""
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.data.batch import Batch
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+    from dlrm_hybrid.model.two_tower import build_two_tower, split_towers
+    from dlrm_hybrid.serve.first_stage import FirstStage
+    from dlrm_hybrid.serve.retrieve import Retriever
+    from dlrm_hybrid.train.inference import read_model_state
+
+    root, checkpoint = funnel.root, funnel.root / "ft/checkpoints/step_60"
+    cfg = load_config(str(checkpoint / "config.yaml"))
+    data = open_interactions(str(root / "first")).for_model(cfg.model)
+    model = build_two_tower(cfg, data.spec, embedding_device=torch.device("cpu"))
+    model.load_state_dict(read_model_state(checkpoint))
+    model.eval()
+    stage = FirstStage(str(root / "F"), Retriever(str(root / "R")))
+    items = np.array([5, 0, 77, 31, 119, 64])
+    for user in (0, 7, 211):
+        columns = data.tower_columns(np.full(len(items), user), items, np.ones(len(items), bool))
+        batch = Batch.from_columns(columns, data.spec.feature_names)
+        with torch.no_grad():
+            users, vectors = split_towers(model(batch.dense, batch.sparse))
+        want = (users * vectors).sum(1).numpy()
+        assert np.allclose(stage.scores(user, items), want, atol=1e-5)
+        kept, scores = stage.keep(user, items, 4)
+        assert kept.tolist() == items[np.argsort(-want, kind="stable")[:4]].tolist()
+
+
+def test_three_stages_rank_the_first_stages_best_in_the_heavy_rankers_order(funnel):
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    root = funnel.root
+    settings = RecommendSettings(k=6, per_source=15, first_stage_keep=6, diversity="off")
+    rec = Recommender(str(root / "R"), str(root / "G"), str(root / "M.pt"), settings=settings,
+                      first_stage=str(root / "F"))
+    two = Recommender(str(root / "R"), str(root / "G"), str(root / "M.pt"),
+                      settings=RecommendSettings(k=6, per_source=15, diversity="off"))
+    differs = 0
+    for name in ("u0", "u1", "u9", "u42"):
+        answer = rec.recommend(name)
+        user = rec.retriever.user_of[name]
+        merged = answer.stages["merged"]
+        assert len(merged) > 2 * settings.first_stage_keep
+        scores = rec.first_stage.scores(user, merged)
+        best = merged[np.argsort(-scores, kind="stable")[:6]]
+        assert answer.stages["first_stage"].tolist() == best.tolist()
+        assert sorted(answer.items.tolist()) == sorted(best.tolist())
+        dense, ids = rec.features.rows(int(rec.ranking_user[user]), rec.ranking_item[best])
+        with torch.inference_mode():
+            _, value = rec.ranker.score_with_value(torch.from_numpy(dense),
+                                                   torch.from_numpy(ids), None, rec.weights)
+        assert answer.items.tolist() == best[np.argsort(-value.numpy(), kind="stable")].tolist()
+        differs += answer.items.tolist() != two.recommend(name).items.tolist()
+    assert differs  # the first stage changes what the heavy ranker sees
+    assert not two.recommend("u0").stages["first_stage"].size  # two stages: none
+
+
+def test_recommend_command_with_a_first_stage(funnel):
+    root = funnel.root
+    inputs = ["--retrieval", str(root / "R"), "--pixie", str(root / "G"), "--ranker",
+              str(root / "M.pt"), "--user", "u3", "--per-source", "15", "--k", "5"]
+    answer = json.loads(cli("recommend", *inputs, "--first-stage", str(root / "F"),
+                            "--first-stage-keep", "7", "--json").stdout)
+    assert answer["candidates"]["first_stage"] == 7 and answer["candidates"]["ranked"] == 7
+    assert len(answer["items"]) == 5 and "first_stage" in answer["ms"]
+    result = run_cli(["recommend", *inputs, "--first-stage", str(root / "F"),
+                      "--first-stage-keep", "3"])
+    assert result.returncode == 2 and "--first-stage-keep: 3 is less than --k 5" in result.stderr
+    result = run_cli(["recommend", *inputs, "--first-stage", str(root / "rank")])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "--first-stage: " in result.stderr and "has no retrieval.yaml" in result.stderr
