@@ -15,16 +15,9 @@ import pytest
 import torch
 
 from conftest import failure, run_cli
-from test_recommend import RANKER, TWO_TOWER, planted_log
+from test_recommend import build_funnel, cli
 
-LABELS = "watched,liked:rating>=4,disliked:rating<=2"
 TOP_K = 3
-
-
-def cli(*args: str):
-    result = run_cli(list(args))
-    assert result.returncode == 0, failure(result)
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +26,7 @@ def funnel(tmp_path_factory):
     a graph (as test_recommend's), the heavy ranker's top-3 labels of the ranking train split,
     the first-stage dataset they make and its model, exported."""
     root = tmp_path_factory.mktemp("first_stage")
-    rows = planted_log()
-    (root / "log.csv").write_text("".join(",".join(map(str, r)) + "\n" for r in rows))
-    read = ["preprocess", "interactions", "--input", str(root / "log.csv"),
-            "--columns", "user,item,rating,timestamp,item:category"]
-    cli(*read, "--positive", "rating>=1", "--output", str(root / "ret"))
-    cli(*read, "--labels", LABELS, "--ranking-negatives", "2", "--output", str(root / "rank"))
-    for name, config, data in (("tt", TWO_TOWER, "ret"), ("rk", RANKER, "rank")):
-        (root / f"{name}.yaml").write_text(config)
-        cli("train", "--config", str(root / f"{name}.yaml"), "--set", f"data.path={root / data}",
-            "--set", f"train.run_dir={root / name}")
-    cli("export", "--checkpoint", str(root / "tt/checkpoints/step_150"), "--out",
-        str(root / "R"), "--retrieval")
-    cli("export", "--checkpoint", str(root / "rk/checkpoints/step_200"), "--out",
-        str(root / "M.pt"))
-    cli("pixie", "build", "--data", str(root / "ret"), "--out", str(root / "G"))
+    build_funnel(root)
     cli("predict", "--model", str(root / "M.pt"), "--data", str(root / "rank"), "--split",
         "train", "--out", str(root / "p.csv"), "--top-k-label", str(TOP_K), "--label-out",
         str(root / "top.txt"))

@@ -70,11 +70,10 @@ def cli(*args: str):
     return result
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The log's retrieval and ranking datasets, a tiny two-tower model and multi-task ranker
-    trained on them and exported, and the Pixie graph of the retrieval dataset."""
-    root = tmp_path_factory.mktemp("recommend")
+def build_funnel(root: Path) -> list:
+    """The planted log in `root`, its retrieval (ret) and ranking (rank) datasets, a tiny
+    two-tower model (R) and multi-task ranker (M.pt) trained on them and exported, and the
+    Pixie graph (G) of the retrieval dataset: the log's rows."""
     rows = planted_log()
     (root / "log.csv").write_text("".join(",".join(map(str, r)) + "\n" for r in rows))
     read = ["preprocess", "interactions", "--input", str(root / "log.csv"),
@@ -91,6 +90,15 @@ def served(tmp_path_factory):
     cli("export", "--checkpoint", str(root / "rk/checkpoints/step_200"), "--out",
         str(root / "M.pt"))
     cli("pixie", "build", "--data", str(root / "ret"), "--out", str(root / "G"))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The log's retrieval and ranking datasets, a tiny two-tower model and multi-task ranker
+    trained on them and exported, and the Pixie graph of the retrieval dataset."""
+    root = tmp_path_factory.mktemp("recommend")
+    rows = build_funnel(root)
     by_user = {}
     for user, item, _, _, _ in rows:  # in time order: the last two are validation and test
         by_user.setdefault(user, []).append(item)

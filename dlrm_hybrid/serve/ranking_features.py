@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.data.interactions.ranking_log import open_ranking_spec
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES
 
@@ -23,17 +23,12 @@ class RankingFeatures:
 
     def __init__(self, path: str) -> None:
         root = Path(path)
-        if not (root / "feature_spec.yaml").is_file():
-            raise UserError(f"--ranker-data: {path} has no feature_spec.yaml; give the folder "
-                            f"`preprocess interactions --labels` wrote")
-        fspec = load_feature_spec(path)
+        fspec = open_ranking_spec(path, "--ranker-data")
         names = list(fspec.notes.get("categorical_features") or [])
         dense_names = list(fspec.notes.get("numerical_features") or [])
         self.candidate_features = dense_names[2:] == list(CANDIDATE_FEATURES)
-        if names[:2] != ["user_id", "item_id"] or fspec.spec.num_dense != len(dense_names) or \
-                len(dense_names) != (2 + len(CANDIDATE_FEATURES) if self.candidate_features
-                                     else 2) or not all(
-                (root / f).is_file() for f in ("users.txt", "items.txt")):
+        if fspec.spec.num_dense != len(dense_names) or len(dense_names) != (
+                2 + len(CANDIDATE_FEATURES) if self.candidate_features else 2):
             raise UserError(f"--ranker-data: {path} is not a ranking dataset (`preprocess "
                             f"interactions --labels` writes user_id, item_id first, two counts "
                             f"(then, with --candidates, {','.join(CANDIDATE_FEATURES)}) and "

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 
-from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.interactions.interaction_meta import (META_FILE, InteractionMeta,
                                                             is_interaction_folder)
+from dlrm_hybrid.data.interactions.ranking_log import open_ranking_spec
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 
@@ -103,17 +103,7 @@ def run(args) -> None:
 
 def ranking_rows(ranking: str, split: str) -> tuple:
     """The raw (user, item) ids of each row of `ranking`'s `split`, in row order."""
-    root = Path(ranking)
-    if not (root / "feature_spec.yaml").is_file():
-        raise UserError(f"--ranking: {ranking} has no feature_spec.yaml; give the folder "
-                        f"`preprocess interactions --labels` wrote")
-    fspec = load_feature_spec(ranking)
-    names = list(fspec.notes.get("categorical_features") or [])
-    if names[:2] != ["user_id", "item_id"] or not all(
-            (root / f).is_file() for f in ("users.txt", "items.txt")):
-        raise UserError(f"--ranking: {ranking} is not a ranking dataset (`preprocess "
-                        f"interactions --labels` writes user_id, item_id first and "
-                        f"users.txt/items.txt)")
+    fspec = open_ranking_spec(ranking, "--ranking")
     folder = SPLIT_FOLDERS[split]
     if folder not in fspec.splits:
         raise UserError(f"--split: {ranking} has no {folder} split")

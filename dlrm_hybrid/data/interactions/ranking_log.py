@@ -381,3 +381,21 @@ def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelR
                  + " ".join(f"rate_{r.name}={train.labels[:, t].mean():.4f}"
                             for t, r in enumerate(rules)) + f" seconds={seconds:.2f}")
     return "\n".join(lines)
+
+
+def open_ranking_spec(path: str, option: str):
+    """The feature spec of a ranking dataset `preprocess interactions --labels` wrote (user_id
+    and item_id first, users.txt/items.txt beside it); anything else refused naming `option`."""
+    from dlrm_hybrid.data.feature_spec import load_feature_spec
+
+    root = Path(path)
+    if not (root / "feature_spec.yaml").is_file():
+        raise UserError(f"{option}: {path} has no feature_spec.yaml; give the folder "
+                        f"`preprocess interactions --labels` wrote")
+    fspec = load_feature_spec(path)
+    names = list(fspec.notes.get("categorical_features") or [])
+    if names[:2] != ["user_id", "item_id"] or not all(
+            (root / f).is_file() for f in ("users.txt", "items.txt")):
+        raise UserError(f"{option}: {path} is not a ranking dataset (`preprocess interactions "
+                        f"--labels` writes user_id, item_id first and users.txt/items.txt)")
+    return fspec
