@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from conftest import failure, run_cli
+from test_recommend import RANKER as RECOMMEND_RANKER
+from test_recommend import TWO_TOWER, cli, config_with
 from dlrm_hybrid.data.interactions.ranking_negatives import CandidatePool, candidate_blocks
 from dlrm_hybrid.model.task_heads import ranking_loss
 from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES, candidate_features
@@ -158,37 +160,14 @@ def test_a_ranking_loss_needs_tasks_and_a_group_dividing_the_batch():
 # --- end to end: a planted log, its early models, the candidate dataset, the served ranker ---
 
 USERS, ITEMS, CLUSTERS = 80, 40, 4
-TOWER = """
-model:
-  kind: two_tower
-  embedding_dim: 8
-  user_tower: {mlp: [16, 8]}
-  item_tower: {mlp: [16, 8]}
-  temperature: 0.1
-data: {global_batch_size: 64}
-optim: {embedding: rowwise_adagrad, embedding_lr: 0.1, dense: adagrad, dense_lr: 0.05}
-train: {max_steps: 40, log_every: 40, eval_every: 0, progress_bar: false}
-checkpoint: {resume: none}
-"""
-RANKER = """
-model:
-  embedding_dim: 8
-  bottom_mlp: [16, 8]
-  top_mlp: [16, 1]
-  tasks: [{name: watched}, {name: liked}]
-  ranking_loss: {kind: listwise, group: 4}
-data: {global_batch_size: 64}
-optim: {embedding: rowwise_adagrad, embedding_lr: 0.1, dense: adagrad, dense_lr: 0.05}
-train: {max_steps: 20, log_every: 20, eval_every: 0, progress_bar: false}
-checkpoint: {resume: none}
-value_model: {watched: 0.5, liked: 1.0}
-"""
-
-
-def cli(*args: str):
-    result = run_cli(list(args))
-    assert result.returncode == 0, failure(result)
-    return result
+# test_recommend's models, smaller: a listwise ranker of two tasks
+TOWER = config_with(TWO_TOWER, {
+    "model.embedding_dim": 8, "model.user_tower.mlp": [16, 8], "model.item_tower.mlp": [16, 8],
+    "data.global_batch_size": 64, "train.max_steps": 40, "train.log_every": 40})
+RANKER = config_with(RECOMMEND_RANKER, {
+    "model.tasks": [{"name": "watched"}, {"name": "liked"}],
+    "model.ranking_loss": {"kind": "listwise", "group": 4}, "data.global_batch_size": 64,
+    "train.max_steps": 20, "train.log_every": 20, "value_model": {"watched": 0.5, "liked": 1.0}})
 
 
 def planted_rows() -> list:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import yaml
 
 from conftest import failure, run_cli
 
@@ -45,6 +46,18 @@ checkpoint: {resume: none}
 value_model: {watched: 0.1, liked: 1.0, disliked: -1.0}
 """
 FUNNEL = ["--per-source", "10", "--rank-top", "20"]
+
+
+def config_with(config: str, changes: dict) -> str:
+    """`config` (YAML text) with each dotted key of `changes` ("model.embedding_dim") set."""
+    tree = yaml.safe_load(config)
+    for key, value in changes.items():
+        *parents, last = key.split(".")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[last] = value
+    return yaml.safe_dump(tree)
 
 
 def planted_log() -> list:

@@ -253,7 +253,5 @@ def diversify(categories: np.ndarray, k: int) -> np.ndarray:
     return np.array(taken[:k], np.int64)
 
 
-
-
 def _mapped(names: List[str], index: Dict[str, int]) -> np.ndarray:
     return np.array([index.get(name, -1) for name in names], np.int64)
