@@ -197,7 +197,7 @@ class Job:
         if options.vocabulary:
             result = {}
             self.run_steps(1, [("number.given", copy_vocabulary,
-                                          (options.vocabulary, str(self.work.dataset)))],
+                                (options.vocabulary, str(self.work.dataset)))],
                            lambda i, r, fresh: result.update(r))
             return result["cardinalities"], {"partitions": 0, "distinct_values": None}
         runs = [counts.Run(stem, n) for r in records for stem, n in r["runs"]]
@@ -206,7 +206,7 @@ class Job:
         if entries <= self.plan.range_entries:
             result = {}
             self.run_steps(1, [("number.all", number_all,
-                                          (runs, threshold, max_rows, str(self.work.dataset)))],
+                                (runs, threshold, max_rows, str(self.work.dataset)))],
                            lambda i, r, fresh: result.update(r))
             return result["cardinalities"], {"partitions": 1,
                                              "distinct_values": result["distinct"]}
