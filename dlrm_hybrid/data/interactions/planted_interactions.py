@@ -51,10 +51,9 @@ def teacher_scores(data_cfg, u: np.ndarray, v: np.ndarray, log_pop: np.ndarray) 
 def planted_interactions(data_cfg) -> InteractionData:
     u, v, log_pop, segment, category = teacher(data_cfg)
     rng = np.random.default_rng(data_cfg.seed + 1)
-    n = min(data_cfg.interactions_per_user, data_cfg.items)
     scores = teacher_scores(data_cfg, u, v, log_pop)
-    gumbel = -np.log(-np.log(rng.uniform(size=scores.shape)))
-    drawn = np.argsort(-(scores + gumbel), axis=1)[:, :n]  # without replacement, in draw order
+    drawn = draws(data_cfg, scores, rng)
+    n = drawn.shape[1]
     users = np.repeat(np.arange(data_cfg.users), n).reshape(-1, n)
     order = rng.permutation(data_cfg.users * (n - 2))  # a batch mixes users, as a shuffled log
     pairs = {"train": (users[:, :-2].ravel()[order], drawn[:, :-2].ravel()[order]),
@@ -72,6 +71,14 @@ def planted_interactions(data_cfg) -> InteractionData:
     position = np.tile(np.arange(n - 2), data_cfg.users)[order]  # draw order is the timeline
     return InteractionData(meta, pairs, segment[:, None], category[:, None],
                            train_position=position)
+
+
+def draws(data_cfg, scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Each user's engagements [U, min(data.interactions_per_user, data.items)]: items drawn
+    without replacement from softmax(`scores`) (Gumbel top-k), in draw order (the timeline)."""
+    n = min(data_cfg.interactions_per_user, data_cfg.items)
+    gumbel = -np.log(-np.log(rng.uniform(size=scores.shape)))
+    return np.argsort(-(scores + gumbel), axis=1)[:, :n]
 
 
 def ranking_metrics(score, seen: np.ndarray, target: np.ndarray) -> Dict[str, float]:
