@@ -46,6 +46,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -55,8 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dlrm_hybrid.config_loading import load_config  # noqa: E402
-from dlrm_hybrid.data.interactions.planted_interactions import (draws, ranking_metrics,  # noqa: E402
-                                                                teacher, teacher_scores)
+from dlrm_hybrid.data.interactions.planted_interactions import (  # noqa: E402
+    draws, ranking_metrics, teacher, teacher_scores)
 
 EDGES = np.array([0.6, 0.8, 0.9, 0.96])  # RULE: the affinity quantiles where ratings 2..5 start
 LIKED = 4  # recommend.py's positive and `liked` label: rating >= 4
@@ -139,12 +140,10 @@ def funnel_hit_rates(output: str) -> Tuple[Dict[str, float], int]:
     return hr, int(asked.group(1))
 
 
-def test_items(retrieval: Path, asked: int) -> Tuple[np.ndarray, np.ndarray, List[np.ndarray]]:
+def test_items(data, asked: int) -> Tuple[np.ndarray, np.ndarray, List[np.ndarray]]:
     """recommend.py's test requests: (users, test items, each user's history = training and
-    validation items), dense ids of the retrieval dataset, its first `asked` findable users."""
-    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
-
-    data = open_interactions(str(retrieval))
+    validation items), dense ids of the retrieval dataset `data`, its first `asked` findable
+    users."""
     indptr, items = data.findable("test", ("train", "val"))
     users = np.repeat(np.arange(data.users), np.diff(indptr))[:asked]
     seen_users = np.concatenate([data.pairs[s][0] for s in ("train", "val")])
@@ -160,14 +159,14 @@ def ceilings(data_cfg, retrieval: Path, asked: int) -> Dict[str, float]:
     would like (`ceiling`), among all items (`teacher`), and of training popularity."""
     from dlrm_hybrid.data.interactions.interaction_data import open_interactions
 
-    users, targets, history = test_items(retrieval, asked)
+    data = open_interactions(str(retrieval))
+    users, targets, history = test_items(data, asked)
     raw_user = np.loadtxt(retrieval / "users.txt", dtype=np.int64, ndmin=1) - 1
     raw_item = np.loadtxt(retrieval / "items.txt", dtype=np.int64, ndmin=1) - 1
     u, v, log_pop, _, _ = teacher(data_cfg)
     score = teacher_scores(data_cfg, u[raw_user[users]], v[raw_item], log_pop[raw_item])
     liked = ratings(u[raw_user[users]], v)[:, raw_item] >= LIKED
-    train = open_interactions(str(retrieval)).pairs["train"][1]
-    popularity = np.bincount(train, minlength=len(raw_item)).astype(np.float64)
+    popularity = np.bincount(data.pairs["train"][1], minlength=len(raw_item)).astype(float)
     width = max(1, max(len(h) for h in history))
     seen = np.stack([np.resize(h, width) for h in history])  # repeats: the same exclusions
     rankings = {"ceiling": np.where(liked, score, -np.inf), "teacher": score,
@@ -242,8 +241,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     data_cfg = data_section(args.config, args.set, args.quick)
     forwarded += [*(["--users", str(args.users)] if args.users else []),
                   *(["--quick"] if args.quick else [])]
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         key = hashlib.sha256(repr(sorted(vars(data_cfg).items())).encode()).hexdigest()[:10]
         work = Path(args.work) / f"planted_{key}" if args.work else Path(tmp)
