@@ -13,8 +13,8 @@ from conftest import failure, load_script, run_cli
 
 from dlrm_hybrid.config import DataConfig
 from dlrm_hybrid.data.interactions.interaction_data import open_interactions
-from dlrm_hybrid.data.interactions.planted_interactions import (planted_interactions, teacher,
-                                                                teacher_scores)
+from dlrm_hybrid.data.interactions.planted_interactions import (draws, planted_interactions,
+                                                                teacher, teacher_scores)
 
 CFG = dict(users=40, items=300, interactions_per_user=12, seed=5)
 EDGES = (0.6, 0.8, 0.9, 0.96)  # the documented rule's: ratings 2, 3, 4, 5 start at these shares
@@ -69,6 +69,22 @@ def test_the_log_is_the_planted_draws_in_time_order_and_preprocess_reads_it(data
     for user, item in zip(raw_user[test_users], raw_item[test_items]):
         liked = (users == user) & (rating >= 4)
         assert item == items[liked][np.argmax(time[liked])]
+
+
+def test_draws_are_the_teachers_softmax_without_replacement_in_draw_order():
+    """planted_interactions.draws, which the log and the planted dataset share: the first draw
+    follows softmax(scores), the next one the softmax over the items not drawn yet."""
+    p = np.array([0.5, 0.25, 0.15, 0.1])
+    cfg = DataConfig(users=40_000, items=4, interactions_per_user=3)
+    drawn = draws(cfg, np.tile(np.log(p), (cfg.users, 1)), np.random.default_rng(0))
+    assert drawn.shape == (cfg.users, 3)
+    assert (np.sort(drawn, axis=1)[:, 1:] != np.sort(drawn, axis=1)[:, :-1]).all()
+    assert np.abs(np.bincount(drawn[:, 0], minlength=4) / cfg.users - p).max() < 0.01
+    after_first = drawn[drawn[:, 0] == 0, 1]  # p without item 0: 0.5, 0.3, 0.2
+    assert np.abs(np.bincount(after_first, minlength=4)[1:] / len(after_first)
+                  - p[1:] / p[1:].sum()).max() < 0.015
+    cfg.interactions_per_user = 9  # never more than the catalogue
+    assert draws(cfg, np.zeros((2, 4)), np.random.default_rng(0)).shape == (2, 4)
 
 
 def test_ratings_follow_the_documented_rule(bench, dataset):

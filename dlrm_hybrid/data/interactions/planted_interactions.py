@@ -76,9 +76,8 @@ def planted_interactions(data_cfg) -> InteractionData:
 def draws(data_cfg, scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Each user's engagements [U, min(data.interactions_per_user, data.items)]: items drawn
     without replacement from softmax(`scores`) (Gumbel top-k), in draw order (the timeline)."""
-    n = min(data_cfg.interactions_per_user, data_cfg.items)
     gumbel = -np.log(-np.log(rng.uniform(size=scores.shape)))
-    return np.argsort(-(scores + gumbel), axis=1)[:, :n]
+    return np.argsort(-(scores + gumbel), axis=1)[:, :data_cfg.interactions_per_user]
 
 
 def ranking_metrics(score, seen: np.ndarray, target: np.ndarray) -> Dict[str, float]:
