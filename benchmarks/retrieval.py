@@ -201,13 +201,15 @@ def loss_options() -> Dict[str, dict]:
     return {name: sets for name, sets in LOSSES.items() if set(sets) <= offered}
 
 
-def tune_peer(name: str, data, retrieval_cfg) -> Tuple[dict, dict, float]:
-    """(setting, test metrics, training seconds) of the validation-best setting of a peer."""
+def tune_peer(name: str, data, retrieval_cfg, quick: bool = False
+              ) -> Tuple[dict, dict, float]:
+    """(setting, test metrics, training seconds) of the validation-best setting of a peer (with
+    `quick`, of its grid's first setting)."""
     from dlrm_hybrid.retrieval import peers
 
     fit = {"ALS": peers.als, "BPR": peers.bpr}[name]
     best = None
-    for setting in PEER_GRIDS[name]:
+    for setting in PEER_GRIDS[name][:1] if quick else PEER_GRIDS[name]:
         start = time.perf_counter()
         vectors = fit(data, **setting)
         seconds = time.perf_counter() - start
@@ -302,7 +304,7 @@ def two_tower_rows(data_cfg, train_samples: int, scratch: Path, args) -> Tuple[l
     return rows, tower
 
 
-def peer_rows(data, retrieval_cfg) -> Tuple[list, dict]:
+def peer_rows(data, retrieval_cfg, quick: bool = False) -> Tuple[list, dict]:
     """Popularity, ALS and BPR (and the planted teacher where the data has one): (table rows,
     {name: test metrics})."""
     from dlrm_hybrid.retrieval import peers
@@ -314,7 +316,7 @@ def peer_rows(data, retrieval_cfg) -> Tuple[list, dict]:
                             **peers.evaluate_peer(pop, data, retrieval_cfg, "test")}}
     rows = [row("popularity", "train counts", found["popularity"], "", seconds)]
     for peer in PEER_GRIDS:
-        setting, found[peer], seconds = tune_peer(peer, data, retrieval_cfg)
+        setting, found[peer], seconds = tune_peer(peer, data, retrieval_cfg, quick)
         rows.append(row(f"implicit {peer}", ", ".join(f"{k} {v}" for k, v in setting.items()),
                         found[peer], "", seconds))
     if "test_ceiling_recall@10" in found["popularity"]:
@@ -336,7 +338,8 @@ def main() -> None:
     parser.add_argument("--towers", choices=("all", "history"), default="all",
                         help="history: the history towers and the peers only")
     parser.add_argument("--quick", action="store_true",
-                        help="a check that it runs: one grid point, one epoch")
+                        help="a check that it runs: one grid point (of each peer too), one "
+                        "epoch (SASRec: sasrec.QUICK)")
     args = parser.parse_args()
 
     from dlrm_hybrid.config_loading import load_config
@@ -363,7 +366,7 @@ def main() -> None:
         reference, setting = sasrec.run(data, cfg.retrieval, args.quick)
         history.append(row("SASRec-style reference", setting, reference, "",
                            reference["seconds"]))
-        more, found = peer_rows(data, cfg.retrieval)
+        more, found = peer_rows(data, cfg.retrieval, args.quick)
         if tower:
             best_loss = max(tower, key=lambda k: tower[k][0]["val_recall@10"])
             chosen, run_dir = tower[best_loss]
