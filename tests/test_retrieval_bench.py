@@ -166,6 +166,18 @@ def test_sasrec_trains_on_each_users_training_sequence_only(sasrec, monkeypatch)
     assert counts.tolist() == [4, 2, 1]
 
 
+def test_sasrec_position_t_reads_the_items_up_to_t_only(sasrec):
+    # training predicts item t + 1 from slot t: were slot t to read slot t + 1, it would copy
+    model = sasrec.SASRec(items=20, maxlen=8, dropout=0.0, dim=16).eval()
+    ids = torch.tensor([[3, 7, 1, 9, 4, 12, 5, 0]])
+    later = ids.clone()
+    later[0, 4:7] = torch.tensor([18, 2, 6])
+    counts = torch.tensor([7])
+    before, after = model(ids, counts), model(later, counts)
+    assert torch.allclose(before[0, :4], after[0, :4], atol=1e-6)
+    assert not torch.allclose(before[0, 4:7], after[0, 4:7], atol=1e-3)
+
+
 def test_sasrec_scores_test_from_the_training_and_validation_items(sasrec):
     data = cycles(users=6, items=9, length=5)
     model = sasrec.SASRec(data.items, maxlen=8, dropout=0.0, dim=8).eval()
