@@ -19,10 +19,14 @@ ceiling.
 3. History towers (HISTORY_TOWERS: the user tower reads the user's last items, mean or causal
    attention, model.user_tower.encoder): each trained once on --ranks ranks with its settings
    (chosen by hand on VALIDATION), evaluated and checkpointed after every epoch; the checkpoint
-   of the best validation recall@10 is tested. `--towers history` runs these and the peers only.
-4. Peers on the same training split (dlrm_hybrid/retrieval/peers.py): popularity; ALS and BPR,
+   of the best validation recall@10 is tested. `--towers history` runs these, the SASRec-style
+   reference and the peers only.
+4. A SASRec-style reference (Kang & McAuley 2018; benchmarks/sasrec.py): a next-item model
+   trained in this process on one thread on each user's training sequence, its setting and
+   epoch chosen on VALIDATION (the same split, exclusions and metric code), tested once.
+5. Peers on the same training split (dlrm_hybrid/retrieval/peers.py): popularity; ALS and BPR,
    each with a small grid chosen on validation; scored by retrieval/evaluate.py on test.
-5. ANN against exact search: the validation-best loss option exported (`export --retrieval
+6. ANN against exact search: the validation-best loss option exported (`export --retrieval
    --index hnsw`); IVF and HNSW (retrieval/index.py's defaults) against exact top-100 for the
    test users' tower vectors, and ms per query (one query per call).
 
@@ -30,10 +34,10 @@ Prints the CPU, a markdown table and last the summary line:
 
     retrieval: data=NAME users=N items=N two_tower_recall@10=X two_tower_recall@100=X
         history_tower_recall@10=X history_mean_recall@10=X history_attention_recall@10=X
-        popularity_recall@10=X peer_recall@10=X ann_recall_vs_exact=X
+        sasrec_recall@10=X popularity_recall@10=X peer_recall@10=X ann_recall_vs_exact=X
 
 (two_tower: the validation-best loss option; history_tower: the validation-best history
-tower; peer: the validation-best of ALS and BPR; ann: HNSW recall@100 against exact. With
+tower; sasrec: the SASRec-style reference; peer: the validation-best of ALS and BPR; ann: HNSW recall@100 against exact. With
 `--towers history` the two_tower and ann fields are left out.)
 """
 
@@ -56,6 +60,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # when loaded as a module (the tests)
+
+import sasrec  # noqa: E402  (the SASRec-style reference)
 
 BASE = {  # the two-tower model over id features (and the log's side features, where it has any)
     "model": {"kind": "two_tower", "embedding_dim": 64,
@@ -194,13 +201,15 @@ def loss_options() -> Dict[str, dict]:
     return {name: sets for name, sets in LOSSES.items() if set(sets) <= offered}
 
 
-def tune_peer(name: str, data, retrieval_cfg) -> Tuple[dict, dict, float]:
-    """(setting, test metrics, training seconds) of the validation-best setting of a peer."""
+def tune_peer(name: str, data, retrieval_cfg, quick: bool = False
+              ) -> Tuple[dict, dict, float]:
+    """(setting, test metrics, training seconds) of the validation-best setting of a peer (with
+    `quick`, of its grid's first setting)."""
     from dlrm_hybrid.retrieval import peers
 
     fit = {"ALS": peers.als, "BPR": peers.bpr}[name]
     best = None
-    for setting in PEER_GRIDS[name]:
+    for setting in PEER_GRIDS[name][:1] if quick else PEER_GRIDS[name]:
         start = time.perf_counter()
         vectors = fit(data, **setting)
         seconds = time.perf_counter() - start
@@ -295,7 +304,7 @@ def two_tower_rows(data_cfg, train_samples: int, scratch: Path, args) -> Tuple[l
     return rows, tower
 
 
-def peer_rows(data, retrieval_cfg) -> Tuple[list, dict]:
+def peer_rows(data, retrieval_cfg, quick: bool = False) -> Tuple[list, dict]:
     """Popularity, ALS and BPR (and the planted teacher where the data has one): (table rows,
     {name: test metrics})."""
     from dlrm_hybrid.retrieval import peers
@@ -307,7 +316,7 @@ def peer_rows(data, retrieval_cfg) -> Tuple[list, dict]:
                             **peers.evaluate_peer(pop, data, retrieval_cfg, "test")}}
     rows = [row("popularity", "train counts", found["popularity"], "", seconds)]
     for peer in PEER_GRIDS:
-        setting, found[peer], seconds = tune_peer(peer, data, retrieval_cfg)
+        setting, found[peer], seconds = tune_peer(peer, data, retrieval_cfg, quick)
         rows.append(row(f"implicit {peer}", ", ".join(f"{k} {v}" for k, v in setting.items()),
                         found[peer], "", seconds))
     if "test_ceiling_recall@10" in found["popularity"]:
@@ -329,7 +338,8 @@ def main() -> None:
     parser.add_argument("--towers", choices=("all", "history"), default="all",
                         help="history: the history towers and the peers only")
     parser.add_argument("--quick", action="store_true",
-                        help="a check that it runs: one grid point, one epoch")
+                        help="a check that it runs: one grid point (of each peer too), one "
+                        "epoch (SASRec: sasrec.QUICK)")
     args = parser.parse_args()
 
     from dlrm_hybrid.config_loading import load_config
@@ -352,7 +362,11 @@ def main() -> None:
             data_cfg, train_samples, scratch, args)
         print("history towers (validation after each epoch):", flush=True)
         history, by_history = history_rows(data_cfg, train_samples, scratch, args)
-        more, found = peer_rows(data, cfg.retrieval)
+        print("SASRec-style reference (validation after each epoch, 1 thread):", flush=True)
+        reference, setting = sasrec.run(data, cfg.retrieval, args.quick)
+        history.append(row("SASRec-style reference", setting, reference, "",
+                           reference["seconds"]))
+        more, found = peer_rows(data, cfg.retrieval, args.quick)
         if tower:
             best_loss = max(tower, key=lambda k: tower[k][0]["val_recall@10"])
             chosen, run_dir = tower[best_loss]
@@ -369,7 +383,8 @@ def main() -> None:
     best_history = max(by_history, key=lambda k: by_history[k]["val_recall@10"])
     histories = (f"history_tower_recall@10={by_history[best_history]['test_recall@10']:.4f} "
                  + " ".join(f"{k.replace(' ', '_')}_recall@10={m['test_recall@10']:.4f}"
-                            for k, m in by_history.items()))
+                            for k, m in by_history.items())
+                 + f" sasrec_recall@10={reference['test_recall@10']:.4f}")
     peers = (f"popularity_recall@10={found['popularity']['test_recall@10']:.4f} "
              f"peer_recall@10={found[best_peer]['test_recall@10']:.4f}")
     if not tower:
