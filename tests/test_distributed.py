@@ -182,6 +182,7 @@ def test_two_hosts_join_through_c10d_rendezvous(tmp_path):
     env = {**os.environ, "NNODES": "2", "NPROC": "1", "ENDPOINT": f"127.0.0.1:{port}",
            "JOB_ID": "two-hosts", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     cmd = ["bash", "launch/multi_node.sh", "configs/demo.yaml", "--set", "train.max_steps=20",
+           "--set", "data.val_samples=2048",  # the final evaluation: 2048 rows, not the demo's 65536
            "--set", "train.progress_bar=false", "--set", f"train.run_dir={tmp_path}"]
     hosts = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -72,15 +72,32 @@ def exported(trained, tmp_path_factory):
     return out
 
 
+# One fresh interpreter serves both tests below (an interpreter start costs more than they do).
+# First the doc's snippet with only its own imports (numpy and torch are the caller's, as in
+# the doc): in SNIPPET_DIR, on 5 validation rows; a failure is kept for its test, not raised.
+# Then every precision's file in EXPORTED, on the validation rows.
 FRESH_PROCESS = """
+import os
 import sys
+import traceback
 sys.modules["dlrm_hybrid"] = None  # importing this package (or torchrec) now fails
 sys.modules["torchrec"] = None
 import numpy as np
 import torch
-import fbgemm_gpu
 
-rows = np.load("rows.npz")
+os.chdir(SNIPPET_DIR)
+rows = np.load(os.path.join(EXPORTED, "rows.npz"))
+snippet = {"dense": torch.from_numpy(rows["dense"][:5]),
+           "ids": torch.from_numpy(rows["ids"][:5, :, 0].copy())}
+try:
+    exec(SNIPPET, snippet)
+    np.save("p.npy", snippet["probabilities"].numpy())
+except Exception:
+    with open("snippet_error.txt", "w") as f:
+        f.write(traceback.format_exc())
+
+import fbgemm_gpu
+os.chdir(EXPORTED)
 dense, ids, lengths = (torch.from_numpy(rows[k]) for k in ("dense", "ids", "lengths"))
 results = {}
 for quantize in QUANTIZATIONS:
@@ -100,10 +117,30 @@ assert not [m for m in sys.modules if m.startswith(("dlrm_hybrid", "torchrec")) 
 """
 
 
-def test_each_precision_loads_without_this_package_and_scores_like_the_trained_model(exported):
-    script = f"QUANTIZATIONS = {list(QUANTIZATIONS)}\n" + FRESH_PROCESS
+def doc_snippet() -> str:
+    """The Python block of docs/serving.md that loads an exported file."""
+    doc = (ROOT / "docs" / "serving.md").read_text()
+    block = next(b for b in doc.split("```python")[1:] if "torch.jit.load" in b)
+    return textwrap.dedent(block.split("```")[0])
+
+
+@pytest.fixture(scope="module")
+def fresh_process(exported, tmp_path_factory):
+    """FRESH_PROCESS run: (its result, the snippet's folder, holding its copy of int8.pt as
+    model.pt and what it scored, p.npy, or why it failed, snippet_error.txt)."""
+    snippet_dir = tmp_path_factory.mktemp("snippet")
+    (snippet_dir / "model.pt").write_bytes((exported / "int8.pt").read_bytes())
+    script = (f"QUANTIZATIONS = {list(QUANTIZATIONS)}\nSNIPPET = {doc_snippet()!r}\n"
+              f"SNIPPET_DIR = {str(snippet_dir)!r}\nEXPORTED = {str(exported)!r}\n"
+              + FRESH_PROCESS)
     result = subprocess.run([sys.executable, "-c", script], cwd=exported, capture_output=True,
                             text=True, timeout=120)
+    return result, snippet_dir
+
+
+def test_each_precision_loads_without_this_package_and_scores_like_the_trained_model(
+        exported, fresh_process):
+    result, _ = fresh_process
     assert result.returncode == 0, result.stderr[-3000:]
     rows, scored = np.load(exported / "rows.npz"), np.load(exported / "results.npz")
     labels = torch.from_numpy(rows["labels"]).long()
@@ -123,25 +160,18 @@ def test_each_precision_loads_without_this_package_and_scores_like_the_trained_m
     assert fp32_bytes == rows_total * dims * 4
 
 
-def test_the_serving_doc_snippet_scores_an_exported_file(exported, tmp_path):
-    doc = (ROOT / "docs" / "serving.md").read_text()
-    block = next(b for b in doc.split("```python")[1:] if "torch.jit.load" in b)
-    snippet = textwrap.dedent(block.split("```")[0])
-    (tmp_path / "model.pt").write_bytes((exported / "int8.pt").read_bytes())
+def test_the_serving_doc_snippet_scores_an_exported_file(exported, fresh_process):
+    """The snippet runs first in the fresh interpreter, before anything imports fbgemm_gpu:
+    the imports it needs are its own."""
+    _, snippet_dir = fresh_process
+    error = snippet_dir / "snippet_error.txt"
+    assert not error.exists(), error.read_text()[-3000:]
     rows = np.load(exported / "rows.npz")
     one_hot = rows["ids"][:5, :, 0]
-    script = ("import sys\nsys.modules['dlrm_hybrid'] = None\nimport numpy as np, torch\n"
-              f"rows = np.load({str(exported / 'rows.npz')!r})\n"
-              "dense, ids = torch.from_numpy(rows['dense'][:5]), "
-              "torch.from_numpy(rows['ids'][:5, :, 0].copy())\n"
-              + snippet + "\nnp.save('p.npy', probabilities.numpy())\n")
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stderr[-3000:]
-    module, _ = load_scoring_model(tmp_path / "model.pt")
+    module, _ = load_scoring_model(snippet_dir / "model.pt")
     lengths = torch.ones(5, one_hot.shape[1], dtype=torch.int64)
     expected = module(torch.from_numpy(rows["dense"][:5]), torch.from_numpy(one_hot.copy()), lengths)
-    assert np.allclose(np.load(tmp_path / "p.npy"), expected.numpy(), atol=1e-7)
+    assert np.allclose(np.load(snippet_dir / "p.npy"), expected.numpy(), atol=1e-7)
 
 
 VARIANTS = {

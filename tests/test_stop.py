@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TORCHRUN, done_fields, failure, read_metrics, run_cli
+from conftest import ROOT, done_fields, failure, read_metrics, run_cli
 
 # Dense SGD: 1 and 2 ranks then give the same losses up to rounding (measured 1.1e-7 relative).
 SETTINGS = ["data.global_batch_size=256", "data.val_samples=1024", "optim.dense=sgd",
@@ -199,9 +199,7 @@ def test_ranks_agree_on_the_stop_step_and_the_grace_time_bounds_the_stop(tmp_pat
     passes it on too): both ranks stop after the same step. Then a checkpoint that outlasts
     train.stop_grace_s: the process ends at once, saying so."""
     started = time.monotonic()
-    result = subprocess.run([*TORCHRUN, "--standalone", "--nproc_per_node=2", __file__],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_cli([], nproc=2, script=Path(__file__), timeout=120)
     assert time.monotonic() - started < 60, "the grace time did not end the stop"
     lines = result.stdout.strip().splitlines()
     stops = sorted((json.loads(l) for l in lines if l.startswith("{")), key=lambda s: s["rank"])
