@@ -70,12 +70,49 @@ def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> st
     return str(scratch / f"{name}.pt")
 
 
-def build(args, scratch: Path) -> Dict[str, str]:
-    """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>_<steps>`
-    for each of args.losses and args.ranker_steps. Each is named by the settings it depends on
-    and kept where `scratch` (--work) already has it, so a second run with other ranker
-    settings makes only what they change."""
-    cli, k = retrieval_bench.cli, args.holdout_recent
+def validation_log(data: str, scratch: Path) -> str:
+    """The validation world's log (`scratch`/u.data, kept where it is already): `data` without
+    each test user's last positive (rating >= 4, by time then file order: the retrieval
+    dataset's test item) and every later row of that user, so that its test item is the real
+    validation item and every model built from it stops where the test world's stop before
+    the test item. Users with fewer than 3 positives (no test item) keep every row."""
+    from dlrm_hybrid.data.interactions.interaction_log import read_log
+    from dlrm_hybrid.data.interactions.interaction_split import SHORT
+
+    out = scratch / "u.data"
+    if out.is_file():
+        return str(out)
+    log = read_log([data])
+    if "rating" not in log.columns or "timestamp" not in log.columns:
+        raise SystemExit(f"{data}: the benchmark needs a log with ratings and timestamps")
+    users = np.unique(log.columns["user"], return_inverse=True)[1]
+    rows = np.arange(len(users))
+    order = np.lexsort((rows, log.columns["timestamp"]))  # oldest first, ties: file order
+    position = np.empty_like(order)
+    position[order] = rows
+    positive = log.columns["rating"] >= 4
+    last = np.full(users.max() + 1, -1)  # each user's last positive, in time order
+    np.maximum.at(last, users[positive], position[positive])
+    last[np.bincount(users[positive], minlength=len(last)) < SHORT] = len(rows)  # no test item
+    keep = position < last[users]
+    scratch.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".part"), "w", encoding="utf-8") as f:
+        for r in np.flatnonzero(keep).tolist():
+            f.write("\t".join((log.columns["user"][r].decode("utf-8"),
+                               log.columns["item"][r].decode("utf-8"),
+                               f"{log.columns['rating'][r]:g}",
+                               f"{log.columns['timestamp'][r]:.0f}")) + "\n")
+    out.with_suffix(".part").rename(out)
+    return str(out)
+
+
+def build(args, scratch: Path, data: str = "") -> Dict[str, str]:
+    """The datasets, the models exported and the graphs of the log `data` (default
+    args.data): {what: path}; `ranker_<loss>_<steps>` for each of args.losses and
+    args.ranker_steps. Each is named by the settings it depends on and kept where `scratch`
+    (--work) already has it, so a second run with other ranker settings makes only what they
+    change."""
+    cli, k, data = retrieval_bench.cli, args.holdout_recent, data or args.data
     kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}"
             if args.ranker_data == "candidates"
             else f"uniform_{args.negatives}")
@@ -87,13 +124,13 @@ def build(args, scratch: Path) -> Dict[str, str]:
         if not (Path(out[what]) / done).is_file():
             cli(command)
 
-    make("retrieval", ["preprocess", "interactions", "--input", args.data, "--output",
+    make("retrieval", ["preprocess", "interactions", "--input", data, "--output",
                        out["retrieval"], "--positive", "rating>=4"], "interactions.yaml")
-    ranking = ["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
+    ranking = ["preprocess", "interactions", "--input", data, "--output", out["ranking"],
                "--labels", LABELS, "--ranking-negatives", str(args.negatives),
                "--holdout", out["retrieval"]]
     if args.ranker_data == "candidates":
-        make("early", ["preprocess", "interactions", "--input", args.data, "--output",
+        make("early", ["preprocess", "interactions", "--input", data, "--output",
                        out["early"], "--positive", "rating>=4", "--holdout-recent", str(k)],
              "interactions.yaml")
         early_tower = train_tower(args, out["early"], scratch, f"early_tower_{k}_e{args.epochs}")
