@@ -130,8 +130,10 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
                       settings, paths["first_stage"] if three else None)
     rec.clock = time.thread_time  # the stages' CPU time: other jobs may share the machine
 
+    latest = latest_first(Path(paths["retrieval"]))
+
     def ask(user: int):
-        history, timeline = asked_history(rec.retriever, user, val)
+        history, timeline = asked_history(rec.retriever, user, val, latest)
         return rec.recommend_dense(user, history, np.unique(history), timeline)
 
     for user in users[:WARMUP]:
@@ -148,13 +150,23 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     return stages, total, per_stage
 
 
-def asked_history(retriever, user: int, val: Dict[int, int]
+def latest_first(root: Path) -> Dict[int, np.ndarray]:
+    """Each user's training items of the retrieval dataset `root`, most recent first (its
+    train_position.npy: each row's place in its user's timeline)."""
+    users, items = np.load(root / "train_user.npy"), np.load(root / "train_item.npy")
+    order = np.lexsort((-np.load(root / "train_position.npy"), users))
+    bounds = np.flatnonzero(np.diff(users[order])) + 1
+    return {int(users[o[0]]): items[o].astype(np.int64) for o in np.split(order, bounds)}
+
+
+def asked_history(retriever, user: int, val: Dict[int, int], latest: Dict[int, np.ndarray]
                   ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """(history, timeline) a test request asks with: the training items and the validation
-    item, every one of them excluded; a history tower's timeline (the training items in time
-    order, then validation's; None without one)."""
+    """(history, timeline) a test request asks with: the validation item then the training
+    items (`latest`: most recent first, what the ranker's similarity features read), every one
+    of them excluded; a history tower's timeline (the training items in time order, then
+    validation's; None without one)."""
     history = np.concatenate([[val[user]] if user in val else [],
-                              retriever.seen(user)]).astype(np.int64)
+                              latest.get(user, np.zeros(0, np.int64))]).astype(np.int64)
     timeline = None
     if retriever.history_length:
         timeline = np.concatenate([retriever.timeline(user),
@@ -184,6 +196,7 @@ def validation_hr(paths: Dict[str, str], args) -> Dict[Tuple[str, int, int], flo
     users, wanted = findable(root, "test", ("train", "val"))
     val = dict(zip(np.load(root / "val_user.npy").tolist(),
                    np.load(root / "val_item.npy").tolist()))
+    latest = latest_first(root)
     if args.val_users:
         users, wanted = users[:args.val_users], wanted[:args.val_users]
     settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
@@ -193,20 +206,21 @@ def validation_hr(paths: Dict[str, str], args) -> Dict[Tuple[str, int, int], flo
                       paths["ranking"], settings)
     asked = []
     for user in users.tolist():
-        history, timeline = asked_history(rec.retriever, user, val)
+        history, timeline = asked_history(rec.retriever, user, val, latest)
         exclude = np.unique(history)
         lists = {s: rec.sources.source(s, user, history, exclude, timeline) for s in SOURCES}
-        asked.append((user, merge({s: lists[s][0] for s in SOURCES})[0][:RANK_TOP], lists))
+        asked.append((user, merge({s: lists[s][0] for s in SOURCES})[0][:RANK_TOP], lists,
+                      history))
     found = {}
     for loss, steps in keys:
         rec.ranker, description = open_ranker(paths[f"ranker_{loss}_{steps}"])
         for v, value in enumerate(VALUES):
             rec.weights = value_model_weights(value, rec.tasks, description)
             found[loss, steps, v] = float(np.mean([
-                item in rec._rank(user, merged, lists)[0][:10]
-                for (user, merged, lists), item in zip(asked, wanted)]))
+                item in rec._rank(user, merged, lists, history)[0][:10]
+                for (user, merged, lists, history), item in zip(asked, wanted)]))
     found["merged"] = float(np.mean([item in merged[:10]
-                                     for (_, merged, _), item in zip(asked, wanted)]))
+                                     for (_, merged, _, _), item in zip(asked, wanted)]))
     return found
 
 

@@ -113,7 +113,7 @@ def build(args, scratch: Path, data: str = "") -> Dict[str, str]:
     (--work) already has it, so a second run with other ranker settings makes only what they
     change."""
     cli, k, data = retrieval_bench.cli, args.holdout_recent, data or args.data
-    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}"
+    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}_sim"  # similarity
             if args.ranker_data == "candidates"
             else f"uniform_{args.negatives}")
     out = {name: str(scratch / folder) for name, folder in (
