@@ -368,3 +368,32 @@ def test_the_served_ranker_reads_the_candidate_features_of_the_request(early):
     assert (seen_rows[0].max(1) > 0).all() and len(answer.items) == 5
     with pytest.raises(Exception, match="candidate features"):
         rows(0, np.array([0, 1]))
+
+
+def test_a_dataset_made_before_the_similarity_features_still_serves(early, tmp_path):
+    """A candidate dataset without the similarity features (as made before them: the two counts
+    and CANDIDATE_FEATURES) loads; its rows take the candidate features alone."""
+    import yaml
+
+    from dlrm_hybrid.serve.ranking_features import RankingFeatures
+
+    old = tmp_path / "rank_old"
+    shutil.copytree(early[0] / "rank", old)
+    spec = yaml.safe_load((old / "feature_spec.yaml").read_text())
+    dropped = len(RANKER_CANDIDATE) - len(CANDIDATE_FEATURES)
+    names = spec["channel_spec"]["numerical"]
+    for name in names[-dropped:]:
+        del spec["feature_spec"][name]
+    for sources in spec["source_spec"].values():
+        sources[0]["features"] = names[:-dropped]
+    spec["channel_spec"]["numerical"] = names[:-dropped]
+    spec["metadata"]["numerical_features"] = spec["metadata"]["numerical_features"][:-dropped]
+    (old / "feature_spec.yaml").write_text(yaml.safe_dump(spec))
+    for split in ("train", "validation", "test"):
+        dense = np.fromfile(old / split / "numerical.bin", np.float16).reshape(-1, len(names))
+        dense[:, :-dropped].copy().tofile(old / split / "numerical.bin")
+    features = RankingFeatures(str(old))
+    assert features.candidate_features and not features.similarity_features
+    dense, _ = features.rows(0, np.array([0, 1]), np.ones((2, len(CANDIDATE_FEATURES))))
+    assert dense.shape == (2, 2 + len(CANDIDATE_FEATURES))
+    assert RankingFeatures(str(early[0] / "rank")).similarity_features
