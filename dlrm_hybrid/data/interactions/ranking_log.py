@@ -12,7 +12,8 @@ several labels) for the DLRM, beside the retrieval dataset the same command make
   their engagement's split (and request). A user who engaged with every item gets none (counted).
 - Features: categorical user_id, item_id and the side features (user_<name>, item_<name>);
   dense log1p of the user's and of the item's count of train engagements (the train split only:
-  nothing from validation or test leaks in).
+  nothing from validation or test leaks in); with --candidates, the candidate and similarity
+  features after them (ranking_negatives.py).
 - Order: train rows shuffled (seeded); in validation and test a user's rows are consecutive (one
   request: `request_feature: user_id` in feature_spec.yaml's metadata), each engagement followed
   by its negatives.
