@@ -95,8 +95,8 @@ VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validatio
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
 RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
 # the candidate dataset (about 97k rows): a grid of 1.6 to 12.6 epochs, chosen on validation
-# (ml-100k validation HR@10, the best value model: 75 steps 0.127, 150 0.160, 300 0.164,
-# 600 0.173, 1,200 0.164, 2,000 0.150; docs/recommend.md)
+# (ml-100k's validation world with the similarity features, listwise, the best value model:
+# 150 steps 0.173, 300 0.165, 600 0.157, 1,200 0.128; docs/recommend.md)
 CANDIDATE_RANKER_STEPS = (150, 300, 600, 1200)
 PER_SOURCE, RANK_TOP = 200, 300
 TOP_K_LABEL = 10  # the first stage learns the heavy ranker's top 10 of each request
