@@ -85,7 +85,7 @@ import numpy as np  # noqa: E402
 
 import recommend_build  # noqa: E402  (build, build_first_stage)
 import retrieval as retrieval_bench  # noqa: E402  (cli, peers' grids)
-from recommend_build import VALUE  # noqa: E402
+from recommend_build import VALUE, asked_history, latest_first  # noqa: E402
 
 NEGATIVES = 7  # per engagement: 1 + 7 rows a request, a divisor of the ranker's batch
 CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
@@ -148,30 +148,6 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
         for stage, ms in answer.ms.items():
             per_stage.setdefault(stage, []).append(ms)
     return stages, total, per_stage
-
-
-def latest_first(root: Path) -> Dict[int, np.ndarray]:
-    """Each user's training items of the retrieval dataset `root`, most recent first (its
-    train_position.npy: each row's place in its user's timeline)."""
-    users, items = np.load(root / "train_user.npy"), np.load(root / "train_item.npy")
-    order = np.lexsort((-np.load(root / "train_position.npy"), users))
-    bounds = np.flatnonzero(np.diff(users[order])) + 1
-    return {int(users[o[0]]): items[o].astype(np.int64) for o in np.split(order, bounds)}
-
-
-def asked_history(retriever, user: int, val: Dict[int, int], latest: Dict[int, np.ndarray]
-                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """(history, timeline) a test request asks with: the validation item then the training
-    items (`latest`: most recent first, what the ranker's similarity features read), every one
-    of them excluded; a history tower's timeline (the training items in time order, then
-    validation's; None without one)."""
-    history = np.concatenate([[val[user]] if user in val else [],
-                              latest.get(user, np.zeros(0, np.int64))]).astype(np.int64)
-    timeline = None
-    if retriever.history_length:
-        timeline = np.concatenate([retriever.timeline(user),
-                                   [val[user]] if user in val else []]).astype(np.int64)
-    return history, timeline
 
 
 def validation_hr(paths: Dict[str, str], args) -> Dict[Tuple[str, int, int], float]:

@@ -1,14 +1,15 @@
 """What benchmarks/recommend.py measures, built: the datasets, two-tower models, multi-task
 rankers and graphs (`build`), and the first-stage ranker of the chosen heavy ranker
-(`build_first_stage`). Each part is named by the settings it depends on, so a `--work` folder
-keeps several and a later run makes only what its settings change."""
+(`build_first_stage`), the validation world's log (`validation_log`), and the history a request
+asks with (`asked_history`). Each part is named by the settings it depends on, so a `--work`
+folder keeps several and a later run makes only what its settings change."""
 
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -176,3 +177,27 @@ def build_first_stage(args, scratch: Path, paths: Dict[str, str], ranker: str,
 def value_tag(value: Dict[str, float]) -> str:
     """A value model in a file name, e.g. watched0.5_liked1_disliked-2."""
     return "_".join(f"{t}{w:g}" for t, w in value.items())
+
+
+def latest_first(root: Path) -> Dict[int, np.ndarray]:
+    """Each user's training items of the retrieval dataset `root`, most recent first (its
+    train_position.npy: each row's place in its user's timeline)."""
+    users, items = np.load(root / "train_user.npy"), np.load(root / "train_item.npy")
+    order = np.lexsort((-np.load(root / "train_position.npy"), users))
+    bounds = np.flatnonzero(np.diff(users[order])) + 1
+    return {int(users[o[0]]): items[o].astype(np.int64) for o in np.split(order, bounds)}
+
+
+def asked_history(retriever, user: int, val: Dict[int, int], latest: Dict[int, np.ndarray]
+                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """(history, timeline) a test request asks with: the validation item then the training
+    items (`latest`: most recent first, what the ranker's similarity features read), every one
+    of them excluded; a history tower's timeline (the training items in time order, then
+    validation's; None without one)."""
+    history = np.concatenate([[val[user]] if user in val else [],
+                              latest.get(user, np.zeros(0, np.int64))]).astype(np.int64)
+    timeline = None
+    if retriever.history_length:
+        timeline = np.concatenate([retriever.timeline(user),
+                                   [val[user]] if user in val else []]).astype(np.int64)
+    return history, timeline

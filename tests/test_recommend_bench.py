@@ -200,8 +200,8 @@ def test_the_requests_history_is_the_validation_item_then_the_latest_training_it
     np.save(tmp_path / "train_user.npy", np.array([1, 0, 1, 1, 0]))
     np.save(tmp_path / "train_item.npy", np.array([10, 20, 11, 12, 21]))
     np.save(tmp_path / "train_position.npy", np.array([2, 1, 0, 1, 0]))
-    latest = bench.latest_first(tmp_path)
+    latest = bench.recommend_build.latest_first(tmp_path)
     assert latest[0].tolist() == [20, 21] and latest[1].tolist() == [10, 12, 11]
     retriever = type("R", (), {"history_length": 0})()
-    history, timeline = bench.asked_history(retriever, 1, {1: 7}, latest)
+    history, timeline = bench.recommend_build.asked_history(retriever, 1, {1: 7}, latest)
     assert history.tolist() == [7, 10, 12, 11] and timeline is None
