@@ -22,11 +22,16 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    dataset), tasks watched, liked, disliked as the README trains them, `export`; `pixie build`
    of each retrieval dataset's training split. `--work DIR` keeps them, each named by the
    settings it depends on, and a later run reuses what DIR holds.
-3. The choice, on validation only: each user whose validation item is not a training item
-   asks with history = the training items (excluded); each ranker orders the same RANK_TOP
-   merged candidates with each value model of VALUES; per loss the steps and value model of
-   the best validation HR@10 are kept (ties: fewer steps), and the loss best on validation is
-   the ranked line and the heavy ranker of the three-stage funnel.
+3. The choice, on validation only, in a validation world: the log without each user's test
+   item and later rows (recommend_build.validation_log), built as in 1-2 in DIR/validation_world,
+   so its test item is the real validation item and its towers, graph, candidate models and
+   rankers stop before it exactly as the test world's stop before the test item (issue 44: the
+   test world's rankers train on rows after the validation item, which made validation
+   optimistic). Each of its test users asks as a test request asks (history = training and
+   validation items, excluded); each ranker orders the same RANK_TOP merged candidates with
+   each value model of VALUES; per loss the steps and value model of the best validation HR@10
+   are kept (ties: fewer steps), and the loss best on validation is the ranked line and the
+   heavy ranker of the three-stage funnel; the test world's ranker of those settings serves.
 4. The first-stage ranker, of that chosen heavy ranker (loss, steps, value model): its top
    `--top-k-label` (TOP_K_LABEL) of each request of the ranking train split (`predict
    --top-k-label`, with `--value` the chosen value model), `preprocess first-stage
@@ -80,7 +85,7 @@ import numpy as np  # noqa: E402
 
 import recommend_build  # noqa: E402  (build, build_first_stage)
 import retrieval as retrieval_bench  # noqa: E402  (cli, peers' grids)
-from recommend_build import VALUE  # noqa: E402
+from recommend_build import VALUE, asked_history, latest_first  # noqa: E402
 
 NEGATIVES = 7  # per engagement: 1 + 7 rows a request, a divisor of the ranker's batch
 CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
@@ -90,8 +95,8 @@ VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validatio
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
 RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
 # the candidate dataset (about 97k rows): a grid of 1.6 to 12.6 epochs, chosen on validation
-# (ml-100k validation HR@10, the best value model: 75 steps 0.127, 150 0.160, 300 0.164,
-# 600 0.173, 1,200 0.164, 2,000 0.150; docs/recommend.md)
+# (ml-100k's validation world with the similarity features, listwise, the best value model:
+# 150 steps 0.173, 300 0.165, 600 0.157, 1,200 0.128; docs/recommend.md)
 CANDIDATE_RANKER_STEPS = (150, 300, 600, 1200)
 PER_SOURCE, RANK_TOP = 200, 300
 TOP_K_LABEL = 10  # the first stage learns the heavy ranker's top 10 of each request
@@ -125,13 +130,10 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
                       settings, paths["first_stage"] if three else None)
     rec.clock = time.thread_time  # the stages' CPU time: other jobs may share the machine
 
+    latest = latest_first(Path(paths["retrieval"]))
+
     def ask(user: int):
-        seen = rec.retriever.seen(user)
-        history = np.concatenate([[val[user]] if user in val else [], seen]).astype(np.int64)
-        timeline = None  # a history tower: the training items in time order, then validation's
-        if rec.retriever.history_length:
-            timeline = np.concatenate([rec.retriever.timeline(user),
-                                       [val[user]] if user in val else []]).astype(np.int64)
+        history, timeline = asked_history(rec.retriever, user, val, latest)
         return rec.recommend_dense(user, history, np.unique(history), timeline)
 
     for user in users[:WARMUP]:
@@ -148,13 +150,15 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     return stages, total, per_stage
 
 
-def validation_hr(paths: Dict[str, str], root: Path, args
-                  ) -> Dict[Tuple[str, int, int], float]:
+def validation_hr(paths: Dict[str, str], args) -> Dict[Tuple[str, int, int], float]:
     """HR@10 on the validation items of each ranker of args.losses x args.ranker_steps with
-    each value model of VALUES (key: loss, steps, the value model's place in VALUES): each user
-    whose validation item is findable asks with history = the training items (those excluded),
-    as the test requests ask with the validation item added. The sources and the merge are
-    computed once per user; each ranker orders the same RANK_TOP merged items."""
+    each value model of VALUES (key: loss, steps, the value model's place in VALUES). `paths`:
+    the validation world's parts (recommend_build.validation_log: the log without each user's
+    test item and later rows), so its test item is the real validation item and its models
+    stop before it exactly as the test world's stop before the test item; each of its test
+    users asks as a test request asks (history = its training and validation items, all
+    excluded). The sources and the merge are computed once per user; each ranker orders the
+    same RANK_TOP merged items."""
     import torch
 
     from dlrm_hybrid.graph.pixie import PixieParams
@@ -164,7 +168,11 @@ def validation_hr(paths: Dict[str, str], root: Path, args
     from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
 
     torch.set_num_threads(1)
-    users, wanted = findable(root, "val", ("train",))
+    root = Path(paths["retrieval"])
+    users, wanted = findable(root, "test", ("train", "val"))
+    val = dict(zip(np.load(root / "val_user.npy").tolist(),
+                   np.load(root / "val_item.npy").tolist()))
+    latest = latest_first(root)
     if args.val_users:
         users, wanted = users[:args.val_users], wanted[:args.val_users]
     settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
@@ -174,18 +182,21 @@ def validation_hr(paths: Dict[str, str], root: Path, args
                       paths["ranking"], settings)
     asked = []
     for user in users.tolist():
-        seen = rec.retriever.seen(user)
-        timeline = rec.retriever.timeline(user) if rec.retriever.history_length else None
-        lists = {s: rec.sources.source(s, user, seen, seen, timeline) for s in SOURCES}
-        asked.append((user, merge({s: lists[s][0] for s in SOURCES})[0][:RANK_TOP], lists))
+        history, timeline = asked_history(rec.retriever, user, val, latest)
+        exclude = np.unique(history)
+        lists = {s: rec.sources.source(s, user, history, exclude, timeline) for s in SOURCES}
+        asked.append((user, merge({s: lists[s][0] for s in SOURCES})[0][:RANK_TOP], lists,
+                      history))
     found = {}
     for loss, steps in keys:
         rec.ranker, description = open_ranker(paths[f"ranker_{loss}_{steps}"])
         for v, value in enumerate(VALUES):
             rec.weights = value_model_weights(value, rec.tasks, description)
             found[loss, steps, v] = float(np.mean([
-                item in rec._rank(user, merged, lists)[0][:10]
-                for (user, merged, lists), item in zip(asked, wanted)]))
+                item in rec._rank(user, merged, lists, history)[0][:10]
+                for (user, merged, lists, history), item in zip(asked, wanted)]))
+    found["merged"] = float(np.mean([item in merged[:10]
+                                     for (_, merged, _, _), item in zip(asked, wanted)]))
     return found
 
 
@@ -343,7 +354,10 @@ def main() -> None:
                        np.load(root / "val_item.npy").tolist()))
         if args.users:
             users, wanted = users[:args.users], wanted[:args.users]
-        on_val = validation_hr(paths, root, args)
+        world = work / "validation_world"
+        on_val = validation_hr(recommend_build.build(
+            args, world, recommend_build.validation_log(args.data, world)), args)
+        val_merged = on_val.pop("merged")
         chosen = choose(on_val)
         args.losses = list(chosen)
         for loss in args.losses:
@@ -406,7 +420,9 @@ def main() -> None:
     for what_ms, times in (("", three_per_stage["request"]), (", wall ms", three_total)):
         print(f"| whole request{what_ms} | | | | {percentile(times, 50):.2f} | "
               f"{percentile(times, 99):.2f} |")
-    print("\nvalidation HR@10 of each ranker (loss, steps) and value model: the best chosen")
+    print("\nvalidation HR@10 (the validation world's test items: each user's validation item, "
+          "models of the log before it) of each ranker (loss, steps) and value model, the best "
+          f"chosen; merged {val_merged:.4f}")
     print("| loss | steps | " + " | ".join(value_text(v) for v in VALUES) + " |")
     print("|---|---:|" + "---:|" * len(VALUES))
     for loss in args.losses:

@@ -1,14 +1,15 @@
 """What benchmarks/recommend.py measures, built: the datasets, two-tower models, multi-task
 rankers and graphs (`build`), and the first-stage ranker of the chosen heavy ranker
-(`build_first_stage`). Each part is named by the settings it depends on, so a `--work` folder
-keeps several and a later run makes only what its settings change."""
+(`build_first_stage`), the validation world's log (`validation_log`), and the history a request
+asks with (`asked_history`). Each part is named by the settings it depends on, so a `--work`
+folder keeps several and a later run makes only what its settings change."""
 
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -70,13 +71,50 @@ def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> st
     return str(scratch / f"{name}.pt")
 
 
-def build(args, scratch: Path) -> Dict[str, str]:
-    """The datasets, the models exported and the graphs: {what: path}; `ranker_<loss>_<steps>`
-    for each of args.losses and args.ranker_steps. Each is named by the settings it depends on
-    and kept where `scratch` (--work) already has it, so a second run with other ranker
-    settings makes only what they change."""
-    cli, k = retrieval_bench.cli, args.holdout_recent
-    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}"
+def validation_log(data: str, scratch: Path) -> str:
+    """The validation world's log (`scratch`/u.data, kept where it is already): `data` without
+    each test user's last positive (rating >= 4, by time then file order: the retrieval
+    dataset's test item) and every later row of that user, so that its test item is the real
+    validation item and every model built from it stops where the test world's stop before
+    the test item. Users with fewer than 3 positives (no test item) keep every row."""
+    from dlrm_hybrid.data.interactions.interaction_log import read_log
+    from dlrm_hybrid.data.interactions.interaction_split import SHORT
+
+    out = scratch / "u.data"
+    if out.is_file():
+        return str(out)
+    log = read_log([data])
+    if "rating" not in log.columns or "timestamp" not in log.columns:
+        raise SystemExit(f"{data}: the benchmark needs a log with ratings and timestamps")
+    users = np.unique(log.columns["user"], return_inverse=True)[1]
+    rows = np.arange(len(users))
+    order = np.lexsort((rows, log.columns["timestamp"]))  # oldest first, ties: file order
+    position = np.empty_like(order)
+    position[order] = rows
+    positive = log.columns["rating"] >= 4
+    last = np.full(users.max() + 1, -1)  # each user's last positive, in time order
+    np.maximum.at(last, users[positive], position[positive])
+    last[np.bincount(users[positive], minlength=len(last)) < SHORT] = len(rows)  # no test item
+    keep = position < last[users]
+    scratch.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".part"), "w", encoding="utf-8") as f:
+        for r in np.flatnonzero(keep).tolist():
+            f.write("\t".join((log.columns["user"][r].decode("utf-8"),
+                               log.columns["item"][r].decode("utf-8"),
+                               f"{log.columns['rating'][r]:g}",
+                               f"{log.columns['timestamp'][r]:.0f}")) + "\n")
+    out.with_suffix(".part").rename(out)
+    return str(out)
+
+
+def build(args, scratch: Path, data: str = "") -> Dict[str, str]:
+    """The datasets, the models exported and the graphs of the log `data` (default
+    args.data): {what: path}; `ranker_<loss>_<steps>` for each of args.losses and
+    args.ranker_steps. Each is named by the settings it depends on and kept where `scratch`
+    (--work) already has it, so a second run with other ranker settings makes only what they
+    change."""
+    cli, k, data = retrieval_bench.cli, args.holdout_recent, data or args.data
+    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}_sim"  # similarity
             if args.ranker_data == "candidates"
             else f"uniform_{args.negatives}")
     out = {name: str(scratch / folder) for name, folder in (
@@ -87,13 +125,13 @@ def build(args, scratch: Path) -> Dict[str, str]:
         if not (Path(out[what]) / done).is_file():
             cli(command)
 
-    make("retrieval", ["preprocess", "interactions", "--input", args.data, "--output",
+    make("retrieval", ["preprocess", "interactions", "--input", data, "--output",
                        out["retrieval"], "--positive", "rating>=4"], "interactions.yaml")
-    ranking = ["preprocess", "interactions", "--input", args.data, "--output", out["ranking"],
+    ranking = ["preprocess", "interactions", "--input", data, "--output", out["ranking"],
                "--labels", LABELS, "--ranking-negatives", str(args.negatives),
                "--holdout", out["retrieval"]]
     if args.ranker_data == "candidates":
-        make("early", ["preprocess", "interactions", "--input", args.data, "--output",
+        make("early", ["preprocess", "interactions", "--input", data, "--output",
                        out["early"], "--positive", "rating>=4", "--holdout-recent", str(k)],
              "interactions.yaml")
         early_tower = train_tower(args, out["early"], scratch, f"early_tower_{k}_e{args.epochs}")
@@ -139,3 +177,27 @@ def build_first_stage(args, scratch: Path, paths: Dict[str, str], ranker: str,
 def value_tag(value: Dict[str, float]) -> str:
     """A value model in a file name, e.g. watched0.5_liked1_disliked-2."""
     return "_".join(f"{t}{w:g}" for t, w in value.items())
+
+
+def latest_first(root: Path) -> Dict[int, np.ndarray]:
+    """Each user's training items of the retrieval dataset `root`, most recent first (its
+    train_position.npy: each row's place in its user's timeline)."""
+    users, items = np.load(root / "train_user.npy"), np.load(root / "train_item.npy")
+    order = np.lexsort((-np.load(root / "train_position.npy"), users))
+    bounds = np.flatnonzero(np.diff(users[order])) + 1
+    return {int(users[o[0]]): items[o].astype(np.int64) for o in np.split(order, bounds)}
+
+
+def asked_history(retriever, user: int, val: Dict[int, int], latest: Dict[int, np.ndarray]
+                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """(history, timeline) a test request asks with: the validation item then the training
+    items (`latest`: most recent first, what the ranker's similarity features read), every one
+    of them excluded; a history tower's timeline (the training items in time order, then
+    validation's; None without one)."""
+    history = np.concatenate([[val[user]] if user in val else [],
+                              latest.get(user, np.zeros(0, np.int64))]).astype(np.int64)
+    timeline = None
+    if retriever.history_length:
+        timeline = np.concatenate([retriever.timeline(user),
+                                   [val[user]] if user in val else []]).astype(np.int64)
+    return history, timeline

@@ -20,7 +20,9 @@ from test_recommend import RANKER as RECOMMEND_RANKER
 from test_recommend import TWO_TOWER, cli, config_with
 from dlrm_hybrid.data.interactions.ranking_negatives import CandidatePool, candidate_blocks
 from dlrm_hybrid.model.task_heads import ranking_loss
-from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES, candidate_features
+from dlrm_hybrid.serve.candidate_sources import (CANDIDATE_FEATURES, RANKER_CANDIDATE,
+                                                 RECENT, candidate_features,
+                                                 similarity_features)
 
 WIDTH = len(CANDIDATE_FEATURES)
 
@@ -85,6 +87,33 @@ def test_candidate_features_are_the_sources_ranks_and_scores():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert list(CANDIDATE_FEATURES) == ["rrf_two_tower", "score_two_tower", "rrf_history",
                                         "score_history", "rrf_pixie", "score_pixie", "rrf_merged"]
+
+
+def test_similarity_features_are_cosines_to_the_latest_history_items():
+    vectors = np.array([[1, 0], [0, 2], [1, 1], [3, 0], [0, -1], [5, 5], [-1, 0]], np.float32)
+    history = [1, 0, 2, 4, 3, 6]  # most recent first; item 6 is beyond the RECENT read
+    assert RECENT == 5
+    got = similarity_features(vectors, np.array(history), np.array([0, 5]))
+    h = math.sqrt(0.5)
+    np.testing.assert_allclose(got, [[1, (0 + 1 + h + 0 + 1) / 5],
+                                     [1, (h + h + 1 - h + h) / 5]], rtol=1e-6)
+    assert (similarity_features(vectors, np.zeros(0, np.int64), np.array([0, 5])) == 0).all()
+
+
+def test_the_similarity_history_reads_only_the_candidate_models_pairs():
+    """A planted leak: a user's latest rows are an evaluation pair and an engagement after the
+    cut (rows the candidate models never trained on): the history the similarity features
+    read is the RECENT latest trained pairs, newest first, and never holds them."""
+    from dlrm_hybrid.data.interactions.ranking_negatives import recent_before_cut
+
+    catalogue = 10
+    log_users = np.array([0, 0, 1, 0, 0, 0, 1, -1, 0, 1, 0, 0])
+    log_items = np.array([1, 2, 0, 3, 4, 5, 9, 3, 6, 8, 7, 8])
+    trained = np.unique([0 * catalogue + i for i in (1, 2, 3, 4, 5, 6)] + [1 * catalogue + 9])
+    chronology = np.arange(len(log_users))  # rows 9 (user 1), 10 and 11 (user 0): not trained
+    got = recent_before_cut(trained, catalogue, log_users, log_items, chronology)
+    assert sorted(got) == [0, 1]
+    assert got[0].tolist() == [6, 5, 4, 3, 2] and got[1].tolist() == [9]
 
 
 # Two requests of three rows, two tasks; task 1's label of row 5 missing.
@@ -252,9 +281,36 @@ def test_candidate_dataset_rows_come_after_the_early_models_and_never_negatives_
                 assert when[(u, i)] > last_early[u]
             else:
                 assert (u, i) not in engaged and (u, i) not in evaluation
-        assert dense.shape[1] == 2 + len(CANDIDATE_FEATURES)
+        assert dense.shape[1] == 2 + len(RANKER_CANDIDATE)
         assert (dense[::4, 2:].max(1) > 0).all()  # every engagement is a candidate
     assert "candidates engagements left out" in stdout
+
+
+def test_training_rows_similarity_is_to_the_latest_early_items_never_an_evaluation_one(early):
+    """Each train engagement's similarity features are the cosines (early tower's vectors)
+    to its user's RECENT latest early training items: recomputed here from the early dataset
+    they match, and a history that also held the user's evaluation items (a leak) would not."""
+    root = early[0]
+    vectors = np.load(root / "T_early/item_vectors.npy")
+    tower_item = {n: i for i, n in enumerate((root / "T_early/items.txt").read_text().split())}
+    users = (root / "early/users.txt").read_text().split()
+    items = (root / "early/items.txt").read_text().split()
+    latest = {}
+    for u, i, p in sorted(zip(np.load(root / "early/train_user.npy"),
+                              np.load(root / "early/train_item.npy"),
+                              np.load(root / "early/train_position.npy")), key=lambda r: -r[2]):
+        latest.setdefault(users[u], []).append(tower_item[items[i]])
+    evaluation = {}
+    for u, i in held(root / "ret"):
+        evaluation.setdefault(u, []).append(tower_item[i])
+    pairs, _, dense = pairs_of(root / "rank", "train")
+    want, leaky = np.zeros((len(pairs), 2)), np.zeros((len(pairs), 2))
+    for row, (u, i) in enumerate(pairs):
+        item = np.array([tower_item[i]])
+        want[row] = similarity_features(vectors, np.array(latest[u]), item)[0]
+        leaky[row] = similarity_features(vectors, np.array(evaluation[u] + latest[u]), item)[0]
+    np.testing.assert_allclose(dense[:, -2:], want, atol=2e-3)  # stored as float16
+    assert np.abs(leaky - want).max(1).mean() > 0.05
 
 
 def test_candidate_models_that_saw_an_evaluation_pair_are_refused(early, tmp_path):
@@ -306,7 +362,38 @@ def test_the_served_ranker_reads_the_candidate_features_of_the_request(early):
     lists = {s: rec.sources.source(s, user, history, history) for s in ("two_tower", "history",
                                                                          "pixie")}
     merged = answer.stages["merged"][:20]
-    np.testing.assert_allclose(seen_rows[0], candidate_features(lists, merged))
+    np.testing.assert_allclose(seen_rows[0], np.concatenate(
+        [candidate_features(lists, merged),
+         similarity_features(rec.retriever.item_vectors, history, merged)], axis=1), rtol=1e-6)
     assert (seen_rows[0].max(1) > 0).all() and len(answer.items) == 5
     with pytest.raises(Exception, match="candidate features"):
         rows(0, np.array([0, 1]))
+
+
+def test_a_dataset_made_before_the_similarity_features_still_serves(early, tmp_path):
+    """A candidate dataset without the similarity features (as made before them: the two counts
+    and CANDIDATE_FEATURES) loads; its rows take the candidate features alone."""
+    import yaml
+
+    from dlrm_hybrid.serve.ranking_features import RankingFeatures
+
+    old = tmp_path / "rank_old"
+    shutil.copytree(early[0] / "rank", old)
+    spec = yaml.safe_load((old / "feature_spec.yaml").read_text())
+    dropped = len(RANKER_CANDIDATE) - len(CANDIDATE_FEATURES)
+    names = spec["channel_spec"]["numerical"]
+    for name in names[-dropped:]:
+        del spec["feature_spec"][name]
+    for sources in spec["source_spec"].values():
+        sources[0]["features"] = names[:-dropped]
+    spec["channel_spec"]["numerical"] = names[:-dropped]
+    spec["metadata"]["numerical_features"] = spec["metadata"]["numerical_features"][:-dropped]
+    (old / "feature_spec.yaml").write_text(yaml.safe_dump(spec))
+    for split in ("train", "validation", "test"):
+        dense = np.fromfile(old / split / "numerical.bin", np.float16).reshape(-1, len(names))
+        dense[:, :-dropped].copy().tofile(old / split / "numerical.bin")
+    features = RankingFeatures(str(old))
+    assert features.candidate_features and not features.similarity_features
+    dense, _ = features.rows(0, np.array([0, 1]), np.ones((2, len(CANDIDATE_FEATURES))))
+    assert dense.shape == (2, 2 + len(CANDIDATE_FEATURES))
+    assert RankingFeatures(str(early[0] / "rank")).similarity_features

@@ -178,3 +178,30 @@ def test_the_ranker_is_chosen_by_validation_hit_rate(bench):
     chosen = bench.choose(on_val)
     assert chosen == {"listwise": (150, 0), "pointwise": (600, 0)}
     assert list(chosen) == ["listwise", "pointwise"]
+
+
+def test_the_validation_world_stops_before_each_users_test_item(bench, tmp_path):
+    """Its log is the log without each user's last positive (rating >= 4, by time then file
+    order: the test item) and that user's later rows, so its test item is the validation item;
+    a user too short for a test item keeps every row."""
+    log = tmp_path / "u.data"
+    rows = [(1, 1, 5, 10), (1, 2, 4, 20), (1, 3, 2, 30), (1, 4, 5, 40), (2, 1, 5, 5),
+            (1, 5, 1, 50), (1, 9, 3, 60), (1, 6, 4, 60), (1, 8, 3, 60), (1, 7, 2, 70),
+            (2, 2, 4, 90), (2, 3, 1, 95)]  # user 1's test item: 6; user 2: two positives
+    log.write_text("".join("\t".join(map(str, r)) + "\n" for r in rows))
+    out = bench.recommend_build.validation_log(str(log), tmp_path / "world")
+    kept = [tuple(line.split("\t")) for line in Path(out).read_text().splitlines()]
+    want = [r for r in rows if r[0] == 2 or r[3] < 60 or r[1] == 9]
+    assert kept == [tuple(map(str, r)) for r in want]
+
+
+def test_the_requests_history_is_the_validation_item_then_the_latest_training_items(
+        bench, tmp_path):
+    np.save(tmp_path / "train_user.npy", np.array([1, 0, 1, 1, 0]))
+    np.save(tmp_path / "train_item.npy", np.array([10, 20, 11, 12, 21]))
+    np.save(tmp_path / "train_position.npy", np.array([2, 1, 0, 1, 0]))
+    latest = bench.recommend_build.latest_first(tmp_path)
+    assert latest[0].tolist() == [20, 21] and latest[1].tolist() == [10, 12, 11]
+    retriever = type("R", (), {"history_length": 0})()
+    history, timeline = bench.recommend_build.asked_history(retriever, 1, {1: 7}, latest)
+    assert history.tolist() == [7, 10, 12, 11] and timeline is None

@@ -13,6 +13,11 @@ Features of an item (CANDIDATE_FEATURES, in this order), 0 for a source that did
 fusion, scaled), `score_<source>`: two_tower and history the inner product the index gave
 (towers with normalized outputs: a cosine); pixie the walk's score over the list's best (in
 (0, 1]); then `rrf_merged`, the sum of the three rrf values (the merged order).
+
+Similarity features (SIMILARITY_FEATURES, after them in a dataset that has them): the
+candidate's largest and mean cosine to the item vectors of the user's RECENT most recent history
+items (`cos_max_recent`, `cos_mean_recent`; the tower's item vectors; 0 without a history):
+what the user engaged with last, which the bag of the whole history blurs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ if TYPE_CHECKING:
 SOURCES = ("two_tower", "history", "pixie")
 CANDIDATE_FEATURES = (*(f"{kind}_{source}" for source in SOURCES for kind in ("rrf", "score")),
                       "rrf_merged")
+
+RECENT = 5  # the history items (most recent first) the similarity features read
+SIMILARITY_FEATURES = ("cos_max_recent", "cos_mean_recent")
+RANKER_CANDIDATE = (*CANDIDATE_FEATURES, *SIMILARITY_FEATURES)  # what --candidates writes
 
 Ranked = Tuple[np.ndarray, np.ndarray]  # (items best first, their scores)
 
@@ -90,6 +99,19 @@ def candidate_features(lists: Dict[str, Ranked], items: np.ndarray) -> np.ndarra
         out[hit, 2 * s + 1] = scores[order][at][hit]
     out[:, -1] = out[:, 0:2 * len(SOURCES):2].sum(1)
     return out
+
+
+def similarity_features(item_vectors: np.ndarray, recent: np.ndarray, items: np.ndarray
+                        ) -> np.ndarray:
+    """[len(items), len(SIMILARITY_FEATURES)] float32: each item's largest and mean cosine to
+    the vectors of `recent` (the user's history, most recent first; its first RECENT read);
+    zeros for an empty history."""
+    recent = np.asarray(recent, np.int64)[:RECENT]
+    if not len(recent):
+        return np.zeros((len(items), len(SIMILARITY_FEATURES)), np.float32)
+    unit = lambda v: v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)  # noqa: E731
+    cos = unit(item_vectors[np.asarray(items, np.int64)]) @ unit(item_vectors[recent]).T
+    return np.stack([cos.max(1), cos.mean(1)], axis=1).astype(np.float32)
 
 
 def _empty() -> Ranked:

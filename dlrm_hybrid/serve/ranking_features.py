@@ -3,8 +3,10 @@ by user and by item: every row of that dataset is (user_id, item_id, user_<side>
 log1p of the user's and of the item's train engagements), so a user's side ids and count, and an
 item's, are the same on each of its rows. Read once (numpy over the split files), they give the
 rows for any (user, candidate items) pair a request scores. A dataset made with `--candidates`
-has the candidate features (serve/candidate_sources.py) after the two counts: a request passes
-them in, computed from its own sources."""
+has the candidate features (serve/candidate_sources.py) after the two counts, and since issue
+44's similarity features the SIMILARITY_FEATURES after those (a dataset made before them has
+the candidate features alone, and still serves): a request passes them in, computed from its own
+sources and history."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 
 from dlrm_hybrid.data.interactions.ranking_log import open_ranking_spec
 from dlrm_hybrid.errors import UserError
-from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES
+from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES, RANKER_CANDIDATE
 
 
 class RankingFeatures:
@@ -26,12 +28,16 @@ class RankingFeatures:
         fspec = open_ranking_spec(path, "--ranker-data")
         names = list(fspec.notes.get("categorical_features") or [])
         dense_names = list(fspec.notes.get("numerical_features") or [])
-        self.candidate_features = dense_names[2:] == list(CANDIDATE_FEATURES)
-        if fspec.spec.num_dense != len(dense_names) or len(dense_names) != (
-                2 + len(CANDIDATE_FEATURES) if self.candidate_features else 2):
+        # the request's features after the counts: none, the candidate features (a dataset
+        # made before the similarity features), or both
+        self.similarity_features = dense_names[2:] == list(RANKER_CANDIDATE)
+        self.candidate_features = (self.similarity_features
+                                   or dense_names[2:] == list(CANDIDATE_FEATURES))
+        if fspec.spec.num_dense != len(dense_names) or (
+                len(dense_names) != 2 and not self.candidate_features):
             raise UserError(f"--ranker-data: {path} is not a ranking dataset (`preprocess "
                             f"interactions --labels` writes user_id, item_id first, two counts "
-                            f"(then, with --candidates, {','.join(CANDIDATE_FEATURES)}) and "
+                            f"(then, with --candidates, {','.join(RANKER_CANDIDATE)}) and "
                             f"users.txt/items.txt)")
         self.path, self.names = path, names
         self.spec = fspec.spec
@@ -62,7 +68,8 @@ class RankingFeatures:
              ) -> Tuple[np.ndarray, np.ndarray]:
         """(dense [N, D] float32, ids [N, F] int64 in the dataset's feature order) of `user`
         with each of `items` (the dataset's dense ids); `candidate`: the items' candidate
-        features, which a dataset made with --candidates needs (and no other takes)."""
+        features (and, where the dataset has them, the similarity features after them), which a
+        dataset made with --candidates needs (and no other takes)."""
         if (candidate is not None) != self.candidate_features:
             raise UserError(f"--ranker-data: {self.path} "
                             + ("has candidate features; give the sources' features" if

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dlrm_hybrid.errors import UserError
-from dlrm_hybrid.serve.candidate_sources import SOURCES, CandidateSources, candidate_features
+from dlrm_hybrid.serve.candidate_sources import (SOURCES, CandidateSources, candidate_features,
+                                                 similarity_features)
 from dlrm_hybrid.serve.first_stage import FirstStage
 from dlrm_hybrid.serve.rank_fusion import merge
 from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_ranker,
@@ -173,8 +174,9 @@ class Recommender:
 
     def recommend_dense(self, user: int, history: np.ndarray, exclude: np.ndarray,
                         timeline: Optional[np.ndarray] = None) -> Recommendation:
-        """`user`'s top K (retrieval dense ids throughout), the sources walking from `history`,
-        every stage leaving `exclude` out. A history tower (two_tower source) reads `timeline`
+        """`user`'s top K (retrieval dense ids throughout), the sources walking from `history`
+        (most recent first: a ranker with similarity features reads its first RECENT), every
+        stage leaving `exclude` out. A history tower (two_tower source) reads `timeline`
         (the user's items, oldest first; None: the user's stored training items)."""
         s, ms, stages = self.settings, {}, {}
         history = np.asarray(history, np.int64)
@@ -198,7 +200,7 @@ class Recommender:
             to_rank = stages["first_stage"]
             ms["first_stage"] = self._since(start)
         start = self.clock()
-        stages["ranked"], probabilities, value = self._rank(user, to_rank, lists)
+        stages["ranked"], probabilities, value = self._rank(user, to_rank, lists, history)
         ms["rank"] = self._since(start)
         start = self.clock()
         keep = np.flatnonzero(~np.isin(stages["ranked"], self.blocked))
@@ -213,11 +215,12 @@ class Recommender:
     def _since(self, start: float) -> float:
         return round((self.clock() - start) * 1000, 3)
 
-    def _rank(self, user: int, items: np.ndarray, lists: Dict[str, Tuple[np.ndarray, np.ndarray]]
-              ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _rank(self, user: int, items: np.ndarray, lists: Dict[str, Tuple[np.ndarray, np.ndarray]],
+              history: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`items` ordered by the value model (ties: their order), with [N, T] probabilities
         and [N] values; a ranker trained with candidate features reads them from the sources'
-        `lists` (candidate_sources.py), as its training rows had them."""
+        `lists` (candidate_sources.py), and with similarity features from `history` (most
+        recent first) and the retrieval model's item vectors, as its training rows had them."""
         import torch
 
         if not len(items):
@@ -228,6 +231,9 @@ class Recommender:
                             f"{self.features.path}/users.txt, the ranker's dataset: it was made "
                             f"from another log; give the ranking dataset of the retrieval log")
         extra = candidate_features(lists, items) if self.features.candidate_features else None
+        if self.features.similarity_features:
+            extra = np.concatenate([extra, similarity_features(self.retriever.item_vectors,
+                                                               history, items)], axis=1)
         dense, ids = self.features.rows(ranking_user, self.ranking_item[items], extra)
         with torch.inference_mode():
             probabilities, value = self.ranker.score_with_value(

@@ -12,7 +12,8 @@ several labels) for the DLRM, beside the retrieval dataset the same command make
   their engagement's split (and request). A user who engaged with every item gets none (counted).
 - Features: categorical user_id, item_id and the side features (user_<name>, item_<name>);
   dense log1p of the user's and of the item's count of train engagements (the train split only:
-  nothing from validation or test leaks in).
+  nothing from validation or test leaks in); with --candidates, the candidate and similarity
+  features after them (ranking_negatives.py).
 - Order: train rows shuffled (seeded); in validation and test a user's rows are consecutive (one
   request: `request_feature: user_id` in feature_spec.yaml's metadata), each engagement followed
   by its negatives.
@@ -145,10 +146,10 @@ def candidate_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], n
     """--candidates: each split's engagements after their user's cut that the candidates hold,
     each followed by its negatives (ranking_negatives.py), 1 + N rows a request; the train
     split's requests shuffled as wholes. `positions`: each log row's place in the chronology."""
-    from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES
+    from dlrm_hybrid.serve.candidate_sources import RANKER_CANDIDATE
 
     data, rng = prepared.data, np.random.default_rng(seed)
-    engaged, width, out = engaged_keys(prepared, held), len(CANDIDATE_FEATURES), {}
+    engaged, width, out = engaged_keys(prepared, held), len(RANKER_CANDIDATE), {}
     for split, (users, items) in data.pairs.items():
         rows = prepared.rows[split]
         labels = np.stack([r.values(log, rows) for r in rules], axis=1)
@@ -238,10 +239,11 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                   ratio: float = 0.0) -> None:
     """The split-binary dataset, its labels, features and how it was made in feature_spec.yaml."""
     from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
-    from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES
+    from dlrm_hybrid.serve.candidate_sources import (RANKER_CANDIDATE, RECENT,
+                                                     SIMILARITY_FEATURES)
 
     data, meta = prepared.data, prepared.data.meta
-    dense_names = list(DENSE) + (list(CANDIDATE_FEATURES) if candidates else [])
+    dense_names = list(DENSE) + (list(RANKER_CANDIDATE) if candidates else [])
     user_count = np.bincount(data.pairs["train"][0], minlength=data.users)
     item_count = np.bincount(data.pairs["train"][1], minlength=data.items)
     names = ["user_id", "item_id", *[f"user_{n}" for n in meta.user_side],
@@ -273,6 +275,11 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                               f"the log, uniform, seed {seed}; every label 0"),
                 "candidates": {"models": candidates, "ratio": ratio, "rank_top": RANK_TOP,
                                "per_source": PER_SOURCE,
+                               "features": list(RANKER_CANDIDATE),
+                               "similarity": f"{', '.join(SIMILARITY_FEATURES)}: the "
+                                             f"candidate's largest and mean cosine to the "
+                                             f"user's {RECENT} latest training items before "
+                                             f"the cut, the early tower's item vectors",
                                "left_out": {k: sum(v.left_out.get(k, 0) for v in splits.values())
                                             for k in LEFT_OUT}} if candidates else None,
                 "train_request_rows": 1 + negatives if candidates else None,

@@ -14,6 +14,10 @@ last engagements. For every user they know:
 - the candidates: each source's top `per_source` from the user's early training items (those
   items left out, nothing else: a later engagement keeps its place), merged by reciprocal-rank
   fusion, the first RANK_TOP kept (what the ranker scores at serving time), with features;
+- the similarity features (candidate_sources.py's SIMILARITY_FEATURES): each candidate's
+  cosines to the user's RECENT latest early training items before the cut, in the early tower's
+  item vectors (`recent_before_cut`: only pairs the early models trained on, never an
+  evaluation one), as a served request's are to its latest history items;
 - an engagement the candidates do not hold is left out (the ranker only ever orders
   candidates), counted;
 - each engagement's negatives: round(N * ratio) drawn uniformly from the user's candidates the
@@ -96,7 +100,8 @@ def candidate_pool(text: str, raw_users: np.ndarray, raw_items: np.ndarray, log_
     pairs, the ranking dataset's validation and test), refused in one line if they did."""
     from dlrm_hybrid.graph.bipartite import read_graph
     from dlrm_hybrid.graph.pixie import PixieParams, PixieWalker
-    from dlrm_hybrid.serve.candidate_sources import CandidateSources, candidate_features
+    from dlrm_hybrid.serve.candidate_sources import (CandidateSources, candidate_features,
+                                                     similarity_features)
     from dlrm_hybrid.serve.rank_fusion import merge
     from dlrm_hybrid.serve.recommend_inputs import check_graph, open_retriever
 
@@ -123,13 +128,38 @@ def candidate_pool(text: str, raw_users: np.ndarray, raw_items: np.ndarray, log_
     sources = CandidateSources(retriever, PixieWalker(graph, "cpu"), per_source, PixieParams())
     pool = CandidatePool(_cuts(trained, to_user, len(raw_users), len(raw_items), log_users,
                                log_items, chronology), source=text)
+    recent = recent_before_cut(trained, len(raw_items), log_users, log_items, chronology)
+    early_item = np.full(len(raw_items), -1, np.int64)
+    early_item[to_item] = np.arange(len(to_item))
     for early_user, user in enumerate(to_user.tolist()):
         history = retriever.seen(early_user)
         lists = sources.lists(early_user, history, history)
         merged = merge({s: items for s, (items, _) in lists.items()})[0][:rank_top]
         pool.items[user] = to_item[merged]
-        pool.features[user] = candidate_features(lists, merged)
+        latest = early_item[recent.get(user, np.zeros(0, np.int64))]
+        pool.features[user] = np.concatenate(
+            [candidate_features(lists, merged),
+             similarity_features(retriever.item_vectors, latest, merged)], axis=1)
     return pool
+
+
+def recent_before_cut(trained: np.ndarray, items: int, log_users: np.ndarray,
+                      log_items: np.ndarray, chronology: np.ndarray) -> Dict[int, np.ndarray]:
+    """Per user, the items (ranking ids) of its RECENT latest log rows whose key user * items
+    + item is `trained` (the candidate models' pairs), most recent first: the history the
+    similarity features read. A row of any other pair (an evaluation one, one after the cut)
+    is never read."""
+    from dlrm_hybrid.serve.candidate_sources import RECENT
+
+    rows = chronology[log_users[chronology] >= 0][::-1]  # newest first
+    rows = rows[np.isin(log_users[rows] * items + log_items[rows], trained)]
+    rows = rows[np.argsort(log_users[rows], kind="stable")]  # by user, newest first
+    users = log_users[rows]
+    rows = rows[np.arange(len(rows)) - np.searchsorted(users, users) < RECENT]  # RECENT each
+    users = log_users[rows]
+    bounds = np.flatnonzero(np.diff(users)) + 1
+    return {int(u[0]): log_items[r] for r, u in zip(np.split(rows, bounds),
+                                                    np.split(users, bounds)) if len(r)}
 
 
 def _ids(names: List[str], index: Dict[str, int]) -> np.ndarray:
