@@ -339,18 +339,25 @@ def test_candidate_models_that_saw_an_evaluation_pair_are_refused(early, tmp_pat
         assert not (tmp_path / f"out_{tower.name}").exists()
 
 
-def test_the_served_ranker_reads_the_candidate_features_of_the_request(early):
-    """A ranker trained (listwise) on the candidate dataset: `Recommender` passes each merged
-    candidate's features from its own sources, the ones candidate_features computes."""
-    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
-
+@pytest.fixture(scope="module")
+def ranker(early) -> Path:
+    """A ranker trained (listwise) on the candidate dataset, exported."""
     root = early[0]
     (root / "rk.yaml").write_text(RANKER)
     cli("train", "--config", str(root / "rk.yaml"), "--set", f"data.path={root / 'rank'}",
         "--set", f"train.run_dir={root / 'rk'}")
     cli("export", "--checkpoint", str(root / "rk/checkpoints/step_20"), "--out",
         str(root / "M.pt"))
-    rec = Recommender(str(root / "T"), str(root / "G"), str(root / "M.pt"),
+    return root / "M.pt"
+
+
+def test_the_served_ranker_reads_the_candidate_features_of_the_request(early, ranker):
+    """`Recommender` passes each merged candidate's features from its own sources, the ones
+    candidate_features computes."""
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    root = early[0]
+    rec = Recommender(str(root / "T"), str(root / "G"), str(ranker),
                       settings=RecommendSettings(k=5, per_source=10, rank_top=20))
     seen_rows = []
     rows = rec.features.rows
@@ -397,3 +404,40 @@ def test_a_dataset_made_before_the_similarity_features_still_serves(early, tmp_p
     dense, _ = features.rows(0, np.array([0, 1]), np.ones((2, len(CANDIDATE_FEATURES))))
     assert dense.shape == (2, 2 + len(CANDIDATE_FEATURES))
     assert RankingFeatures(str(early[0] / "rank")).similarity_features
+
+
+def test_a_stored_users_request_reads_the_latest_training_items_first(early, ranker, tmp_path):
+    """`recommend --user` without --history: the history the similarity features read is the
+    user's training items newest first (the log's timestamps, as the training rows had them),
+    the same answer as that history given with the request; an export without the items' time
+    order is refused in one line, not served with arbitrary 'latest' items."""
+    from dlrm_hybrid.errors import UserError
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    root, rows = early[0], early[1]
+    settings = RecommendSettings(k=5, per_source=10, rank_top=20)
+    rec = Recommender(str(root / "T"), str(root / "G"), str(ranker), settings=settings)
+    users = (root / "ret" / "users.txt").read_text().split()
+    items = (root / "ret" / "items.txt").read_text().split()
+    train = set(zip(np.load(root / "ret" / "train_user.npy").tolist(),
+                    np.load(root / "ret" / "train_item.npy").tolist()))
+    reordered = 0
+    for u in range(5):
+        newest_first = [i for _, i in sorted(((t, i) for user, i, _, t in rows
+                                              if user == users[u]), reverse=True)
+                        if (u, items.index(i)) in train]
+        stored = [items[i] for i in rec.stored_latest_first(u)]
+        assert stored == newest_first
+        reordered += stored[:RECENT] != [items[i] for i in rec.retriever.seen(u)][:RECENT]
+        asked = rec.recommend(users[u])
+        given = rec.recommend(users[u], newest_first)
+        assert asked.names == given.names and np.array_equal(asked.value, given.value)
+    assert reordered  # the id order would have given the features other items
+    old = tmp_path / "T_old"
+    shutil.copytree(root / "T", old)
+    for name in ("history_indptr.npy", "history_items.npy"):
+        (old / name).unlink()
+    old_rec = Recommender(str(old), str(root / "G"), str(ranker), settings=settings)
+    with pytest.raises(UserError, match="no training items in time order.*export it again"):
+        old_rec.recommend(users[0])
+    assert old_rec.recommend(users[0], [items[i] for i in rec.stored_latest_first(0)]).names

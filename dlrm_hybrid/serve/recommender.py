@@ -115,7 +115,7 @@ class Recommender:
         if first_stage and settings.first_stage_keep < settings.k:
             raise UserError(f"--first-stage-keep: {settings.first_stage_keep} is less than --k "
                             f"{settings.k}; the ranker must score at least the K items returned")
-        self.retriever = open_retriever(retrieval)
+        self.retriever, self.retrieval_path = open_retriever(retrieval), retrieval
         graph = read_graph(pixie)
         check_graph(graph.description, self.retriever, pixie)
         self.walker = PixieWalker(graph, settings.device)
@@ -156,7 +156,7 @@ class Recommender:
                             f"users.txt (the raw ids of its training log)")
         u = self.retriever.user_of[user]
         if history is None:
-            items = self.retriever.seen(u)
+            items = self.stored_latest_first(u)
         else:
             unknown = [name for name in history if name not in self.retriever.item_of]
             if unknown:
@@ -171,6 +171,18 @@ class Recommender:
         answer = self.recommend_dense(u, items, exclude, None if history is None else items[::-1])
         answer.names = [self.retriever.item_names[i] for i in answer.items]
         return answer
+
+    def stored_latest_first(self, user: int) -> np.ndarray:
+        """`user`'s training items, most recent first where the export stored their order (a
+        ranker with similarity features reads the first RECENT; it refuses an export without
+        the order, which would hand it arbitrary ones)."""
+        if self.retriever.timelines is not None:
+            return self.retriever.timeline(user)[::-1]
+        if self.features is not None and self.features.similarity_features:
+            raise UserError(f"--retrieval: {self.retrieval_path} has no training items in time "
+                            f"order, which the ranker's similarity features read: export it "
+                            f"again (export --retrieval) or give --history")
+        return self.retriever.seen(user)
 
     def recommend_dense(self, user: int, history: np.ndarray, exclude: np.ndarray,
                         timeline: Optional[np.ndarray] = None) -> Recommendation:

@@ -8,8 +8,10 @@
     index.faiss         those vectors in a FAISS inner-product index (retrieval/index.py)
     user_side.npy       [users, F] the side features the user tower reads, by dense user id
     seen_indptr.npy, seen_items.npy   each user's training items (CSR), left out of answers
-    history_indptr.npy, history_items.npy   a history tower's: each user's training items in
-                                            time order (CSR), the history of `--user`
+    history_indptr.npy, history_items.npy   each user's training items in time order (CSR),
+                                            where the dataset records it (train_position.npy):
+                                            a history tower's history of `--user`, and the
+                                            latest items a ranker's similarity features read
     users.txt, items.txt              raw ids in dense-id order (where the dataset has them)
     retrieval.yaml      what the folder holds: sizes, features, the index and its settings
 
@@ -195,6 +197,9 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
     load_dense_weights(model, {k: v for k, v in weights.items() if not k.startswith("loss.")})
     item_tower = tower(model, "item", weights)
     histories = dataset.histories
+    # the users' timelines, for any tower: what `recommend --user` reads as the latest items
+    timelines = (histories if histories is not None or dataset.train_position is None
+                 else dataset.histories_of(1))
     user_tower = (tower(model, "user", weights) if histories is None
                   else history_tower(model, weights))
     vectors = corpus_vectors(item_tower, np.asarray(dataset.item_side))
@@ -230,9 +235,9 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
         np.save(partial / USER_SIDE, np.asarray(dataset.user_side, np.int64))
         np.save(partial / SEEN_INDPTR, seen_indptr.astype(np.int64))
         np.save(partial / SEEN_ITEMS, seen_items.astype(np.int64))
-        if histories is not None:
-            np.save(partial / HISTORY_INDPTR, histories.indptr)
-            np.save(partial / HISTORY_ITEMS, histories.items)
+        if timelines is not None:
+            np.save(partial / HISTORY_INDPTR, timelines.indptr)
+            np.save(partial / HISTORY_ITEMS, timelines.items)
         write_index(build_index(vectors, params), str(partial / INDEX_FILE))
         for name in raw:
             shutil.copyfile(Path(dataset.root) / name, partial / name)

@@ -67,7 +67,8 @@ class Retriever:
         self.item_of = {name: i for i, name in enumerate(self.item_names or ())}
         history = self.description.get("user_history")
         self.history_length = int(history["length"]) if history else 0
-        if self.history_length:
+        self.timelines = None  # exported before every tower stored them: only a history tower's
+        if (root / HISTORY_INDPTR).is_file():
             self.timelines = np.load(root / HISTORY_INDPTR), np.load(root / HISTORY_ITEMS)
 
     def user(self, name: str, dense: bool = False) -> int:
@@ -133,7 +134,7 @@ class Retriever:
         return self._top(self.history_vectors(histories), k, exact, exclude)
 
     def timeline(self, user: int) -> np.ndarray:
-        """A history tower's stored history of `user`: the training items, oldest first."""
+        """`user`'s stored training items, oldest first (an export that has the timelines)."""
         indptr, items = self.timelines
         return items[indptr[user]:indptr[user + 1]]
 
