@@ -207,18 +207,36 @@ def test_sasrec_learns_the_next_item_from_the_order_of_the_history(sasrec, monke
     assert sasrec.evaluate(model, data, cfg, "test")["test_recall@1"] >= 0.95
 
 
-def test_the_quick_run_reports_the_sasrec_reference_beside_the_history_towers(tmp_path):
+def test_the_quick_run_reports_the_sasrec_reference_beside_the_history_towers(
+        tmp_path, monkeypatch, capsys):
+    """The script in this process, its CLI commands forked from the tests' CLI zygote (the
+    same commands, without a fresh interpreter's imports each)."""
+    bench = load_script("benchmarks/retrieval.py", "retrieval_bench_quick")
+    commands = []
+
+    def cli(args, ranks=0):
+        commands.append(args[:2])
+        run = run_cli(args, nproc=ranks, timeout=600)
+        assert run.returncode == 0, failure(run)
+        return run.stdout
+
+    monkeypatch.setattr(bench, "cli", cli)
+    with monkeypatch.context() as env:  # as in test_implicit_peers_...: undone on leaving
+        env.setenv("KMP_DUPLICATE_LIB_OK", "True")
+        import implicit  # noqa: F401  (its threadpoolctl sets that variable once, on import)
     log = tmp_path / "ml-tiny" / "u.data"
     log.parent.mkdir()
     rng = np.random.default_rng(0)
     log.write_text("".join(f"{u}\t{(start + t) % 30 + 1}\t5\t{1000 + t}\n" for u in range(1, 41)
                            for start in [int(rng.integers(30))] for t in range(9)))  # 280 train
-    run = run_cli(["--data", str(log), "--quick", "--towers", "history", "--ranks", "1"],
-                  script=ROOT / "benchmarks" / "retrieval.py", timeout=600)
-    assert run.returncode == 0, failure(run)
+    monkeypatch.setattr("sys.argv", ["retrieval.py", "--data", str(log), "--quick", "--towers",
+                                     "history", "--ranks", "1"])
+    bench.main()
+    stdout = capsys.readouterr().out
+    assert ["train", "--config"] in commands and ["preprocess", "interactions"] in commands
     assert re.search(r"^\| SASRec-style reference \| 2 blocks, .*, 2 of 2 epochs \| [\d.]+ \| "
-                     r"[\d.]+ \|", run.stdout, re.M), run.stdout
-    summary = run.stdout.strip().splitlines()[-1]
+                     r"[\d.]+ \|", stdout, re.M), stdout
+    summary = stdout.strip().splitlines()[-1]
     keys = dict(field.split("=") for field in summary.split()[1:])
     assert {"history_tower_recall@10", "history_mean_recall@10", "history_attention_recall@10",
             "sasrec_recall@10", "popularity_recall@10", "peer_recall@10"} <= set(keys)
