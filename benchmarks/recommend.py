@@ -85,7 +85,7 @@ import numpy as np  # noqa: E402
 
 import recommend_build  # noqa: E402  (build, build_first_stage)
 import retrieval as retrieval_bench  # noqa: E402  (cli, peers' grids)
-from recommend_build import VALUE, asked_history, latest_first  # noqa: E402
+from recommend_build import VALUE, asked_history  # noqa: E402
 
 NEGATIVES = 7  # per engagement: 1 + 7 rows a request, a divisor of the ranker's batch
 CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
@@ -130,10 +130,8 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
                       settings, paths["first_stage"] if three else None)
     rec.clock = time.thread_time  # the stages' CPU time: other jobs may share the machine
 
-    latest = latest_first(Path(paths["retrieval"]))
-
     def ask(user: int):
-        history, timeline = asked_history(rec.retriever, user, val, latest)
+        history, timeline = asked_history(rec, user, val)
         return rec.recommend_dense(user, history, np.unique(history), timeline)
 
     for user in users[:WARMUP]:
@@ -172,7 +170,6 @@ def validation_hr(paths: Dict[str, str], args) -> Dict[Tuple[str, int, int], flo
     users, wanted = findable(root, "test", ("train", "val"))
     val = dict(zip(np.load(root / "val_user.npy").tolist(),
                    np.load(root / "val_item.npy").tolist()))
-    latest = latest_first(root)
     if args.val_users:
         users, wanted = users[:args.val_users], wanted[:args.val_users]
     settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
@@ -182,7 +179,7 @@ def validation_hr(paths: Dict[str, str], args) -> Dict[Tuple[str, int, int], flo
                       paths["ranking"], settings)
     asked = []
     for user in users.tolist():
-        history, timeline = asked_history(rec.retriever, user, val, latest)
+        history, timeline = asked_history(rec, user, val)
         exclude = np.unique(history)
         lists = {s: rec.sources.source(s, user, history, exclude, timeline) for s in SOURCES}
         asked.append((user, merge({s: lists[s][0] for s in SOURCES})[0][:RANK_TOP], lists,

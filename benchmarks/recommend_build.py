@@ -179,25 +179,16 @@ def value_tag(value: Dict[str, float]) -> str:
     return "_".join(f"{t}{w:g}" for t, w in value.items())
 
 
-def latest_first(root: Path) -> Dict[int, np.ndarray]:
-    """Each user's training items of the retrieval dataset `root`, most recent first (its
-    train_position.npy: each row's place in its user's timeline)."""
-    users, items = np.load(root / "train_user.npy"), np.load(root / "train_item.npy")
-    order = np.lexsort((-np.load(root / "train_position.npy"), users))
-    bounds = np.flatnonzero(np.diff(users[order])) + 1
-    return {int(users[o[0]]): items[o].astype(np.int64) for o in np.split(order, bounds)}
-
-
-def asked_history(retriever, user: int, val: Dict[int, int], latest: Dict[int, np.ndarray]
+def asked_history(rec, user: int, val: Dict[int, int]
                   ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """(history, timeline) a test request asks with: the validation item then the training
-    items (`latest`: most recent first, what the ranker's similarity features read), every one
-    of them excluded; a history tower's timeline (the training items in time order, then
-    validation's; None without one)."""
-    history = np.concatenate([[val[user]] if user in val else [],
-                              latest.get(user, np.zeros(0, np.int64))]).astype(np.int64)
+    items most recent first (`Recommender.stored_latest_first`: what the ranker's similarity
+    features read), every one of them excluded; a history tower's timeline (the training items
+    in time order, then validation's; None without one)."""
+    later = [val[user]] if user in val else []
+    latest = rec.stored_latest_first(user)
+    history = np.concatenate([later, latest]).astype(np.int64)
     timeline = None
-    if retriever.history_length:
-        timeline = np.concatenate([retriever.timeline(user),
-                                   [val[user]] if user in val else []]).astype(np.int64)
+    if rec.retriever.history_length:
+        timeline = np.concatenate([latest[::-1], later]).astype(np.int64)
     return history, timeline

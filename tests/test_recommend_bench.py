@@ -195,13 +195,16 @@ def test_the_validation_world_stops_before_each_users_test_item(bench, tmp_path)
     assert kept == [tuple(map(str, r)) for r in want]
 
 
-def test_the_requests_history_is_the_validation_item_then_the_latest_training_items(
-        bench, tmp_path):
-    np.save(tmp_path / "train_user.npy", np.array([1, 0, 1, 1, 0]))
-    np.save(tmp_path / "train_item.npy", np.array([10, 20, 11, 12, 21]))
-    np.save(tmp_path / "train_position.npy", np.array([2, 1, 0, 1, 0]))
-    latest = bench.recommend_build.latest_first(tmp_path)
-    assert latest[0].tolist() == [20, 21] and latest[1].tolist() == [10, 12, 11]
-    retriever = type("R", (), {"history_length": 0})()
-    history, timeline = bench.recommend_build.asked_history(retriever, 1, {1: 7}, latest)
+def test_the_requests_history_is_the_validation_item_then_the_latest_training_items(bench):
+    """The benchmark asks as `recommend --user` reads a stored user (newest first,
+    test_candidate_negatives checks that order), the validation item before them; a history
+    tower's timeline is the same items oldest first, then the validation item."""
+    latest = np.array([10, 12, 11])
+    rec = type("Rec", (), {"stored_latest_first": lambda self, user: latest,
+                           "retriever": type("R", (), {"history_length": 0})()})()
+    history, timeline = bench.recommend_build.asked_history(rec, 1, {1: 7})
     assert history.tolist() == [7, 10, 12, 11] and timeline is None
+    rec.retriever.history_length = 4
+    history, timeline = bench.recommend_build.asked_history(rec, 1, {1: 7})
+    assert history.tolist() == [7, 10, 12, 11] and timeline.tolist() == [11, 12, 10, 7]
+    assert bench.recommend_build.asked_history(rec, 2, {1: 7})[0].tolist() == [10, 12, 11]
