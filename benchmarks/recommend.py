@@ -28,26 +28,33 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    rankers stop before it exactly as the test world's stop before the test item (issue 44: the
    test world's rankers train on rows after the validation item, which made validation
    optimistic). Each of its test users asks as a test request asks (history = training and
-   validation items, excluded); each ranker orders the same RANK_TOP merged candidates with
-   each value model of VALUES; per loss the steps and value model of the best validation HR@10
-   are kept (ties: fewer steps), and the loss best on validation is the ranked line and the
-   heavy ranker of the three-stage funnel; the test world's ranker of those settings serves.
+   validation items, excluded). benchmarks/recommend_choice.py: the merge's source weights
+   (FUSION_GRID each, the largest 1) by the one-standard-error rule (the fewest weighted
+   sources within one standard error of the best: a source earns weight only where validation
+   shows more than noise); each ranker orders the same RANK_TOP merged candidates with each
+   value model of VALUES and each weight of the merged order beside its own (PRIORS,
+   `recommend --rank-prior`); per loss the steps, value model and prior of the best validation
+   HR@10 are kept (ties: fewer steps, then the smaller prior), and the loss best on validation
+   is the ranked line and the heavy ranker of the three-stage funnel; the test world's ranker
+   of those settings serves.
 4. The first-stage ranker, of that chosen heavy ranker (loss, steps, value model): its top
    `--top-k-label` (TOP_K_LABEL) of each request of the ranking train split (`predict
    --top-k-label`, with `--value` the chosen value model), `preprocess first-stage
    --engagements` (the retrieval training engagements beside those labels;
    `--first-stage-labels-only`: without), a two-tower model of it as the retrieval one
    (TOWER, EPOCHS), `export --retrieval`; each part named by the ranker, value model, K and
-   labels-only or engaged it depends on, so --work keeps and reuses it too.
+   labels-only or engaged it depends on, so --work keeps and reuses it too. The validation
+   world builds its own of its chosen ranker, which chooses the first stage's weight of the
+   merged order (PRIORS, `recommend --first-stage-prior`).
 5. Requests, only now asking the test users, with the chosen rankers: for each, one
    `Recommender.recommend_dense` (dlrm_hybrid/serve/recommend.py) with history = the user's
    training items and validation item, every one of them excluded; sources PER_SOURCE
-   candidates each, each loss's chosen ranker scoring the RANK_TOP best merged with its chosen
-   value model. HR@10 and recall@50 (one relevant item per user: recall@50 = HR@50) of each
+   candidates each, merged with the chosen weights, each loss's chosen ranker scoring the
+   RANK_TOP best merged with its chosen value model and prior. HR@10 and recall@50 (one relevant item per user: recall@50 = HR@50) of each
    source's list, of the merged list and of the ranked list. Then the three-stage funnel (the
    chosen heavy ranker of the best loss and its value model): sources THREE_PER_SOURCE each
-   (645 merged on ml-100k), the first stage scoring them all, the heavy ranker its best
-   `--first-stage-keep` (FIRST_STAGE_KEEP). Latency: one request at a time, 1 thread, after
+   (645 merged on ml-100k), the first stage scoring them all (with its chosen prior), the
+   heavy ranker its best `--first-stage-keep` (FIRST_STAGE_KEEP) with the loss's prior. Latency: one request at a time, 1 thread, after
    WARMUP requests; p50/p99 of each stage and of the whole request in CPU milliseconds (the
    thread's own time, `time.thread_time`: the machine may be shared), and of the whole request
    in wall milliseconds.
@@ -84,23 +91,24 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np  # noqa: E402
 
 import recommend_build  # noqa: E402  (build, build_first_stage)
+import recommend_choice  # noqa: E402  (validation_hr, first_stage_prior)
 import retrieval as retrieval_bench  # noqa: E402  (cli, peers' grids)
-from recommend_build import VALUE, asked_history  # noqa: E402
+from recommend_build import asked_history  # noqa: E402
+from recommend_choice import (PER_SOURCE, PRIORS, RANK_TOP, THREE_PER_SOURCE,  # noqa: E402
+                              VALUES, choose, findable)
 
 NEGATIVES = 7  # per engagement: 1 + 7 rows a request, a divisor of the ranker's batch
 CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
 HOLDOUT_RECENT = 10  # the early retrieval dataset leaves out each user's 10 most recent
 LOSSES = ("pointwise", "pairwise", "listwise")
-VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validation chooses from
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
 RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
 # the candidate dataset (about 97k rows): a grid of 1.6 to 12.6 epochs, chosen on validation
 # (ml-100k's validation world with the similarity features, listwise, the best value model:
 # 150 steps 0.173, 300 0.165, 600 0.157, 1,200 0.128; docs/recommend.md)
 CANDIDATE_RANKER_STEPS = (150, 300, 600, 1200)
-PER_SOURCE, RANK_TOP = 200, 300
 TOP_K_LABEL = 10  # the first stage learns the heavy ranker's top 10 of each request
-THREE_PER_SOURCE, FIRST_STAGE_KEEP = 400, 100  # 645 merged on ml-100k; the heavy ranker's 100
+FIRST_STAGE_KEEP = 100  # the heavy ranker's candidates in the three-stage funnel
 STAGES = ("pixie", "two_tower", "history", "merged", "ranked")
 THREE_STAGES = ("merged", "first_stage", "ranked")
 CUTS = (10, 50)
@@ -110,11 +118,12 @@ WARMUP = 20
 
 
 def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args,
-             loss: str, value: Dict[str, float], three: bool = False
+             loss: str, value: Dict[str, float], chosen: Dict[str, object], three: bool = False
              ) -> Tuple[List[Dict[str, np.ndarray]], List[float], Dict[str, List[float]]]:
     """Each user's stages, the wall ms of each request, the CPU ms of each stage and of each
-    request (`request`; after WARMUP requests), with `loss`'s ranker and the value model
-    `value`; `three`: through the first stage (THREE_PER_SOURCE, args.first_stage_keep)."""
+    request (`request`; after WARMUP requests), with `loss`'s ranker, the value model `value`
+    and what validation chose (`chosen`: fusion, rank_prior, first_stage_prior); `three`:
+    through the first stage (THREE_PER_SOURCE, args.first_stage_keep)."""
     import torch
 
     from dlrm_hybrid.graph.pixie import PixieParams
@@ -125,7 +134,7 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     settings = RecommendSettings(k=10, per_source=THREE_PER_SOURCE if three else PER_SOURCE,
                                  rank_top=RANK_TOP, value=value,
                                  pixie=PixieParams(steps=args.pixie_steps),
-                                 first_stage_keep=args.first_stage_keep)
+                                 first_stage_keep=args.first_stage_keep, **chosen)
     rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{loss}"], paths["ranking"],
                       settings, paths["first_stage"] if three else None)
     rec.clock = time.thread_time  # the stages' CPU time: other jobs may share the machine
@@ -146,77 +155,6 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
         for stage, ms in answer.ms.items():
             per_stage.setdefault(stage, []).append(ms)
     return stages, total, per_stage
-
-
-def validation_hr(paths: Dict[str, str], args) -> Dict[Tuple[str, int, int], float]:
-    """HR@10 on the validation items of each ranker of args.losses x args.ranker_steps with
-    each value model of VALUES (key: loss, steps, the value model's place in VALUES). `paths`:
-    the validation world's parts (recommend_build.validation_log: the log without each user's
-    test item and later rows), so its test item is the real validation item and its models
-    stop before it exactly as the test world's stop before the test item; each of its test
-    users asks as a test request asks (history = its training and validation items, all
-    excluded). The sources and the merge are computed once per user; each ranker orders the
-    same RANK_TOP merged items."""
-    import torch
-
-    from dlrm_hybrid.graph.pixie import PixieParams
-    from dlrm_hybrid.serve.candidate_sources import SOURCES
-    from dlrm_hybrid.serve.rank_fusion import merge
-    from dlrm_hybrid.serve.recommend_inputs import open_ranker, value_model_weights
-    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
-
-    torch.set_num_threads(1)
-    root = Path(paths["retrieval"])
-    users, wanted = findable(root, "test", ("train", "val"))
-    val = dict(zip(np.load(root / "val_user.npy").tolist(),
-                   np.load(root / "val_item.npy").tolist()))
-    if args.val_users:
-        users, wanted = users[:args.val_users], wanted[:args.val_users]
-    settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
-                                 pixie=PixieParams(steps=args.pixie_steps))
-    keys = [(loss, steps) for loss in args.losses for steps in args.ranker_steps]
-    rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{keys[0][0]}_{keys[0][1]}"],
-                      paths["ranking"], settings)
-    asked = []
-    for user in users.tolist():
-        history, timeline = asked_history(rec, user, val)
-        exclude = np.unique(history)
-        lists = {s: rec.sources.source(s, user, history, exclude, timeline) for s in SOURCES}
-        asked.append((user, merge({s: lists[s][0] for s in SOURCES})[0][:RANK_TOP], lists,
-                      history))
-    found = {}
-    for loss, steps in keys:
-        rec.ranker, description = open_ranker(paths[f"ranker_{loss}_{steps}"])
-        for v, value in enumerate(VALUES):
-            rec.weights = value_model_weights(value, rec.tasks, description)
-            found[loss, steps, v] = float(np.mean([
-                item in rec._rank(user, merged, lists, history)[0][:10]
-                for (user, merged, lists, history), item in zip(asked, wanted)]))
-    found["merged"] = float(np.mean([item in merged[:10]
-                                     for (_, merged, _, _), item in zip(asked, wanted)]))
-    return found
-
-
-def choose(on_val: Dict[Tuple[str, int, int], float]) -> Dict[str, Tuple[int, int]]:
-    """Per loss, the (steps, value model) of the best validation HR@10 (ties: fewer steps, then
-    VALUES order); the loss best on validation first."""
-    chosen = {}
-    for (loss, steps, value), hr in on_val.items():
-        best = chosen.get(loss)
-        if best is None or (hr, -steps, -value) > (on_val[(loss, *best)], -best[0], -best[1]):
-            chosen[loss] = (steps, value)
-    return dict(sorted(chosen.items(), key=lambda kv: -on_val[(kv[0], *kv[1])]))
-
-
-def findable(root: Path, split: str, earlier: Tuple[str, ...]):
-    """(users, items) of `split`'s pairs whose item the user did not engage with in the
-    `earlier` splits: a re-engagement is never returned (seen items are left out), as the
-    evaluation's rule says (docs/retrieval.md)."""
-    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
-
-    data = open_interactions(str(root))
-    indptr, items = data.findable(split, earlier)
-    return np.repeat(np.arange(data.users), np.diff(indptr)), items
 
 
 def hit_rates(stages: List[Dict[str, np.ndarray]], wanted: np.ndarray,
@@ -272,6 +210,39 @@ def summary_line(name: str, hr: Dict[str, float], total_ms: List[float],
                f" p99_ms_three_stage={percentile(three[1], 99):.2f}"
                f" p50_cpu_ms_three_stage={percentile(three[2], 50):.2f}"
                f" p99_cpu_ms_three_stage={percentile(three[2], 99):.2f}"))
+
+
+def weights_text(weights: Dict[str, float]) -> str:
+    """E.g. two_tower 1, history 0.25, pixie 0."""
+    return ", ".join(f"{source} {w:g}" for source, w in weights.items())
+
+
+def validation_tables(on_val, args, first_val: Dict[float, float]) -> None:
+    """What the validation world chose from: the merge weights (the best five, equal weights,
+    the choice), each ranker's and value model's best prior, the first stage's priors."""
+    from dlrm_hybrid.serve.candidate_sources import SOURCES
+
+    print("\nvalidation HR@10 (the validation world's test items: each user's validation item, "
+          "models of the log before it), the choices marked *")
+    print("| merge weights (" + ", ".join(SOURCES) + ") | HR@10 |\n|---|---:|")
+    shown = sorted(on_val.fusion_hr, key=lambda w: -on_val.fusion_hr[w])[:5]
+    chosen = tuple(on_val.fusion.values())
+    for w in dict.fromkeys([*shown, (1.0,) * len(SOURCES), chosen]):
+        print(f"| {', '.join(f'{x:g}' for x in w)}{' *' if w == chosen else ''} | "
+              f"{on_val.fusion_hr[w]:.4f} |")
+    print("\n| loss | steps | " + " | ".join(value_text(v) for v in VALUES) + " |")
+    print("|---|---:|" + "---:|" * len(VALUES))
+    for loss in args.losses:
+        for steps in args.ranker_steps:
+            cells = []
+            for v in range(len(VALUES)):
+                prior = max(PRIORS, key=lambda p: (on_val.hr[loss, steps, v, p], -p))
+                cells.append(f"{on_val.hr[loss, steps, v, prior]:.4f} (prior {prior:g}; "
+                             f"0: {on_val.hr[loss, steps, v, 0.0]:.4f})")
+            print(f"| {loss} | {steps} | " + " | ".join(cells) + " |")
+    print("\n| first stage: the merged order's weight | " + " | ".join(
+        f"{p:g}" for p in PRIORS) + " |\n|---|" + "---:|" * len(PRIORS))
+    print("| HR@10 | " + " | ".join(f"{first_val[p]:.4f}" for p in PRIORS) + " |")
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -352,35 +323,45 @@ def main() -> None:
         if args.users:
             users, wanted = users[:args.users], wanted[:args.users]
         world = work / "validation_world"
-        on_val = validation_hr(recommend_build.build(
-            args, world, recommend_build.validation_log(args.data, world)), args)
-        val_merged = on_val.pop("merged")
-        chosen = choose(on_val)
+        world_paths = recommend_build.build(args, world,
+                                            recommend_build.validation_log(args.data, world))
+        on_val = recommend_choice.validation_hr(world_paths, args)
+        chosen = choose(on_val.hr)
         args.losses = list(chosen)
         for loss in args.losses:
             paths[f"ranker_{loss}"] = paths[f"ranker_{loss}_{chosen[loss][0]}"]
         best, value = args.losses[0], VALUES[chosen[args.losses[0]][1]]
+        world_ranker = world_paths[f"ranker_{best}_{chosen[best][0]}"]
+        first_val = recommend_choice.first_stage_prior(
+            world_paths, world_ranker, recommend_build.build_first_stage(
+                args, world, world_paths, world_ranker, value), args, on_val.fusion)
+        first_prior = max(PRIORS, key=lambda prior: (first_val[prior], -prior))
         paths["first_stage"] = recommend_build.build_first_stage(
             args, work, paths, paths[f"ranker_{best}"], value)
         ranked = {}
         for n, loss in enumerate(args.losses):
-            asked, took, took_per_stage = requests(paths, users, val, args, loss,
-                                                   VALUES[chosen[loss][1]])
+            asked, took, took_per_stage = requests(
+                paths, users, val, args, loss, VALUES[chosen[loss][1]],
+                {"fusion": on_val.fusion, "rank_prior": chosen[loss][2]})
             ranked[loss] = hit_rates(asked, wanted)
             if not n:
                 stages, total, per_stage = asked, took, took_per_stage
-        three_asked, three_total, three_per_stage = requests(paths, users, val, args, best,
-                                                             value, three=True)
+        three_asked, three_total, three_per_stage = requests(
+            paths, users, val, args, best, value,
+            {"fusion": on_val.fusion, "rank_prior": chosen[best][2],
+             "first_stage_prior": first_prior}, three=True)
         found = peers(paths["retrieval"], args.quick)
     hr = hit_rates(stages, wanted)
     three_hr = hit_rates(three_asked, wanted, THREE_STAGES)
     mean = {stage: np.mean([len(s[stage]) for s in stages]) for stage in STAGES}
     what = {"pixie": f"Pixie walk from the history ({args.pixie_steps:,} steps)",
             "two_tower": "two-tower user tower, exact search", "history":
-            "history: item-to-item neighbours (max)", "merged": "merged (reciprocal-rank fusion)",
+            "history: item-to-item neighbours (max)",
+            "merged": f"merged (reciprocal-rank fusion, weights {weights_text(on_val.fusion)})",
             "ranked": f"ranked: multi-task ranker on the top {RANK_TOP}, value model "
                       f"({args.ranker_data} negatives, {args.losses[0]}, "
-                      f"{chosen[args.losses[0]][0]} steps)"}
+                      f"{chosen[args.losses[0]][0]} steps, merged order's weight "
+                      f"{chosen[args.losses[0]][2]:g})"}
     print(f"\n{name}: {len(users)} test users (each user's last positive, rating >= 4); history "
           f"and exclusions: training + validation items; value = "
           + value_text(VALUES[chosen[args.losses[0]][1]]) + f"; {cpu}")
@@ -392,7 +373,8 @@ def main() -> None:
               f"{mean[stage]:.0f} | {percentile(times, 50):.2f} | {percentile(times, 99):.2f} |")
     for loss, h in list(ranked.items())[1:]:
         print(f"| ranked, {loss} loss, {chosen[loss][0]} steps, value "
-              f"{value_text(VALUES[chosen[loss][1]])} | {h['ranked_hr@10']:.4f} | "
+              f"{value_text(VALUES[chosen[loss][1]])}, merged order's weight "
+              f"{chosen[loss][2]:g} | {h['ranked_hr@10']:.4f} | "
               f"{h['ranked_hr@50']:.4f} | | | |")
     for peer, m in found.items():
         print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
@@ -403,7 +385,8 @@ def main() -> None:
           f"{percentile(total, 99):.2f} |")
     print(f"\nThree stages ({best} ranker, {chosen[best][0]} steps, value {value_text(value)}): "
           f"sources {THREE_PER_SOURCE} each, the first stage (two-tower of the heavy ranker's "
-          f"top {args.top_k_label}) on every merged candidate, the heavy ranker on its best "
+          f"top {args.top_k_label}) on every merged candidate, its order fused with the "
+          f"merged order of weight {first_prior:g}, the heavy ranker on its best "
           f"{args.first_stage_keep}")
     print("| stage | HR@10 | recall@50 | items per request | CPU ms p50 | CPU ms p99 |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -417,15 +400,7 @@ def main() -> None:
     for what_ms, times in (("", three_per_stage["request"]), (", wall ms", three_total)):
         print(f"| whole request{what_ms} | | | | {percentile(times, 50):.2f} | "
               f"{percentile(times, 99):.2f} |")
-    print("\nvalidation HR@10 (the validation world's test items: each user's validation item, "
-          "models of the log before it) of each ranker (loss, steps) and value model, the best "
-          f"chosen; merged {val_merged:.4f}")
-    print("| loss | steps | " + " | ".join(value_text(v) for v in VALUES) + " |")
-    print("|---|---:|" + "---:|" * len(VALUES))
-    for loss in args.losses:
-        for steps in args.ranker_steps:
-            print(f"| {loss} | {steps} | " + " | ".join(
-                f"{on_val[loss, steps, v]:.4f}" for v in range(len(VALUES))) + " |")
+    validation_tables(on_val, args, first_val)
     print(summary_line(name, hr, total, ranked,
                        (three_hr, three_total, three_per_stage["request"]), per_stage["request"]))
 

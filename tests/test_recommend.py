@@ -202,6 +202,34 @@ def test_reciprocal_rank_fusion_orders_by_the_summed_reciprocal_ranks():
     assert merge({"pixie": np.array([3, 8])})[0].tolist() == [3, 8]  # one source: its order
 
 
+def test_fusion_weights_scale_each_sources_reciprocal_ranks():
+    """sum_s w_s / (60 + rank): a heavier source's items rise; weight 0 keeps a source's
+    items (and who found them) but after every item a weighted source found, in found order."""
+    from dlrm_hybrid.serve.rank_fusion import merge
+
+    lists = {"two_tower": np.array([5, 1, 2]), "history": np.array([2, 7]),
+             "pixie": np.array([1, 9, 5, 4])}
+    # 5: 2/61 + 1/63; 1: 2/62 + 1/61; 2: 2/63 + 1/61; 7: 1/62; 9: 1/62; 4: 1/64
+    assert merge(lists, {"two_tower": 2.0})[0].tolist() == [5, 1, 2, 7, 9, 4]
+    order, found_by = merge(lists, {"history": 0.0, "pixie": 0.0})
+    assert order.tolist() == [5, 1, 2, 7, 9, 4] and found_by == merge(lists)[1]
+    assert merge(lists, {"two_tower": 0.0})[0].tolist() == [1, 2, 7, 9, 5, 4]  # ties: found
+
+
+def test_a_stages_order_fused_with_the_order_it_was_handed():
+    """with_prior: 1 / (60 + own rank) + prior / (60 + incoming rank); prior 0 keeps the
+    stage's own order, a large prior gives the incoming order back."""
+    from dlrm_hybrid.serve.rank_fusion import with_prior
+
+    incoming, own = np.array([4, 8, 1, 6]), np.array([6, 1, 4, 8])
+    assert with_prior(own, incoming, 0.0).tolist() == [0, 1, 2, 3]
+    assert own[with_prior(own, incoming, 1000.0)].tolist() == incoming.tolist()
+    # prior 1: 4: 1/63 + 1/61 > 6: 1/61 + 1/64 > 1: 1/62 + 1/63 > 8: 1/64 + 1/62
+    assert own[with_prior(own, incoming, 1.0)].tolist() == [4, 6, 1, 8]
+    assert own[with_prior(own, incoming, 1.5)].tolist() == [4, 1, 6, 8]
+    assert own[with_prior(own, incoming, 0.1)].tolist() == own.tolist()
+
+
 def test_the_ranker_gets_the_fused_candidates_best_first(served):
     """With a value model that ties every item (weight 0), `recommend` returns the merged list
     itself: the reciprocal-rank fusion of what `retrieve` answers by the user tower and by the
@@ -219,6 +247,18 @@ def test_the_ranker_gets_the_fused_candidates_best_first(served):
     assert sorted(got) == sorted(rrf)
     assert [rrf[i] for i in got] == sorted(rrf.values(), reverse=True)
     assert len(set(rrf.values())) > 5  # the order is the fusion's, not ties'
+    tower = json.loads(cli("retrieve", "--model", str(served.root / "R"), "--user", user, "--k",
+                           "10", "--json").stdout)["items"]
+    alone = recommend(served, "--user", user, "--sources", "two_tower,history", "--per-source",
+                      "10", "--rank-top", "20", "--k", "20", "--value", "watched=0",
+                      "--diversity", "off", "--fusion", "history=0")["items"]
+    assert alone[:10] == tower and sorted(alone) == sorted(rrf)  # history's items after
+    ranked = recommend(served, "--user", user, "--sources", "two_tower,history", "--per-source",
+                       "10", "--rank-top", "20", "--k", "20", "--diversity", "off")["items"]
+    prior = recommend(served, "--user", user, "--sources", "two_tower,history", "--per-source",
+                      "10", "--rank-top", "20", "--k", "20", "--diversity", "off",
+                      "--rank-prior", "1000")["items"]
+    assert ranked != got and prior == got  # a large prior: the order the ranker was handed
 
 
 def test_diversity_no_two_of_a_category_in_a_row(served):
@@ -304,6 +344,12 @@ BAD = [
     (["--user", "u0", "--k", "0"], "--k: must be at least 1"),
     (["--user", "u0", "--sources", "two_tower,graph"], "--sources: 'two_tower,graph'; give"),
     (["--user", "u0", "--k", "30", "--rank-top", "20"], "--rank-top: 20 is less than --k 30"),
+    (["--user", "u0", "--fusion", "pixie"], "--fusion: 'pixie'; write SOURCE=WEIGHT"),
+    (["--user", "u0", "--fusion", "graph=1"], "--fusion: graph is not a source of --sources"),
+    (["--user", "u0", "--sources", "pixie", "--fusion", "pixie=0"],
+     "--fusion: weights must be 0 or more and one above 0"),
+    (["--user", "u0", "--fusion", "history=-1"], "--fusion: weights must be 0 or more"),
+    (["--user", "u0", "--rank-prior", "-0.5"], "--rank-prior: must be 0 or more, got -0.5"),
     (["--users", "{root}/users.txt"], "recommend: --users needs --out"),
     (["--users", "{root}/users.txt", "--out", "{root}/R/users.txt"],
      "recommend: --out {root}/R/users.txt"),

@@ -170,14 +170,34 @@ def test_the_first_stage_learns_the_chosen_ranker_and_value_model(bench, tmp_pat
 
 
 def test_the_ranker_is_chosen_by_validation_hit_rate(bench):
-    """Per loss the steps and value model of the best validation HR@10, ties to fewer steps;
-    the loss best on validation is the reported (first) one."""
-    on_val = {("pointwise", 150, 0): 0.15, ("pointwise", 150, 1): 0.16,
-              ("pointwise", 600, 0): 0.17, ("pointwise", 600, 1): 0.12,
-              ("listwise", 150, 0): 0.18, ("listwise", 300, 0): 0.18, ("listwise", 300, 1): 0.1}
+    """Per loss the steps, value model and prior of the best validation HR@10, ties to fewer
+    steps, then the smaller prior; the loss best on validation is the reported (first) one."""
+    on_val = {("pointwise", 150, 0, 0.0): 0.15, ("pointwise", 150, 1, 0.0): 0.16,
+              ("pointwise", 600, 0, 0.0): 0.17, ("pointwise", 600, 1, 0.0): 0.12,
+              ("pointwise", 600, 1, 2.0): 0.165, ("listwise", 150, 0, 0.0): 0.17,
+              ("listwise", 150, 0, 1.0): 0.18, ("listwise", 150, 0, 2.0): 0.18,
+              ("listwise", 300, 0, 0.0): 0.18, ("listwise", 300, 1, 0.0): 0.1}
     chosen = bench.choose(on_val)
-    assert chosen == {"listwise": (150, 0), "pointwise": (600, 0)}
+    assert chosen == {"listwise": (150, 0, 1.0), "pointwise": (600, 0, 0.0)}
     assert list(chosen) == ["listwise", "pointwise"]
+
+
+def test_merge_weights_are_chosen_by_the_one_standard_error_rule(bench):
+    """The fewest weighted sources within one standard error (of the paired per-user
+    difference) of the best weighting; a weighting clearly better than a single source wins."""
+    rng = np.random.default_rng(0)
+    alone = (rng.random(900) < 0.24).astype(float)
+    noisy = alone.copy()
+    noisy[np.flatnonzero(alone == 0)[:5]] = 1  # five hits gained, three lost: noise
+    noisy[np.flatnonzero(alone == 1)[:3]] = 0
+    found = {(1.0, 0.0, 0.0): alone, (1.0, 0.25, 0.0): noisy, (1.0, 1.0, 1.0): alone * 0.5}
+    assert bench.recommend_choice.choose_fusion(found) == (1.0, 0.0, 0.0)
+    better = alone.copy()
+    better[np.flatnonzero(alone == 0)[:40]] = 1  # 40 more of 900: more than noise
+    found[(1.0, 0.25, 0.0)] = better
+    assert bench.recommend_choice.choose_fusion(found) == (1.0, 0.25, 0.0)
+    found[(0.5, 0.25, 0.0)] = better  # as good, as many sources: the grid's order
+    assert bench.recommend_choice.choose_fusion(found) == (1.0, 0.25, 0.0)
 
 
 def test_the_validation_world_stops_before_each_users_test_item(bench, tmp_path):

@@ -46,6 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "it scores every merged candidate and the ranker scores its best")
     parser.add_argument("--first-stage-keep", type=int, default=100, metavar="N",
                         help="--first-stage: candidates it passes to the ranker (default 100)")
+    parser.add_argument("--fusion", default="", metavar="SOURCE=W,...", help="the merge's "
+                        "weight of each source in reciprocal-rank fusion (default 1 each; 0: its "
+                        "items follow the weighted sources')")
+    parser.add_argument("--first-stage-prior", type=float, default=0.0, metavar="W",
+                        help="--first-stage: its order fused with the merged order of weight W "
+                             "(default 0: its own order)")
+    parser.add_argument("--rank-prior", type=float, default=0.0, metavar="W", help="the "
+                        "ranked order fused with the order the ranker was handed of weight W "
+                        "(default 0: the value model's order)")
     parser.add_argument("--value", default="", metavar="TASK=W,...",
                         help="value model weights in place of the ranker's exported value_model")
     parser.add_argument("--keep-seen", action="store_true",
@@ -104,25 +113,29 @@ def run(args: argparse.Namespace) -> None:
 def settings_of(args: argparse.Namespace) -> RecommendSettings:
     sources = tuple(s.strip() for s in args.sources.split(",") if s.strip())
     settings = RecommendSettings(
-        args.k, sources, args.per_source, args.rank_top, _parse_value(args.value),
+        args.k, sources, args.per_source, args.rank_top, _weights("--value", args.value, "liked"),
         not args.keep_seen, tuple(_lines("--blocklist", args.blocklist)) if args.blocklist else (),
-        args.diversity, walk_params(args), args.device, args.first_stage_keep)
+        args.diversity, walk_params(args), args.device, args.first_stage_keep,
+        _weights("--fusion", args.fusion, "pixie"), args.first_stage_prior, args.rank_prior)
     settings.check()
     return settings
 
 
-def _parse_value(text: str) -> Optional[Dict[str, float]]:
-    """--value TASK=W,...: None where not given (the ranker's own value model)."""
+def _weights(flag: str, text: str, example: str) -> Optional[Dict[str, float]]:
+    """`flag` NAME=W,...: None where not given (--value: the ranker's own value model;
+    --fusion: 1 each)."""
     if not text.strip():
         return None
-    value: Dict[str, float] = {}
+    weights: Dict[str, float] = {}
     for item in text.split(","):
         name, _, number = (part.strip() for part in item.partition("="))
         try:
-            value[name] = float(number)
+            weights[name] = float(number)
         except ValueError:
-            raise UserError(f"--value: {item.strip()!r}; write TASK=WEIGHT, e.g. liked=1") from None
-    return value
+            what = "TASK" if flag == "--value" else "SOURCE"
+            raise UserError(f"{flag}: {item.strip()!r}; write {what}=WEIGHT, e.g. "
+                            f"{example}=1") from None
+    return weights
 
 
 def _lines(flag: str, path: str) -> List[str]:

@@ -7,12 +7,15 @@ hundred best, a value model, final rules.
    each history item's neighbours in the same index, merged by their max; pixie, a Pixie walk
    from the history items on the item-user graph (graph/pixie.py).
 2. Merge: each item once, with every source that found it, ordered by reciprocal-rank fusion
-   (rank_fusion.py).
+   with each source's `fusion` weight (rank_fusion.py; a source of weight 0 still gives
+   candidates and the ranker's candidate features, after the weighted sources' items).
 3. First stage (with a first-stage ranker, first_stage.py): every merged item scored by a light
    two-tower model of the heavy ranker's top-K choices, its best `first_stage_keep` kept.
    Rank: those (without a first stage: the first `rank_top` merged items) through the
    multi-task ranker (an `export`ed file), ordered by the value model sum_t w_t p_t (ties: the
-   order they came in).
+   order they came in). `first_stage_prior`, `rank_prior` (default 0): each of the two
+   orders fused with the order its stage was handed, with that weight (rank_fusion.with_prior:
+   a benchmark chooses them on validation).
 4. Rules: the blocklist out; diversity, no two items of one category in a row (greedily the next
    best item whose category differs from the last taken; when none is left, the rest in order);
    the first K.
@@ -34,7 +37,7 @@ from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.serve.candidate_sources import (SOURCES, CandidateSources, candidate_features,
                                                  similarity_features)
 from dlrm_hybrid.serve.first_stage import FirstStage
-from dlrm_hybrid.serve.rank_fusion import merge
+from dlrm_hybrid.serve.rank_fusion import merge, with_prior
 from dlrm_hybrid.serve.recommend_inputs import (check_graph, check_ranker, open_ranker,
                                                 open_retriever, trained_on, value_model_weights)
 
@@ -64,6 +67,9 @@ class RecommendSettings:
     pixie: "PixieParams" = field(default_factory=_walk_defaults)
     device: str = "cpu"
     first_stage_keep: int = 100  # with a first stage: its best, which the ranker scores
+    fusion: Optional[Dict[str, float]] = None  # source -> merge weight (None: 1 each)
+    first_stage_prior: float = 0.0  # the merged order's weight beside the first stage's
+    rank_prior: float = 0.0  # the incoming order's weight beside the value model's
 
     def check(self) -> None:
         if self.k < 1:
@@ -77,6 +83,18 @@ class RecommendSettings:
         if self.rank_top < self.k:
             raise UserError(f"--rank-top: {self.rank_top} is less than --k {self.k}; the ranker "
                             f"must score at least the K items returned")
+        fusion = self.fusion or {}
+        if set(fusion) - set(self.sources):
+            raise UserError(f"--fusion: {','.join(sorted(set(fusion) - set(self.sources)))} is "
+                            f"not a source of --sources {','.join(self.sources)}")
+        weights = [fusion.get(s, 1.0) for s in self.sources]
+        if not all(np.isfinite(w) and w >= 0 for w in weights) or not max(weights) > 0:
+            raise UserError(f"--fusion: weights must be 0 or more and one above 0, got "
+                            f"{fusion}")
+        for flag, prior in (("--first-stage-prior", self.first_stage_prior),
+                            ("--rank-prior", self.rank_prior)):
+            if not (np.isfinite(prior) and prior >= 0):
+                raise UserError(f"{flag}: must be 0 or more, got {prior}")
         if self.diversity not in DIVERSITY:
             raise UserError(f"--diversity: {self.diversity!r}; give one of {', '.join(DIVERSITY)}")
         self.pixie.check()
@@ -201,18 +219,23 @@ class Recommender:
             stages[source] = lists[source][0]
             ms[source] = self._since(start)
         start = self.clock()
-        stages["merged"], found_by = merge({src: stages[src] for src in s.sources})
+        stages["merged"], found_by = merge({src: stages[src] for src in s.sources},
+                                           s.fusion)
         ms["merge"] = self._since(start)
         to_rank = stages["merged"][:s.rank_top]
         stages["first_stage"] = np.zeros(0, np.int64)
         if self.first_stage is not None:
             start = self.clock()
-            stages["first_stage"], _ = self.first_stage.keep(user, stages["merged"],
-                                                             s.first_stage_keep)
+            scored, _ = self.first_stage.keep(user, stages["merged"], len(stages["merged"]))
+            keep = with_prior(scored, stages["merged"], s.first_stage_prior)
+            stages["first_stage"] = scored[keep[:s.first_stage_keep]]
             to_rank = stages["first_stage"]
             ms["first_stage"] = self._since(start)
         start = self.clock()
         stages["ranked"], probabilities, value = self._rank(user, to_rank, lists, history)
+        order = with_prior(stages["ranked"], to_rank, s.rank_prior)
+        stages["ranked"], probabilities, value = (stages["ranked"][order], probabilities[order],
+                                                  value[order])
         ms["rank"] = self._since(start)
         start = self.clock()
         keep = np.flatnonzero(~np.isin(stages["ranked"], self.blocked))

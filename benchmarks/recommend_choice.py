@@ -1,0 +1,171 @@
+"""What benchmarks/recommend.py chooses in its validation world, on validation items only: the
+merge's source weights (`choose_fusion`, by the one-standard-error rule), each loss's ranker
+(steps, value model and the weight of the merged order beside its own: `validation_hr`,
+`choose`), and the first stage's weight of the merged order (`first_stage_prior`)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+from typing import Dict, List, NamedTuple, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+
+from recommend_build import VALUE, asked_history  # noqa: E402
+
+VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validation chooses from
+PER_SOURCE, RANK_TOP = 200, 300
+THREE_PER_SOURCE = 400  # the three-stage funnel's candidates per source (645 merged on ml-100k)
+FUSION_GRID = (0.0, 0.25, 0.5, 1.0)  # each source's merge weight; the largest is 1
+PRIORS = (0.0, 0.5, 1.0, 2.0, 4.0)  # the incoming order's weight beside a stage's own
+
+
+class Validation(NamedTuple):
+    hr: Dict[Tuple[str, int, int, float], float]  # (loss, steps, value, prior) -> HR@10
+    merged: float  # the chosen merge's HR@10
+    fusion: Dict[str, float]  # the chosen merge weights
+    fusion_hr: Dict[Tuple[float, ...], float]  # every weighting's HR@10 (SOURCES order)
+
+
+def findable(root: Path, split: str, earlier: Tuple[str, ...]):
+    """(users, items) of `split`'s pairs whose item the user did not engage with in the
+    `earlier` splits: a re-engagement is never returned (seen items are left out), as the
+    evaluation's rule says (docs/retrieval.md)."""
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+
+    data = open_interactions(str(root))
+    indptr, items = data.findable(split, earlier)
+    return np.repeat(np.arange(data.users), np.diff(indptr)), items
+
+
+def hits(orders: List[np.ndarray], wanted: np.ndarray, k: int = 10) -> np.ndarray:
+    """1 where the user's item is in its order's first k, per user."""
+    return np.array([item in order[:k] for order, item in zip(orders, wanted)], float)
+
+
+def choose_fusion(found: Dict[Tuple[float, ...], np.ndarray]) -> Tuple[float, ...]:
+    """The weighting (per-user hits on validation of each) with the fewest weighted sources
+    among those within one standard error of the best (the one-standard-error rule, Hastie,
+    Tibshirani and Friedman 7.10: the error of the paired difference per user), the best of
+    those; ties: the grid's order. A source earns weight only where validation shows more
+    than noise: on a log where one source dominates, that source alone."""
+    best = max(found, key=lambda w: found[w].mean())
+    users = len(found[best])
+
+    def within(w):
+        gap = found[best] - found[w]
+        return gap.mean() <= gap.std(ddof=1) / np.sqrt(users) if users > 1 else w == best
+
+    close = [w for w in found if within(w)]
+    return min(close, key=lambda w: (sum(x > 0 for x in w), -found[w].mean()))
+
+
+def validation_hr(paths: Dict[str, str], args) -> Validation:
+    """In the validation world (`paths`: recommend_build.validation_log's log built, so its
+    test item is the real validation item and its models stop before it exactly as the test
+    world's stop before the test item), each test user asking as a test request asks (history
+    = its training and validation items, all excluded): the merge weights chosen among
+    FUSION_GRID's, then HR@10 of each ranker of args.losses x args.ranker_steps, each value
+    model of VALUES and each prior of PRIORS on the same RANK_TOP merged items."""
+    import torch
+
+    from dlrm_hybrid.graph.pixie import PixieParams
+    from dlrm_hybrid.serve.candidate_sources import SOURCES
+    from dlrm_hybrid.serve.rank_fusion import merge, with_prior
+    from dlrm_hybrid.serve.recommend_inputs import open_ranker
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    torch.set_num_threads(1)
+    users, wanted, val = _asked(paths, args)
+    settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
+                                 pixie=PixieParams(steps=args.pixie_steps))
+    keys = [(loss, steps) for loss in args.losses for steps in args.ranker_steps]
+    rec = Recommender(paths["tower"], paths["graph"], paths[f"ranker_{keys[0][0]}_{keys[0][1]}"],
+                      paths["ranking"], settings)
+    asked = []
+    for user in users.tolist():
+        history, timeline = asked_history(rec, user, val)
+        exclude = np.unique(history)
+        asked.append((user, {s: rec.sources.source(s, user, history, exclude, timeline)
+                             for s in SOURCES}, history))
+    merged, fusion_hits = {}, {}
+    for w in itertools.product(FUSION_GRID, repeat=len(SOURCES)):
+        if max(w) == 1.0:
+            weights = dict(zip(SOURCES, w))
+            merged[w] = [merge({s: lists[s][0] for s in SOURCES}, weights)[0][:RANK_TOP]
+                         for _, lists, _ in asked]
+            fusion_hits[w] = hits(merged[w], wanted)
+    chosen = choose_fusion(fusion_hits)
+    found = {}
+    for loss, steps in keys:
+        rec.ranker, _ = open_ranker(paths[f"ranker_{loss}_{steps}"])
+        rec.weights = torch.zeros(len(rec.tasks))  # all ties: the probabilities in `top` order
+        scored = [(top, rec._rank(user, top, lists, history)[1])
+                  for (user, lists, history), top in zip(asked, merged[chosen])]
+        for v, value in enumerate(VALUES):
+            weights = np.array([value.get(task, 0.0) for task in rec.tasks])
+            own = [top[np.argsort(-(p @ weights), kind="stable")] for top, p in scored]
+            for prior in PRIORS:
+                found[loss, steps, v, prior] = float(hits(
+                    [o[with_prior(o, top, prior)] for o, (top, _) in zip(own, scored)],
+                    wanted).mean())
+    return Validation(found, float(fusion_hits[chosen].mean()), dict(zip(SOURCES, chosen)),
+                      {w: float(h.mean()) for w, h in fusion_hits.items()})
+
+
+def choose(on_val: Dict[Tuple[str, int, int, float], float]
+           ) -> Dict[str, Tuple[int, int, float]]:
+    """Per loss, the (steps, value model, prior) of the best validation HR@10 (ties: fewer
+    steps, then VALUES order, then the smaller prior); the loss best on validation first."""
+    chosen: Dict[str, Tuple[int, int, float]] = {}
+    for (loss, steps, value, prior), hr in on_val.items():
+        best = chosen.get(loss)
+        if best is None or (hr, -steps, -value, -prior) > (on_val[(loss, *best)], -best[0],
+                                                           -best[1], -best[2]):
+            chosen[loss] = (steps, value, prior)
+    return dict(sorted(chosen.items(), key=lambda kv: -on_val[(kv[0], *kv[1])]))
+
+
+def first_stage_prior(paths: Dict[str, str], ranker: str, first_stage: str, args,
+                      fusion: Dict[str, float]) -> Dict[float, float]:
+    """HR@10 of the validation world's first stage (`first_stage`, of its chosen heavy ranker
+    `ranker`) with each prior of PRIORS: its order of the THREE_PER_SOURCE-per-source merge
+    (weights `fusion`) fused with the merged order of that weight, asked as validation_hr
+    asks."""
+    import torch
+
+    from dlrm_hybrid.graph.pixie import PixieParams
+    from dlrm_hybrid.serve.rank_fusion import merge, with_prior
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    torch.set_num_threads(1)
+    users, wanted, val = _asked(paths, args)
+    settings = RecommendSettings(k=10, per_source=THREE_PER_SOURCE, value=VALUE,
+                                 pixie=PixieParams(steps=args.pixie_steps))
+    rec = Recommender(paths["tower"], paths["graph"], ranker, paths["ranking"], settings,
+                      first_stage)
+    orders = []
+    for user in users.tolist():
+        history, timeline = asked_history(rec, user, val)
+        exclude = np.unique(history)
+        lists = {s: rec.sources.source(s, user, history, exclude, timeline)[0] for s in fusion}
+        merged = merge(lists, fusion)[0]
+        orders.append((rec.first_stage.keep(user, merged, len(merged))[0], merged))
+    return {prior: float(hits([own[with_prior(own, merged, prior)] for own, merged in orders],
+                              wanted).mean()) for prior in PRIORS}
+
+
+def _asked(paths: Dict[str, str], args):
+    """The validation world's test users and items (the first args.val_users; 0: all) and
+    its validation items by user."""
+    root = Path(paths["retrieval"])
+    users, wanted = findable(root, "test", ("train", "val"))
+    val = dict(zip(np.load(root / "val_user.npy").tolist(),
+                   np.load(root / "val_item.npy").tolist()))
+    if args.val_users:
+        users, wanted = users[:args.val_users], wanted[:args.val_users]
+    return users, wanted, val
