@@ -350,6 +350,7 @@ BAD = [
      "--fusion: weights must be 0 or more and one above 0"),
     (["--user", "u0", "--fusion", "history=-1"], "--fusion: weights must be 0 or more"),
     (["--user", "u0", "--rank-prior", "-0.5"], "--rank-prior: must be 0 or more, got -0.5"),
+    (["--user", "u0", "--first-stage-prior", "2"], "recommend: --first-stage-prior weighs"),
     (["--users", "{root}/users.txt"], "recommend: --users needs --out"),
     (["--users", "{root}/users.txt", "--out", "{root}/R/users.txt"],
      "recommend: --out {root}/R/users.txt"),

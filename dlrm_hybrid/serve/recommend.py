@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> None:
         raise UserError("recommend: --out is for --users (a batch); one user's list is printed")
     if args.users and args.history is not None:
         raise UserError("recommend: --history is for one --user")
+    if args.first_stage_prior and not args.first_stage:
+        raise UserError("recommend: --first-stage-prior weighs the merged order beside a first "
+                        "stage's; give --first-stage DIR too, or leave it out")
     settings = settings_of(args)
     if args.out:
         refuse_overwriting_inputs([("--out", args.out)], [
