@@ -50,12 +50,13 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    `Recommender.recommend_dense` (dlrm_hybrid/serve/recommend.py) with history = the user's
    training items and validation item, every one of them excluded; sources PER_SOURCE
    candidates each, merged with the chosen weights, each loss's chosen ranker scoring the
-   RANK_TOP best merged with its chosen value model and prior. HR@10 and recall@50 (one relevant item per user: recall@50 = HR@50) of each
-   source's list, of the merged list and of the ranked list. Then the three-stage funnel (the
+   RANK_TOP best merged with its chosen value model and prior. HR@10 and recall@50 (one
+   relevant item per user: recall@50 = HR@50) of each source's list, of the merged list and of
+   the ranked list. Then the three-stage funnel (the
    chosen heavy ranker of the best loss and its value model): sources THREE_PER_SOURCE each
    (645 merged on ml-100k), the first stage scoring them all (with its chosen prior), the
-   heavy ranker its best `--first-stage-keep` (FIRST_STAGE_KEEP) with the loss's prior. Latency: one request at a time, 1 thread, after
-   WARMUP requests; p50/p99 of each stage and of the whole request in CPU milliseconds (the
+   heavy ranker its best `--first-stage-keep` (FIRST_STAGE_KEEP) with the loss's prior.
+   Latency: one request at a time, 1 thread, after WARMUP requests; p50/p99 of each stage and of the whole request in CPU milliseconds (the
    thread's own time, `time.thread_time`: the machine may be shared), and of the whole request
    in wall milliseconds.
 6. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
@@ -95,7 +96,7 @@ import recommend_choice  # noqa: E402  (validation_hr, first_stage_prior)
 import retrieval as retrieval_bench  # noqa: E402  (cli, peers' grids)
 from recommend_build import asked_history  # noqa: E402
 from recommend_choice import (PER_SOURCE, PRIORS, RANK_TOP, THREE_PER_SOURCE,  # noqa: E402
-                              VALUES, choose, findable)
+                              VALUES, choose)
 
 NEGATIVES = 7  # per engagement: 1 + 7 rows a request, a divisor of the ranker's batch
 CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
@@ -316,12 +317,7 @@ def main() -> None:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         paths = recommend_build.build(args, work)
-        root = Path(paths["retrieval"])
-        users, wanted = findable(root, "test", ("train", "val"))
-        val = dict(zip(np.load(root / "val_user.npy").tolist(),
-                       np.load(root / "val_item.npy").tolist()))
-        if args.users:
-            users, wanted = users[:args.users], wanted[:args.users]
+        users, wanted, val = recommend_choice.test_users(paths["retrieval"], args.users)
         world = work / "validation_world"
         world_paths = recommend_build.build(args, world,
                                             recommend_build.validation_log(args.data, world))

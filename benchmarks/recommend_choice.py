@@ -80,7 +80,7 @@ def validation_hr(paths: Dict[str, str], args) -> Validation:
     from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
 
     torch.set_num_threads(1)
-    users, wanted, val = _asked(paths, args)
+    users, wanted, val = test_users(paths["retrieval"], args.val_users)
     settings = RecommendSettings(k=10, per_source=PER_SOURCE, rank_top=RANK_TOP, value=VALUE,
                                  pixie=PixieParams(steps=args.pixie_steps))
     keys = [(loss, steps) for loss in args.losses for steps in args.ranker_steps]
@@ -143,7 +143,7 @@ def first_stage_prior(paths: Dict[str, str], ranker: str, first_stage: str, args
     from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
 
     torch.set_num_threads(1)
-    users, wanted, val = _asked(paths, args)
+    users, wanted, val = test_users(paths["retrieval"], args.val_users)
     settings = RecommendSettings(k=10, per_source=THREE_PER_SOURCE, value=VALUE,
                                  pixie=PixieParams(steps=args.pixie_steps))
     rec = Recommender(paths["tower"], paths["graph"], ranker, paths["ranking"], settings,
@@ -159,13 +159,13 @@ def first_stage_prior(paths: Dict[str, str], ranker: str, first_stage: str, args
                               wanted).mean()) for prior in PRIORS}
 
 
-def _asked(paths: Dict[str, str], args):
-    """The validation world's test users and items (the first args.val_users; 0: all) and
-    its validation items by user."""
-    root = Path(paths["retrieval"])
+def test_users(retrieval: str, limit: int):
+    """A retrieval dataset's test users and their findable test items (the first `limit`;
+    0: all) and its validation items by user."""
+    root = Path(retrieval)
     users, wanted = findable(root, "test", ("train", "val"))
     val = dict(zip(np.load(root / "val_user.npy").tolist(),
                    np.load(root / "val_item.npy").tolist()))
-    if args.val_users:
-        users, wanted = users[:args.val_users], wanted[:args.val_users]
+    if limit:
+        users, wanted = users[:limit], wanted[:limit]
     return users, wanted, val

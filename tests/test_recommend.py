@@ -234,30 +234,26 @@ def test_the_ranker_gets_the_fused_candidates_best_first(served):
     """With a value model that ties every item (weight 0), `recommend` returns the merged list
     itself: the reciprocal-rank fusion of what `retrieve` answers by the user tower and by the
     user's history, each source's 10 best."""
-    rrf = {}
+    rrf, lists = {}, []
     user = "u0"
     for by in ([], ["--history", ",".join(sorted(served.seen[user]))]):
-        answer = json.loads(cli("retrieve", "--model", str(served.root / "R"), "--user", user,
-                                *by, "--k", "10", "--json").stdout)
-        for rank, item in enumerate(answer["items"], 1):
+        lists.append(json.loads(cli("retrieve", "--model", str(served.root / "R"), "--user", user,
+                                    *by, "--k", "10", "--json").stdout)["items"])
+        for rank, item in enumerate(lists[-1], 1):
             rrf[item] = rrf.get(item, 0.0) + 1.0 / (60 + rank)
-    got = recommend(served, "--user", user, "--sources", "two_tower,history", "--per-source",
-                    "10", "--rank-top", "20", "--k", "20", "--value", "watched=0",
-                    "--diversity", "off")["items"]
+
+    def ask(*args: str) -> list:
+        return recommend(served, "--user", user, "--sources", "two_tower,history",
+                         "--per-source", "10", "--rank-top", "20", "--k", "20", "--diversity",
+                         "off", *args)["items"]
+
+    got = ask("--value", "watched=0")
     assert sorted(got) == sorted(rrf)
     assert [rrf[i] for i in got] == sorted(rrf.values(), reverse=True)
     assert len(set(rrf.values())) > 5  # the order is the fusion's, not ties'
-    tower = json.loads(cli("retrieve", "--model", str(served.root / "R"), "--user", user, "--k",
-                           "10", "--json").stdout)["items"]
-    alone = recommend(served, "--user", user, "--sources", "two_tower,history", "--per-source",
-                      "10", "--rank-top", "20", "--k", "20", "--value", "watched=0",
-                      "--diversity", "off", "--fusion", "history=0")["items"]
-    assert alone[:10] == tower and sorted(alone) == sorted(rrf)  # history's items after
-    ranked = recommend(served, "--user", user, "--sources", "two_tower,history", "--per-source",
-                       "10", "--rank-top", "20", "--k", "20", "--diversity", "off")["items"]
-    prior = recommend(served, "--user", user, "--sources", "two_tower,history", "--per-source",
-                      "10", "--rank-top", "20", "--k", "20", "--diversity", "off",
-                      "--rank-prior", "1000")["items"]
+    alone = ask("--value", "watched=0", "--fusion", "history=0")
+    assert alone[:10] == lists[0] and sorted(alone) == sorted(rrf)  # history's items after
+    ranked, prior = ask(), ask("--rank-prior", "1000")
     assert ranked != got and prior == got  # a large prior: the order the ranker was handed
 
 

@@ -61,14 +61,14 @@ def test_the_test_items_asked_for_leave_out_re_watches(bench, tmp_path):
     data = InteractionData(InteractionMeta(3, 5), pairs, np.zeros((3, 0), np.int64),
                            np.zeros((5, 0), np.int64))
     write_interactions(data, str(tmp_path / "log"))
-    users, items = bench.findable(tmp_path / "log", "test", ("train", "val"))
+    users, items = bench.recommend_choice.findable(tmp_path / "log", "test", ("train", "val"))
     assert users.tolist() == [1] and items.tolist() == [4]
     # validation asks (the ranker's choice) with the training items only as history
-    users, items = bench.findable(tmp_path / "log", "val", ("train",))
+    users, items = bench.recommend_choice.findable(tmp_path / "log", "val", ("train",))
     assert users.tolist() == [0, 1, 2] and items.tolist() == [3, 0, 4]
     data.pairs["train"] = (np.array([0, 0, 1, 2]), np.array([1, 3, 3, 0]))  # u0 re-watches 3
     write_interactions(data, str(tmp_path / "log2"))
-    users, items = bench.findable(tmp_path / "log2", "val", ("train",))
+    users, items = bench.recommend_choice.findable(tmp_path / "log2", "val", ("train",))
     assert users.tolist() == [1, 2] and items.tolist() == [0, 4]
 
 
