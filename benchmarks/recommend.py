@@ -52,11 +52,11 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    candidates each, merged with the chosen weights, each loss's chosen ranker scoring the
    RANK_TOP best merged with its chosen value model and prior. HR@10 and recall@50 (one
    relevant item per user: recall@50 = HR@50) of each source's list, of the merged list and of
-   the ranked list. Then the three-stage funnel (the
-   chosen heavy ranker of the best loss and its value model): sources THREE_PER_SOURCE each
-   (645 merged on ml-100k), the first stage scoring them all (with its chosen prior), the
-   heavy ranker its best `--first-stage-keep` (FIRST_STAGE_KEEP) with the loss's prior.
-   Latency: one request at a time, 1 thread, after WARMUP requests; p50/p99 of each stage and of the whole request in CPU milliseconds (the
+   the ranked list. Then the three-stage funnel (the chosen heavy ranker of the best loss and
+   its value model): sources THREE_PER_SOURCE each (645 merged on ml-100k), the first stage
+   scoring them all (with its chosen prior), the heavy ranker its best `--first-stage-keep`
+   (FIRST_STAGE_KEEP) with the loss's prior. Latency: one request at a time, 1 thread, after
+   WARMUP requests; p50/p99 of each stage and of the whole request in CPU milliseconds (the
    thread's own time, `time.thread_time`: the machine may be shared), and of the whole request
    in wall milliseconds.
 6. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
