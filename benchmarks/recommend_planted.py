@@ -62,7 +62,8 @@ from dlrm_hybrid.data.interactions.planted_interactions import (  # noqa: E402
 EDGES = np.array([0.6, 0.8, 0.9, 0.96])  # RULE: the affinity quantiles where ratings 2..5 start
 LIKED = 4  # recommend.py's positive and `liked` label: rating >= 4
 SIZE = ("data.users=943", "data.items=1682", "data.interactions_per_user=100")  # ml-100k's
-QUICK = ("data.users=300", "data.items=300", "data.interactions_per_user=40")
+QUICK = ("data.users=300", "data.items=300", "data.interactions_per_user=40")  # the validation
+# world's towers need a batch of 256 training pairs (120 users x 30 draws left 250: it failed)
 SOURCES = ("pixie", "two_tower", "history")
 # (stage, the stage it must be at or above; "sources": the best of SOURCES)
 ORDER = (("pixie", "popularity"), ("two_tower", "popularity"), ("history", "popularity"),
