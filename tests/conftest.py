@@ -6,6 +6,7 @@ import importlib.util
 import json
 import locale
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,29 @@ def run_cli(args: List[str], nproc: int = 0, timeout: int = 300, extra_env: Opti
     if _zygote is None:
         _zygote = Zygote(_cli_env(SESSION_ENV))
     return _zygote.run(args, env, cwd, nproc, timeout, cmd, str(script or ""), raw)
+
+
+def start_cli(args: List[str], cwd: Path = ROOT):
+    """`python -m dlrm_hybrid ARGS` started as a terminal starts it: its own session (a process
+    group to signal), SIGINT's default action, stdout and stderr pipes read as text. Forked from
+    the CLI zygote (a ZygoteProcess, read as a subprocess.Popen) unless run_cli would start
+    it fresh (then a subprocess.Popen)."""
+    global _zygote
+    cmd = [sys.executable, "-m", "dlrm_hybrid", *args]
+    env = _cli_env(os.environ)
+    if _fresh_cli or needs_fresh(env, _cli_env(SESSION_ENV)):
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=default_sigint)
+    if _zygote is None:
+        _zygote = Zygote(_cli_env(SESSION_ENV))
+    return _zygote.start(args, env, cwd, cmd)
+
+
+def default_sigint() -> None:
+    """The suite itself may run where SIGINT is ignored (a shell's background job), which a
+    command would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _cli_env(base, extra_env: Optional[dict] = None) -> dict:
