@@ -101,11 +101,11 @@ class Zygote:
             return subprocess.CompletedProcess(cmd, returncode, _text(out, raw), _text(err, raw))
 
     def start(self, argv: List[str], env: Dict[str, str], cwd: Path, cmd: List[str],
-              script: str = "") -> "ZygoteProcess":
+              script: str = "", raw: bool = False) -> "ZygoteProcess":
         """`cmd` (one process) as subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True,
         start_new_session=True) starts it from a shell with SIGINT's default action (a terminal),
         forked from the zygote: its pid leads its own process group, its output comes through
-        the pipes as it is written."""
+        the pipes as it is written (`raw`: decoded without universal newlines)."""
         (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe()
         try:
             conn = self._send(argv, env, cwd, 0, script, out_write, err_write,
@@ -116,7 +116,7 @@ class Zygote:
         pids = json.loads(conn.recv(MESSAGE_BYTES) or b'{"pids": []}').get("pids")
         if not pids:
             raise RuntimeError(f"the CLI zygote could not start {argv}: {self.log_tail()}")
-        return ZygoteProcess(self, conn, cmd, pids[0], out_read, err_read)
+        return ZygoteProcess(self, conn, cmd, pids[0], out_read, err_read, raw)
 
     def _send(self, argv, env, cwd, nproc, script, out: int, err: int,
               sigint_default: bool = False) -> socket.socket:
@@ -165,11 +165,12 @@ class ZygoteProcess:
     (the last two to its process group, as it leads one)."""
 
     def __init__(self, zygote: Zygote, conn: socket.socket, args: List[str], pid: int,
-                 out: int, err: int):
+                 out: int, err: int, raw: bool = False):
         self.args, self.pid, self.returncode = args, pid, None
         self._zygote, self._conn, self._readers = zygote, conn, None
-        encoding = locale.getpreferredencoding(False)
-        self.stdout, self.stderr = (open(fd, encoding=encoding) for fd in (out, err))
+        encoding, newline = locale.getpreferredencoding(False), "" if raw else None
+        self.stdout, self.stderr = (open(fd, encoding=encoding, newline=newline)
+                                    for fd in (out, err))
 
     def poll(self) -> Optional[int]:
         if self.returncode is None and select.select([self._conn], [], [], 0)[0]:

@@ -64,21 +64,29 @@ def run_cli(args: List[str], nproc: int = 0, timeout: int = 300, extra_env: Opti
     return _zygote.run(args, env, cwd, nproc, timeout, cmd, str(script or ""), raw)
 
 
-def start_cli(args: List[str], cwd: Path = ROOT):
+def start_cli(args: List[str], cwd: Path = ROOT, raw: bool = False):
     """`python -m dlrm_hybrid ARGS` started as a terminal starts it: its own session (a process
-    group to signal), SIGINT's default action, stdout and stderr pipes read as text. Forked from
-    the CLI zygote (a ZygoteProcess, read as a subprocess.Popen) unless run_cli would start
-    it fresh (then a subprocess.Popen)."""
+    group to signal), SIGINT's default action, stdout and stderr pipes read as text (`raw`:
+    carriage returns kept). Forked from the CLI zygote (a ZygoteProcess, read as a
+    subprocess.Popen) unless run_cli would start it fresh (then a subprocess.Popen)."""
     global _zygote
     cmd = [sys.executable, "-m", "dlrm_hybrid", *args]
     env = _cli_env(os.environ)
     if _fresh_cli or needs_fresh(env, _cli_env(SESSION_ENV)):
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                preexec_fn=default_sigint)
+        return (RawPopen if raw else subprocess.Popen)(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=not raw, start_new_session=True, preexec_fn=default_sigint)
     if _zygote is None:
         _zygote = Zygote(_cli_env(SESSION_ENV))
-    return _zygote.start(args, env, cwd, cmd)
+    return _zygote.start(args, env, cwd, cmd, raw=raw)
+
+
+class RawPopen(subprocess.Popen):
+    """A Popen of bytes whose communicate() decodes them as written (carriage returns kept)."""
+
+    def communicate(self, *args, **kwargs):
+        encoding = locale.getpreferredencoding(False)
+        return tuple(b.decode(encoding) for b in super().communicate(*args, **kwargs))
 
 
 def default_sigint() -> None:
