@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # torchrun as a module of this interpreter: in a venv that sees a system torch (TORCH=system), the
 # `torchrun` script on PATH belongs to the system Python, which does not see this package.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# One thread a process where the suite's caller set none (`make test`): as every CLI run of the
+# suite (run_cli), the tests themselves and the interpreters they start. Two workers whose torch
+# spins a thread per core beside the other's cost 18% more CPU (in-process training files).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 SESSION_ENV = dict(os.environ)  # before any test changes it: the zygote's environment
 _zygote: Optional[Zygote] = None
 _fresh_cli = False  # --fresh-cli
@@ -107,6 +111,7 @@ def pytest_configure(config):
     import torch
 
     _fresh_cli = config.getoption("--fresh-cli") or torch.cuda.is_available()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # a plugin may have imported torch
 
 
 @pytest.fixture(scope="module", autouse=True)
