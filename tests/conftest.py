@@ -108,6 +108,8 @@ def pytest_configure(config):
     """On a CUDA host every run is fresh: importing fbgemm-gpu's CUDA build starts CUDA's own
     threads in the zygote, and a process forked from one that loaded CUDA cannot use it."""
     global _fresh_cli
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller: it runs no test, and needs no torch (2 s of CPU)
     import torch
 
     _fresh_cli = config.getoption("--fresh-cli") or torch.cuda.is_available()
