@@ -165,9 +165,15 @@ def run_train(args) -> None:
 
     cfg = load_config(args.config, args.overrides, world_size=world_size_from_env())
     check_tensorboard(cfg.train.tensorboard)  # `true` without the package: before any work
-    from dlrm_hybrid.train.loop import train  # after the config check: torchrec takes seconds
 
-    run_distributed(lambda env: train(cfg, env), cfg.parallel.backend)
+    def job(env) -> None:
+        # after the config check and the process group's own (nccl without GPUs):
+        # torchrec takes seconds to import
+        from dlrm_hybrid.train.loop import train
+
+        train(cfg, env)
+
+    run_distributed(job, cfg.parallel.backend)
 
 
 def run_eval(args) -> None:

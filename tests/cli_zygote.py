@@ -17,8 +17,9 @@ environment that the imported libraries read when loaded (FRESH_ENV_PREFIXES).
 
 Processes: zygote -> job (fork per request, waits for the ranks) -> rank(s) (fork, each a session
 leader like torchrun's workers). Protocol, one SOCK_SEQPACKET connection per run: the request is a
-JSON message {argv, env, cwd, nproc} carrying the stdout and stderr descriptors (SCM_RIGHTS); the
-answer {"returncode": n} or {"error": text}. The caller closing the connection stops the run (its
+JSON message {argv, env, cwd, nproc, script, sigint_default} carrying the stdout and stderr
+descriptors (SCM_RIGHTS); once the ranks are forked, {"pids": [...]}; then the answer
+{"returncode": n} or {"error": text}. The caller closing the connection stops the run (its
 timeout). The zygote ends when its stdin closes (the test session ended or died).
 
 usage: python tests/cli_zygote.py LISTENING_SOCKET_FD   (Zygote below starts it)
@@ -87,29 +88,62 @@ class Zygote:
         """`cmd` (`python -m dlrm_hybrid ARGV`, or `python SCRIPT ARGV`; under torchrun for
         nproc > 0) as subprocess.run with capture_output=True, text=True would give it (`raw`:
         without text mode's universal newlines), forked from the zygote."""
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            conn = self._send(argv, env, cwd, nproc, script, out.fileno(), err.fileno())
+            with conn:
+                conn.settimeout(timeout)
+                try:
+                    returncode = self._answer(conn, argv)
+                except socket.timeout:
+                    conn.close()  # the job stops its ranks
+                    raise subprocess.TimeoutExpired(cmd, timeout, _text(out),
+                                                    _text(err)) from None
+            return subprocess.CompletedProcess(cmd, returncode, _text(out, raw), _text(err, raw))
+
+    def start(self, argv: List[str], env: Dict[str, str], cwd: Path, cmd: List[str],
+              script: str = "", raw: bool = False) -> "ZygoteProcess":
+        """`cmd` (one process) as subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True,
+        start_new_session=True) starts it from a shell with SIGINT's default action (a terminal),
+        forked from the zygote: its pid leads its own process group, its output comes through
+        the pipes as it is written (`raw`: decoded without universal newlines)."""
+        (out_read, out_write), (err_read, err_write) = os.pipe(), os.pipe()
+        try:
+            conn = self._send(argv, env, cwd, 0, script, out_write, err_write,
+                              sigint_default=True)
+        finally:
+            os.close(out_write)
+            os.close(err_write)
+        pids = json.loads(conn.recv(MESSAGE_BYTES) or b'{"pids": []}').get("pids")
+        if not pids:
+            raise RuntimeError(f"the CLI zygote could not start {argv}: {self.log_tail()}")
+        return ZygoteProcess(self, conn, cmd, pids[0], out_read, err_read, raw)
+
+    def _send(self, argv, env, cwd, nproc, script, out: int, err: int,
+              sigint_default: bool = False) -> socket.socket:
+        """A connection to the zygote that has sent it the run's request."""
         request = json.dumps({"argv": argv, "env": env, "cwd": str(cwd), "nproc": nproc,
-                              "script": script})
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn, \
-                tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            try:
-                conn.connect(self._address)
-            except OSError as e:
-                raise RuntimeError(f"the CLI zygote is gone ({e}): {self.log_tail()}") from None
-            socket.send_fds(conn, [request.encode()], [out.fileno(), err.fileno()])
-            conn.settimeout(timeout)
-            try:
-                answer = conn.recv(MESSAGE_BYTES)
-            except socket.timeout:
-                conn.close()  # the job stops its ranks
-                raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
+                              "script": script, "sigint_default": sigint_default})
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(self._address)
+        except OSError as e:
+            conn.close()
+            raise RuntimeError(f"the CLI zygote is gone ({e}): {self.log_tail()}") from None
+        socket.send_fds(conn, [request.encode()], [out, err])
+        return conn
+
+    def _answer(self, conn: socket.socket, argv: List[str]) -> int:
+        """The run's exit code, past the message naming its ranks."""
+        while True:
+            answer = conn.recv(MESSAGE_BYTES)
             if not answer:
                 raise RuntimeError(f"the CLI zygote ended a run without an answer: "
                                    f"{self.log_tail()}")
             reply = json.loads(answer)
             if "error" in reply:
                 raise RuntimeError(f"the CLI zygote could not run {argv}: {reply['error']}")
-            return subprocess.CompletedProcess(cmd, reply["returncode"], _text(out, raw),
-                                               _text(err, raw))
+            if "returncode" in reply:
+                return reply["returncode"]
 
     def log_tail(self) -> str:
         self._log.seek(0)
@@ -123,6 +157,76 @@ class Zygote:
             self._process.kill()
             self._process.wait()
         self._log.close()
+
+
+class ZygoteProcess:
+    """What a test reads of a subprocess.Popen, for a run Zygote.start forked: pid, stdout and
+    stderr (text, universal newlines), poll, wait, communicate, send_signal, terminate, kill
+    (the last two to its process group, as it leads one)."""
+
+    def __init__(self, zygote: Zygote, conn: socket.socket, args: List[str], pid: int,
+                 out: int, err: int, raw: bool = False):
+        self.args, self.pid, self.returncode = args, pid, None
+        self._zygote, self._conn, self._readers = zygote, conn, None
+        encoding, newline = locale.getpreferredencoding(False), "" if raw else None
+        self.stdout, self.stderr = (open(fd, encoding=encoding, newline=newline)
+                                    for fd in (out, err))
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self.wait()
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                self.returncode = self._zygote._answer(self._conn, self.args)
+            except socket.timeout:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self._conn.close()
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None):
+        """The rest of stdout and stderr once the run ends, as Popen's."""
+        if self._readers is None:
+            self._readers = [_Reader(f) for f in (self.stdout, self.stderr)]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.01, deadline - time.monotonic()))
+        return self._readers[0].text, self._readers[1].text
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:  # ended
+            pass
+
+
+class _Reader(threading.Thread):
+    """A pipe read to its end (and closed) beside the caller."""
+
+    def __init__(self, file):
+        super().__init__(daemon=True)
+        self.file, self.text = file, ""
+        self.start()
+
+    def run(self) -> None:
+        with self.file:
+            self.text = self.file.read()
 
 
 def _text(file, raw: bool = False) -> str:
@@ -183,11 +287,12 @@ def _job(conn: socket.socket) -> dict:
             pid = os.fork()
             if pid == 0:
                 conn.close()
-                _become_rank(env, request["cwd"], *fds)
+                _become_rank(env, request["cwd"], *fds, request.get("sigint_default", False))
                 return request
             pids.append(pid)
         for fd in fds:
             os.close(fd)
+        conn.send(json.dumps({"pids": pids}).encode())
         conn.send(json.dumps({"returncode": _wait(pids, conn)}).encode())
     except BaseException:
         try:
@@ -212,10 +317,14 @@ def _rank_envs(env: Dict[str, str], nproc: int) -> List[Dict[str, str]]:
              "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)} for r in range(nproc)]
 
 
-def _become_rank(env: Dict[str, str], cwd: str, out: int, err: int) -> None:
-    """Turn this fork into the fresh process the run would have been."""
+def _become_rank(env: Dict[str, str], cwd: str, out: int, err: int,
+                 sigint_default: bool = False) -> None:
+    """Turn this fork into the fresh process the run would have been (`sigint_default`: one
+    started with SIGINT's default action, where Python installs its KeyboardInterrupt)."""
     try:
         os.setsid()  # its own process group, stopped as one, like torchrun's workers
+        if sigint_default:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)

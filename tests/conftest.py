@@ -6,6 +6,7 @@ import importlib.util
 import json
 import locale
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # torchrun as a module of this interpreter: in a venv that sees a system torch (TORCH=system), the
 # `torchrun` script on PATH belongs to the system Python, which does not see this package.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# One thread a process where the suite's caller set none (`make test`): as every CLI run of the
+# suite (run_cli), the tests themselves and the interpreters they start. Two workers whose torch
+# spins a thread per core beside the other's cost 18% more CPU (in-process training files).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 SESSION_ENV = dict(os.environ)  # before any test changes it: the zygote's environment
 _zygote: Optional[Zygote] = None
 _fresh_cli = False  # --fresh-cli
@@ -63,6 +68,37 @@ def run_cli(args: List[str], nproc: int = 0, timeout: int = 300, extra_env: Opti
     return _zygote.run(args, env, cwd, nproc, timeout, cmd, str(script or ""), raw)
 
 
+def start_cli(args: List[str], cwd: Path = ROOT, raw: bool = False):
+    """`python -m dlrm_hybrid ARGS` started as a terminal starts it: its own session (a process
+    group to signal), SIGINT's default action, stdout and stderr pipes read as text (`raw`:
+    carriage returns kept). Forked from the CLI zygote (a ZygoteProcess, read as a
+    subprocess.Popen) unless run_cli would start it fresh (then a subprocess.Popen)."""
+    global _zygote
+    cmd = [sys.executable, "-m", "dlrm_hybrid", *args]
+    env = _cli_env(os.environ)
+    if _fresh_cli or needs_fresh(env, _cli_env(SESSION_ENV)):
+        return (RawPopen if raw else subprocess.Popen)(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=not raw, start_new_session=True, preexec_fn=default_sigint)
+    if _zygote is None:
+        _zygote = Zygote(_cli_env(SESSION_ENV))
+    return _zygote.start(args, env, cwd, cmd, raw=raw)
+
+
+class RawPopen(subprocess.Popen):
+    """A Popen of bytes whose communicate() decodes them as written (carriage returns kept)."""
+
+    def communicate(self, *args, **kwargs):
+        encoding = locale.getpreferredencoding(False)
+        return tuple(b.decode(encoding) for b in super().communicate(*args, **kwargs))
+
+
+def default_sigint() -> None:
+    """The suite itself may run where SIGINT is ignored (a shell's background job), which a
+    command would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli_env(base, extra_env: Optional[dict] = None) -> dict:
     env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return {**env, "OMP_NUM_THREADS": "1", **(extra_env or {})}
@@ -72,9 +108,12 @@ def pytest_configure(config):
     """On a CUDA host every run is fresh: importing fbgemm-gpu's CUDA build starts CUDA's own
     threads in the zygote, and a process forked from one that loaded CUDA cannot use it."""
     global _fresh_cli
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller: it runs no test, and needs no torch (2 s of CPU)
     import torch
 
     _fresh_cli = config.getoption("--fresh-cli") or torch.cuda.is_available()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # a plugin may have imported torch
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,6 +1,9 @@
 """Config loading, overrides, and the one-line errors (exit code 2) a user sees for bad input."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,12 +124,21 @@ def test_configuration_doc_gives_each_key_its_default():
 
 
 def test_forcing_nccl_without_gpus_is_a_one_line_error(tmp_path):
+    """Said before torchrec, fbgemm and torch's compiler are imported (seconds a rank of a
+    launch that fails here would spend on them): a fresh interpreter, its imports listed."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
-    result = run_cli(["train", "--set", "parallel.backend=nccl", "--set", f"train.run_dir={tmp_path}"])
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "dlrm_hybrid", "train",
+                             "--set", "parallel.backend=nccl", "--set", f"train.run_dir={tmp_path}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: parallel.backend: nccl needs one GPU per local rank, "
-                                     "found 0 GPUs for 1 ranks; use fewer ranks or "
-                                     "parallel.backend=gloo")
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    heavy = imported & {"torchrec", "fbgemm_gpu", "torch._dynamo"}
+    assert not heavy, sorted(heavy)
+    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert said == ["error: parallel.backend: nccl needs one GPU per local rank, found 0 GPUs "
+                    "for 1 ranks; use fewer ranks or parallel.backend=gloo"]

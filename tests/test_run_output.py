@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, failure, read_metrics, run_cli
+from conftest import ROOT, failure, read_metrics, run_cli, start_cli
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.train.optim import lr_factor
 from dlrm_hybrid.train.progress import figures, shows_bar
@@ -32,13 +32,11 @@ def train_args(run_dir, *settings):
 
 
 def run_raw(args):
-    """The CLI in a fresh interpreter writing into pipes, its output as written (text mode
-    would read a carriage return as a newline, hiding a bar's redraws)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, "-m", "dlrm_hybrid", *args], cwd=ROOT,
-                            env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=300)
-    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(),
-                                       result.stderr.decode())
+    """The CLI writing into pipes (forked from the CLI zygote), its output as written (text
+    mode would read a carriage return as a newline, hiding a bar's redraws)."""
+    run = start_cli(args, raw=True)
+    out, err = run.communicate(timeout=300)
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
 
 
 @pytest.fixture(scope="module")

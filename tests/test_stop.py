@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, done_fields, failure, read_metrics, run_cli
+from conftest import (ROOT, default_sigint, done_fields, failure, read_metrics, run_cli,
+                      start_cli)
 
 # Dense SGD: 1 and 2 ranks then give the same losses up to rounding (measured 1.1e-7 relative).
 SETTINGS = ["data.global_batch_size=256", "data.val_samples=1024", "optim.dense=sgd",
@@ -30,21 +31,19 @@ def train_args(run_dir: Path, settings) -> list:
 LAUNCHER = [sys.executable, "-m", "dlrm_hybrid.torchrun"]
 
 
-def start(args: list, nproc: int = 0) -> subprocess.Popen:
-    """The CLI in its own session, as a terminal or a scheduler starts it (under the launch
-    scripts' torchrun with nproc ranks)."""
+def start(args: list, nproc: int = 0, fresh: bool = False):
+    """The CLI in its own session, as a terminal or a scheduler starts it, with SIGINT's default
+    action: one process forked from the CLI zygote (conftest.start_cli), or `fresh`; with nproc
+    ranks, a fresh launch under the launch scripts' torchrun, whose handling of the signals is
+    what is tested."""
+    if not nproc and not fresh:
+        return start_cli(args)
     cmd = ([*LAUNCHER, "--standalone", f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", *args]
            if nproc else [sys.executable, "-m", "dlrm_hybrid", *args])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    # With SIGINT's default action, as a terminal gives it: the suite itself may run where it
-    # is ignored (a shell's background job), which the command would inherit.
     return subprocess.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=default_sigint)
-
-
-def default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture
@@ -52,8 +51,8 @@ def launch():
     """`start`, and what still runs when the test ends (it failed) is stopped."""
     runs = []
 
-    def launch_(args: list, nproc: int = 0) -> subprocess.Popen:
-        runs.append(start(args, nproc))
+    def launch_(args: list, nproc: int = 0, fresh: bool = False):
+        runs.append(start(args, nproc, fresh))
         return runs[-1]
 
     yield launch_
@@ -179,7 +178,7 @@ def test_ctrl_c_before_training_begins_says_so_in_one_line(tmp_path, launch):
     """Ctrl-C while the command still starts: here it waits for its config from a pipe."""
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)
-    run = launch(["train", "--config", str(fifo)])
+    run = launch(["train", "--config", str(fifo)], fresh=True)  # the command's own start
     deadline = time.monotonic() + 120
     while True:  # opening the pipe for writing succeeds once the command has it open
         assert run.poll() is None and time.monotonic() < deadline, run.communicate()
