@@ -26,7 +26,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # One thread a process where the suite's caller set none (`make test`): as every CLI run of the
 # suite (run_cli), the tests themselves and the interpreters they start. Two workers whose torch
 # spins a thread per core beside the other's cost 18% more CPU (in-process training files).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+if not os.environ.get("OMP_NUM_THREADS", "").isdigit() or os.environ["OMP_NUM_THREADS"] == "0":
+    os.environ["OMP_NUM_THREADS"] = "1"  # unset, empty or not a count: torch would refuse it
 SESSION_ENV = dict(os.environ)  # before any test changes it: the zygote's environment
 _zygote: Optional[Zygote] = None
 _fresh_cli = False  # --fresh-cli
