@@ -76,7 +76,7 @@ def validation_hr(paths: Dict[str, str], args) -> Validation:
     from dlrm_hybrid.graph.pixie import PixieParams
     from dlrm_hybrid.serve.candidate_sources import SOURCES
     from dlrm_hybrid.serve.rank_fusion import merge, with_prior
-    from dlrm_hybrid.serve.recommend_inputs import open_ranker
+    from dlrm_hybrid.serve.recommend_inputs import open_ranker, value_model_weights
     from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
 
     torch.set_num_threads(1)
@@ -102,16 +102,14 @@ def validation_hr(paths: Dict[str, str], args) -> Validation:
     chosen = choose_fusion(fusion_hits)
     found = {}
     for loss, steps in keys:
-        rec.ranker, _ = open_ranker(paths[f"ranker_{loss}_{steps}"])
-        rec.weights = torch.zeros(len(rec.tasks))  # all ties: the probabilities in `top` order
-        scored = [(top, rec._rank(user, top, lists, history)[1])
-                  for (user, lists, history), top in zip(asked, merged[chosen])]
-        for v, value in enumerate(VALUES):
-            weights = np.array([value.get(task, 0.0) for task in rec.tasks])
-            own = [top[np.argsort(-(p @ weights), kind="stable")] for top, p in scored]
+        rec.ranker, description = open_ranker(paths[f"ranker_{loss}_{steps}"])
+        for v, value in enumerate(VALUES):  # each ordered as a request orders it
+            rec.weights = value_model_weights(value, rec.tasks, description)
+            own = [rec._rank(user, top, lists, history)[0]
+                   for (user, lists, history), top in zip(asked, merged[chosen])]
             for prior in PRIORS:
                 found[loss, steps, v, prior] = float(hits(
-                    [o[with_prior(o, top, prior)] for o, (top, _) in zip(own, scored)],
+                    [o[with_prior(o, top, prior)] for o, top in zip(own, merged[chosen])],
                     wanted).mean())
     return Validation(found, float(fusion_hits[chosen].mean()), dict(zip(SOURCES, chosen)),
                       {w: float(h.mean()) for w, h in fusion_hits.items()})
