@@ -345,6 +345,8 @@ BAD = [
     (["--user", "u0", "--sources", "pixie", "--fusion", "pixie=0"],
      "--fusion: weights must be 0 or more and one above 0"),
     (["--user", "u0", "--fusion", "history=-1"], "--fusion: weights must be 0 or more"),
+    (["--user", "u0", "--fusion", "history=1,history=0"], "--fusion: history is given twice"),
+    (["--user", "u0", "--value", "liked=1, liked=2"], "--value: liked is given twice"),
     (["--user", "u0", "--rank-prior", "-0.5"], "--rank-prior: must be 0 or more, got -0.5"),
     (["--user", "u0", "--first-stage-prior", "2"], "recommend: --first-stage-prior weighs"),
     (["--users", "{root}/users.txt"], "recommend: --users needs --out"),

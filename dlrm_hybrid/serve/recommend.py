@@ -132,12 +132,16 @@ def _weights(flag: str, text: str, example: str) -> Optional[Dict[str, float]]:
     weights: Dict[str, float] = {}
     for item in text.split(","):
         name, _, number = (part.strip() for part in item.partition("="))
+        what = "TASK" if flag == "--value" else "SOURCE"
         try:
-            weights[name] = float(number)
+            weight = float(number)
         except ValueError:
-            what = "TASK" if flag == "--value" else "SOURCE"
             raise UserError(f"{flag}: {item.strip()!r}; write {what}=WEIGHT, e.g. "
                             f"{example}=1") from None
+        if name in weights:
+            raise UserError(f"{flag}: {name} is given twice ({text.strip()}); give each "
+                            f"{what} once")
+        weights[name] = weight
     return weights
 
 
