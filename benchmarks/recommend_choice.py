@@ -152,7 +152,7 @@ def first_stage_prior(paths: Dict[str, str], ranker: str, first_stage: str, args
         exclude = np.unique(history)
         lists = {s: rec.sources.source(s, user, history, exclude, timeline)[0] for s in fusion}
         merged = merge(lists, fusion)[0]
-        orders.append((rec.first_stage.keep(user, merged, len(merged))[0], merged))
+        orders.append((rec.first_stage.order(user, merged), merged))
     return {prior: float(hits([own[with_prior(own, merged, prior)] for own, merged in orders],
                               wanted).mean()) for prior in PRIORS}
 

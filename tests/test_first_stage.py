@@ -148,8 +148,7 @@ def test_the_cached_item_side_scores_as_the_trained_model(funnel):
             users, vectors = split_towers(model(batch.dense, batch.sparse))
         want = (users * vectors).sum(1).numpy()
         assert np.allclose(stage.scores(user, items), want, atol=1e-5)
-        kept, scores = stage.keep(user, items, 4)
-        assert kept.tolist() == items[np.argsort(-want, kind="stable")[:4]].tolist()
+        assert stage.order(user, items).tolist() == items[np.argsort(-want, kind="stable")].tolist()
 
 
 def test_three_stages_rank_the_first_stages_best_in_the_heavy_rankers_order(funnel):
@@ -184,7 +183,7 @@ def test_three_stages_rank_the_first_stages_best_in_the_heavy_rankers_order(funn
     assert kept["first_stage"].tolist() == kept["merged"][:6].tolist()
     rec.settings.first_stage_prior = 0.5
     kept = rec.recommend("u0").stages
-    own = rec.first_stage.keep(rec.retriever.user_of["u0"], kept["merged"], len(kept["merged"]))[0]
+    own = rec.first_stage.order(rec.retriever.user_of["u0"], kept["merged"])
     rank = {item: r for r, item in enumerate(kept["merged"].tolist(), 1)}
     fused = sorted(own.tolist(), key=lambda item: -(1 / (60 + own.tolist().index(item) + 1)
                                                     + 0.5 / (60 + rank[item])))

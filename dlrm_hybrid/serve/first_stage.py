@@ -2,12 +2,11 @@
 heavy ranker's top-K choices (`preprocess first-stage`, data/interactions/first_stage_labels.py),
 exported with `export --retrieval`. Its item side is cached: the export's item vectors, computed
 once from the item tower, so scoring a request's ~1,000 candidates is one user-tower call and
-one [E] x [E, N] product; the best `keep` go on to the heavy ranker."""
+one [E] x [E, N] product; the best go on to the heavy ranker."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Tuple
 
 import numpy as np
 
@@ -40,12 +39,10 @@ class FirstStage:
         vector = self.model.user_vectors(np.array([user], np.int64))[0]
         return self.model.item_vectors[np.asarray(items, np.int64)] @ vector
 
-    def keep(self, user: int, items: np.ndarray, n: int) -> Tuple[np.ndarray, np.ndarray]:
-        """The `n` of `items` the model scores highest, best first (ties: their order), with
-        their scores."""
+    def order(self, user: int, items: np.ndarray) -> np.ndarray:
+        """`items` best first by the model's score (ties: their order); the caller keeps the
+        best it passes on, after fusing this order with the one it was handed."""
         items = np.asarray(items, np.int64)
         if not len(items):
-            return items, np.zeros(0, np.float32)
-        scores = self.scores(user, items)
-        order = np.argsort(-scores, kind="stable")[:n]
-        return items[order], scores[order]
+            return items
+        return items[np.argsort(-self.scores(user, items), kind="stable")]

@@ -130,9 +130,9 @@ def _weights(flag: str, text: str, example: str) -> Optional[Dict[str, float]]:
     if not text.strip():
         return None
     weights: Dict[str, float] = {}
+    what = "TASK" if flag == "--value" else "SOURCE"
     for item in text.split(","):
         name, _, number = (part.strip() for part in item.partition("="))
-        what = "TASK" if flag == "--value" else "SOURCE"
         try:
             weight = float(number)
         except ValueError:

@@ -226,7 +226,7 @@ class Recommender:
         stages["first_stage"] = np.zeros(0, np.int64)
         if self.first_stage is not None:
             start = self.clock()
-            scored, _ = self.first_stage.keep(user, stages["merged"], len(stages["merged"]))
+            scored = self.first_stage.order(user, stages["merged"])
             keep = with_prior(scored, stages["merged"], s.first_stage_prior)
             stages["first_stage"] = scored[keep[:s.first_stage_keep]]
             to_rank = stages["first_stage"]
