@@ -1,8 +1,9 @@
 """The ranker trained on the funnel's own candidates (`preprocess interactions --labels
 --candidates`, data/interactions/ranking_negatives.py; serve/candidate_sources.py) and the
-learning-to-rank losses (model/task_heads.py's `ranking_loss`): candidate negatives are never an
-engaged or evaluation item; the rows are those after the candidate models' data; models that
-trained on an evaluation pair are refused; the features are the sources' ranks and scores; the
+learning-to-rank losses (model/task_heads.py's `ranking_loss`): candidate negatives are never
+what the split must not draw, and in train an evaluation item as often as another; the rows
+are those after the candidate models' data; models that trained on an evaluation pair are
+refused; the features are the sources' ranks and scores; the
 pairwise and listwise losses equal a hand computation and train."""
 
 from __future__ import annotations
@@ -261,17 +262,28 @@ def held(retrieval: Path) -> set:
                             np.load(retrieval / f"{s}_item.npy"))}
 
 
-def test_candidate_dataset_rows_come_after_the_early_models_and_never_negatives_engaged(early):
+def test_candidate_dataset_rows_come_after_the_early_models_and_negatives_mark_no_evaluation_item(
+        early):
+    """Engagements after the early models' data; validation and test negatives never an
+    engagement nor an evaluation item; train negatives never a train engagement, but an
+    evaluation item (--holdout's, the dataset's validation and test) among them as any other
+    candidate, or a ranker would learn that the candidate never drawn is the one to rank."""
     root, rows, _, stdout = early
     engaged = {(u, i) for u, i, _, _ in rows}
     evaluation = held(root / "ret")
     when = {(u, i): t for u, i, _, t in rows}
+    left = {}  # the rows --holdout leaves, by user, in time order: leave-last-out's split
+    for u, i, _, t in sorted(rows, key=lambda r: r[3]):
+        if (u, i) not in evaluation:
+            left.setdefault(u, []).append((u, i))
+    trained = {p for pairs in left.values() for p in pairs[:-2]}
     users = (root / "early/users.txt").read_text().split()
     items = (root / "early/items.txt").read_text().split()
     last_early = {}
     for u, i in zip(np.load(root / "early/train_user.npy"),
                     np.load(root / "early/train_item.npy")):
         last_early[users[u]] = max(last_early.get(users[u], -1), when[(users[u], items[i])])
+    train_negatives = set()
     for split in ("train", "val", "test"):
         pairs, label, dense = pairs_of(root / "rank", split)
         assert len(pairs) % 4 == 0 and (label[::4] == 1).all()
@@ -279,10 +291,14 @@ def test_candidate_dataset_rows_come_after_the_early_models_and_never_negatives_
         for (u, i), positive in zip(pairs, label):
             if positive:  # an engagement after every pair the candidate models trained on
                 assert when[(u, i)] > last_early[u]
+            elif split == "train":
+                assert (u, i) not in trained
+                train_negatives.add((u, i))
             else:
                 assert (u, i) not in engaged and (u, i) not in evaluation
         assert dense.shape[1] == 2 + len(RANKER_CANDIDATE)
         assert (dense[::4, 2:].max(1) > 0).all()  # every engagement is a candidate
+    assert train_negatives & (engaged - trained)  # evaluation items drawn too
     assert "candidates engagements left out" in stdout
 
 

@@ -65,19 +65,30 @@ def held_pairs(retrieval: Path) -> set:
                             np.load(retrieval / f"{s}_item.npy"))}
 
 
-def test_held_out_pairs_are_in_no_split_and_never_negatives(made):
+def test_held_out_pairs_are_in_no_split_and_train_negatives_do_not_mark_them(made):
+    """Held pairs are in no split and never a validation or test negative; train negatives are
+    never a train engagement, and draw an evaluation item (a held pair, the dataset's own
+    validation and test) as often as any other item: never drawing them would mark each
+    user's evaluation items as the ones a trained ranker never saw as negatives (a leak)."""
     root, stdout = made
     held = held_pairs(root / "retrieval")
     assert len(held) == 12 and ("a", "solo") in held  # each user's last two positives
-    engagements, negatives = {}, []
+    engagements, negatives = {}, {}
     for split in ("train", "val", "test"):
-        engagements[split], more = split_pairs(str(root / "ranking"), split)
-        negatives += more
+        engagements[split], negatives[split] = split_pairs(str(root / "ranking"), split)
     everything = [p for rows in engagements.values() for p in rows]
     assert sorted(everything) == sorted((u, i) for u, i, _, _ in LOG if (u, i) not in held)
-    assert not held & set(negatives)  # never sampled as a negative
-    assert not {(u, i) for u, i, _, _ in LOG} & set(negatives)
-    assert len(negatives) == 4 * len(everything)
+    logged = {(u, i) for u, i, _, _ in LOG}
+    assert not (held | logged) & set(negatives["val"] + negatives["test"])
+    train_negatives = set(negatives["train"])
+    assert not set(engagements["train"]) & train_negatives
+    evaluation = held | set(engagements["val"]) | set(engagements["test"])
+    catalogue = {i for _, i, _, _ in LOG}
+    others = {(u, i) for u in "abcdef" for i in catalogue} - logged
+    drawn = {name: len(pairs & train_negatives) / len(pairs)
+             for name, pairs in (("evaluation", evaluation), ("others", others))}
+    assert drawn["others"] > 0.5 and abs(drawn["evaluation"] - drawn["others"]) < 0.2, drawn
+    assert sum(map(len, negatives.values())) == 4 * len(everything)
     done = done_fields(stdout)  # rows out = rows in - held-out rows
     assert (done["rows"], done["kept"], done["held_out"]) == (len(LOG), len(LOG) - 12, 12)
     meta = yaml.safe_load((root / "ranking" / "feature_spec.yaml").read_text())["metadata"]

@@ -20,9 +20,10 @@ last engagements. For every user they know:
   evaluation one), as a served request's are to its latest history items;
 - an engagement the candidates do not hold is left out (the ranker only ever orders
   candidates), counted;
-- each engagement's negatives: round(N * ratio) drawn uniformly from the user's candidates the
-  user never engaged with anywhere in the log (nor in --holdout's pairs: never an evaluation
-  item), the rest uniform over every such item (sample_negatives); a uniform negative the
+- each engagement's negatives: round(N * ratio) drawn uniformly from the user's candidates
+  outside ranking_log.never_negative (in train: the user's train engagements only, so a user's
+  evaluation item is drawn as often as its other candidates and its absence tells the ranker
+  nothing), the rest uniform over every such item (sample_negatives); a uniform negative the
   candidates hold gets its features, any other zeros.
 
 Rows go in requests: an engagement then its N negatives, 1 + N consecutive rows; the train
