@@ -1,10 +1,10 @@
 """The ranker trained on the funnel's own candidates (`preprocess interactions --labels
 --candidates`, data/interactions/ranking_negatives.py; serve/candidate_sources.py) and the
 learning-to-rank losses (model/task_heads.py's `ranking_loss`): candidate negatives are never
-what the split must not draw, and in train an evaluation item as often as another; the rows
-are those after the candidate models' data; models that trained on an evaluation pair are
-refused; the features are the sources' ranks and scores; the
-pairwise and listwise losses equal a hand computation and train."""
+what the split must not draw, and in train an evaluation item as often as another; the rows are
+those after the candidate models' data; models that trained on an evaluation pair are refused;
+the features are the sources' ranks and scores; the pairwise and listwise losses equal a hand
+computation and train."""
 
 from __future__ import annotations
 

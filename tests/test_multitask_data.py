@@ -170,7 +170,7 @@ def test_ranking_dataset_labels_negatives_requests_and_rows(ranking):
         for (user, item), labels, pos in zip(pairs, c.labels, positive):
             if pos:
                 labelled.append((user, item, *labels.tolist()))
-            else:  # a negative: every label 0, never engaged (in train: in train)
+            else:  # a negative: every label 0, never engaged (train's: in train)
                 assert (user, item) not in (trained if split == "train" else engaged)
                 assert labels.tolist() == [0, 0, 0]
         for user in set(users):

@@ -22,8 +22,8 @@ several labels) for the DLRM, beside the retrieval dataset the same command make
 - Held out (`--holdout DIR`, DIR the retrieval dataset of the same log): DIR's validation and
   test (user, item) pairs, matched by raw id, are left out of every split (and never a
   validation or test negative), so a funnel evaluated on DIR's test items never trained its
-  ranker on them. Ids
-  stay the whole log's (every item keeps its id); leave-last-out splits the rows left.
+  ranker on them. Ids stay the whole log's (every item keeps its id); leave-last-out splits
+  the rows left.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class Split:
     left_out: Dict[str, int] = field(default_factory=dict)
 
 
-def never_negative(prepared: Prepared, held: np.ndarray, split: str) -> np.ndarray:
-    """Sorted keys user * items + item that `split`'s negatives are never drawn from.
+def never_negative(prepared: Prepared, held: np.ndarray) -> Dict[str, np.ndarray]:
+    """Per split, the sorted keys user * items + item its negatives are never drawn from.
     Validation and test: every engagement and `held`, so that no evaluation negative is an
     engagement. Train: the train engagements only, what training may know. Leaving the
     evaluation pairs (`held`, the validation and test engagements) out of train's draws too
@@ -117,9 +117,9 @@ def never_negative(prepared: Prepared, held: np.ndarray, split: str) -> np.ndarr
     HR@10 from 0.242 to 0.308 with no model (0.233 since). So an evaluation item is drawn as
     often as any other."""
     data = prepared.data
-    pairs = [data.pairs["train"]] if split == "train" else [*data.pairs.values()]
-    return np.unique(np.concatenate([u.astype(np.int64) * data.items + i for u, i in pairs]
-                                    + ([] if split == "train" else [held])))
+    keys = {split: u.astype(np.int64) * data.items + i for split, (u, i) in data.pairs.items()}
+    evaluation = np.unique(np.concatenate([*keys.values(), held]))
+    return {split: np.unique(keys[split]) if split == "train" else evaluation for split in keys}
 
 
 def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], negatives: int,
@@ -127,9 +127,9 @@ def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], neg
     """Each split's engagements, each followed by its sampled negatives (never a
     `never_negative` key); train shuffled."""
     data, rng = prepared.data, np.random.default_rng(seed)
-    out = {}
+    excluded, out = never_negative(prepared, held), {}
     for split, (users, items) in data.pairs.items():
-        engaged = never_negative(prepared, held, split)
+        engaged = excluded[split]
         full = np.bincount(engaged // data.items, minlength=data.users) >= data.items
         labels = np.stack([r.values(log, prepared.rows[split]) for r in rules], axis=1)
         sampled = ~full[users]
@@ -160,13 +160,13 @@ def candidate_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], n
     from dlrm_hybrid.serve.candidate_sources import RANKER_CANDIDATE
 
     data, rng = prepared.data, np.random.default_rng(seed)
-    width, out = len(RANKER_CANDIDATE), {}
+    width, excluded, out = len(RANKER_CANDIDATE), never_negative(prepared, held), {}
     for split, (users, items) in data.pairs.items():
         rows = prepared.rows[split]
         labels = np.stack([r.values(log, rows) for r in rules], axis=1)
         keep, blocks, features, left_out = candidate_blocks(
             users.astype(np.int64), items.astype(np.int64), positions[rows], pool,
-            never_negative(prepared, held, split), data.items, negatives, ratio, width, rng)
+            excluded[split], data.items, negatives, ratio, width, rng)
         if not keep.any():
             raise DataError(f"--candidates: no {SPLIT_FOLDERS[split]} engagement is left (after "
                             f"its user's cut and among the candidates: {left_out}); make the "
