@@ -33,10 +33,11 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    sources within one standard error of the best: a source earns weight only where validation
    shows more than noise); each ranker orders the same RANK_TOP merged candidates with each
    value model of VALUES and each weight of the merged order beside its own (PRIORS,
-   `recommend --rank-prior`); per loss the steps, value model and prior of the best validation
-   HR@10 are kept (ties: fewer steps, then the smaller prior), and the loss best on validation
-   is the ranked line and the heavy ranker of the three-stage funnel; the test world's ranker
-   of those settings serves.
+   `recommend --rank-prior`, inf: keep the merged order); per loss the steps and value model of
+   the best validation HR@10 are kept (ties: fewer steps), with the largest prior within one
+   standard error of their best (a stage reorders only where validation shows more than
+   noise), and the loss best on validation is the ranked line and the heavy ranker of the
+   three-stage funnel; the test world's ranker of those settings serves.
 4. The first-stage ranker, of that chosen heavy ranker (loss, steps, value model): its top
    `--top-k-label` (TOP_K_LABEL) of each request of the ranking train split (`predict
    --top-k-label`, with `--value` the chosen value model), `preprocess first-stage
@@ -45,7 +46,7 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    (TOWER, EPOCHS), `export --retrieval`; each part named by the ranker, value model, K and
    labels-only or engaged it depends on, so --work keeps and reuses it too. The validation
    world builds its own of its chosen ranker, which chooses the first stage's weight of the
-   merged order (PRIORS, `recommend --first-stage-prior`).
+   merged order (PRIORS, `recommend --first-stage-prior`) by the same rule.
 5. Requests, only now asking the test users, with the chosen rankers: for each, one
    `Recommender.recommend_dense` (dlrm_hybrid/serve/recommend.py) with history = the user's
    training items and validation item, every one of them excluded; sources PER_SOURCE
@@ -216,14 +217,21 @@ def summary_line(name: str, hr: Dict[str, float], total_ms: List[float],
                f" p99_cpu_ms_three_stage={percentile(three[2], 99):.2f}"))
 
 
+def prior_text(prior: float) -> str:
+    """A stage's weight of the order it was handed: inf reads "keep" (the handed order)."""
+    return "keep" if np.isinf(prior) else f"{prior:g}"
+
+
 def weights_text(weights: Dict[str, float]) -> str:
     """E.g. two_tower 1, history 0.25, pixie 0."""
     return ", ".join(f"{source} {w:g}" for source, w in weights.items())
 
 
-def validation_tables(on_val, args, first_val: Dict[float, float]) -> None:
+def validation_tables(on_val, args, choices: Dict[str, Tuple[int, int, float]],
+                      first_val: Dict[float, np.ndarray], first_prior: float) -> None:
     """What the validation world chose from: the merge weights (the best five, equal weights,
-    the choice), each ranker's and value model's best prior, the first stage's priors."""
+    the choice), each ranker's and value model's best prior (the chosen settings' prior
+    marked), the first stage's priors."""
     from dlrm_hybrid.serve.candidate_sources import SOURCES
 
     print("\nvalidation HR@10 (the validation world's test items: each user's validation item, "
@@ -234,19 +242,24 @@ def validation_tables(on_val, args, first_val: Dict[float, float]) -> None:
     for w in dict.fromkeys([*shown, (1.0,) * len(SOURCES), chosen]):
         print(f"| {', '.join(f'{x:g}' for x in w)}{' *' if w == chosen else ''} | "
               f"{on_val.fusion_hr[w]:.4f} |")
+    print(f"\nrankers (keeping the merged order: {on_val.merged:.4f})")
     print("\n| loss | steps | " + " | ".join(value_text(v) for v in VALUES) + " |")
     print("|---|---:|" + "---:|" * len(VALUES))
     for loss in args.losses:
         for steps in args.ranker_steps:
             cells = []
             for v in range(len(VALUES)):
-                prior = max(PRIORS, key=lambda p: (on_val.hr[loss, steps, v, p], -p))
-                cells.append(f"{on_val.hr[loss, steps, v, prior]:.4f} (prior {prior:g}; "
-                             f"0: {on_val.hr[loss, steps, v, 0.0]:.4f})")
+                hr = {p: on_val.hits[loss, steps, v, p].mean() for p in PRIORS}
+                prior = max(PRIORS, key=lambda p: (hr[p], -p))
+                mark = (f"; chosen {prior_text(choices[loss][2])} *"
+                        if choices[loss][:2] == (steps, v) else "")
+                cells.append(f"{hr[prior]:.4f} (prior {prior_text(prior)}; 0: {hr[0.0]:.4f}"
+                             f"{mark})")
             print(f"| {loss} | {steps} | " + " | ".join(cells) + " |")
     print("\n| first stage: the merged order's weight | " + " | ".join(
-        f"{p:g}" for p in PRIORS) + " |\n|---|" + "---:|" * len(PRIORS))
-    print("| HR@10 | " + " | ".join(f"{first_val[p]:.4f}" for p in PRIORS) + " |")
+        prior_text(p) + (" *" if p == first_prior else "") for p in PRIORS)
+        + " |\n|---|" + "---:|" * len(PRIORS))
+    print("| HR@10 | " + " | ".join(f"{first_val[p].mean():.4f}" for p in PRIORS) + " |")
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -325,7 +338,7 @@ def main() -> None:
         world_paths = recommend_build.build(args, world,
                                             recommend_build.validation_log(args.data, world))
         on_val = recommend_choice.validation_hr(world_paths, args)
-        chosen = choose(on_val.hr)
+        chosen = choose(on_val.hits)
         args.losses = list(chosen)
         for loss in args.losses:
             paths[f"ranker_{loss}"] = paths[f"ranker_{loss}_{chosen[loss][0]}"]
@@ -334,7 +347,7 @@ def main() -> None:
         first_val = recommend_choice.first_stage_prior(
             world_paths, world_ranker, recommend_build.build_first_stage(
                 args, world, world_paths, world_ranker, value), args, on_val.fusion)
-        first_prior = max(PRIORS, key=lambda prior: (first_val[prior], -prior))
+        first_prior = recommend_choice.defer(first_val)
         paths["first_stage"] = recommend_build.build_first_stage(
             args, work, paths, paths[f"ranker_{best}"], value)
         ranked = {}
@@ -360,7 +373,7 @@ def main() -> None:
             "ranked": f"ranked: multi-task ranker on the top {RANK_TOP}, value model "
                       f"({args.ranker_data} negatives, {args.losses[0]}, "
                       f"{chosen[args.losses[0]][0]} steps, merged order's weight "
-                      f"{chosen[args.losses[0]][2]:g})"}
+                      f"{prior_text(chosen[args.losses[0]][2])})"}
     print(f"\n{name}: {len(users)} test users (each user's last positive, rating >= 4); history "
           f"and exclusions: training + validation items; value = "
           + value_text(VALUES[chosen[args.losses[0]][1]]) + f"; {cpu}")
@@ -373,7 +386,7 @@ def main() -> None:
     for loss, h in list(ranked.items())[1:]:
         print(f"| ranked, {loss} loss, {chosen[loss][0]} steps, value "
               f"{value_text(VALUES[chosen[loss][1]])}, merged order's weight "
-              f"{chosen[loss][2]:g} | {h['ranked_hr@10']:.4f} | "
+              f"{prior_text(chosen[loss][2])} | {h['ranked_hr@10']:.4f} | "
               f"{h['ranked_hr@50']:.4f} | | | |")
     for peer, m in found.items():
         print(f"| {peer} | {m['test_hr@10']:.4f} | {m['test_recall@50']:.4f} | | | |")
@@ -385,7 +398,7 @@ def main() -> None:
     print(f"\nThree stages ({best} ranker, {chosen[best][0]} steps, value {value_text(value)}): "
           f"sources {THREE_PER_SOURCE} each, the first stage (two-tower of the heavy ranker's "
           f"top {args.top_k_label}) on every merged candidate, its order fused with the "
-          f"merged order of weight {first_prior:g}, the heavy ranker on its best "
+          f"merged order of weight {prior_text(first_prior)}, the heavy ranker on its best "
           f"{args.first_stage_keep}")
     print("| stage | HR@10 | recall@50 | items per request | CPU ms p50 | CPU ms p99 |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -399,7 +412,7 @@ def main() -> None:
     for what_ms, times in (("", three_per_stage["request"]), (", wall ms", three_total)):
         print(f"| whole request{what_ms} | | | | {percentile(times, 50):.2f} | "
               f"{percentile(times, 99):.2f} |")
-    validation_tables(on_val, args, first_val)
+    validation_tables(on_val, args, chosen, first_val, first_prior)
     print(summary_line(name, hr, total, ranked,
                        (three_hr, three_total, three_per_stage["request"]), per_stage["request"]))
 

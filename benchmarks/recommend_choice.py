@@ -1,7 +1,10 @@
 """What benchmarks/recommend.py chooses in its validation world, on validation items only: the
-merge's source weights (`choose_fusion`, by the one-standard-error rule), each loss's ranker
-(steps, value model and the weight of the merged order beside its own: `validation_hr`,
-`choose`), and the first stage's weight of the merged order (`first_stage_prior`)."""
+merge's source weights (`choose_fusion`), each loss's ranker (steps, value model and the weight
+of the merged order beside its own: `validation_hr`, `choose`), and the first stage's weight of
+the merged order (`first_stage_prior`, `defer`). Weights and priors by the one-standard-error
+rule (Hastie, Tibshirani and Friedman 7.10, on the paired per-user difference): the simplest
+setting within one standard error of the best, where a source earns weight and a stage reorders
+what it was handed only where validation shows more than noise."""
 
 from __future__ import annotations
 
@@ -21,11 +24,12 @@ VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validatio
 PER_SOURCE, RANK_TOP = 200, 300
 THREE_PER_SOURCE = 400  # the three-stage funnel's candidates per source (645 merged on ml-100k)
 FUSION_GRID = (0.0, 0.25, 0.5, 1.0)  # each source's merge weight; the largest is 1
-PRIORS = (0.0, 0.5, 1.0, 2.0, 4.0)  # the incoming order's weight beside a stage's own
+# the incoming order's weight beside a stage's own; inf: the stage keeps the incoming order
+PRIORS = (0.0, 0.5, 1.0, 2.0, 4.0, float("inf"))
 
 
 class Validation(NamedTuple):
-    hr: Dict[Tuple[str, int, int, float], float]  # (loss, steps, value, prior) -> HR@10
+    hits: Dict[Tuple[str, int, int, float], np.ndarray]  # (loss, steps, value, prior) -> per user
     merged: float  # the chosen merge's HR@10
     fusion: Dict[str, float]  # the chosen merge weights
     fusion_hr: Dict[Tuple[float, ...], float]  # every weighting's HR@10 (SOURCES order)
@@ -47,21 +51,29 @@ def hits(orders: List[np.ndarray], wanted: np.ndarray, k: int = 10) -> np.ndarra
     return np.array([item in order[:k] for order, item in zip(orders, wanted)], float)
 
 
+def within_noise(best: np.ndarray, other: np.ndarray) -> bool:
+    """`other`'s per-user hits within one standard error (of the paired difference per user)
+    of `best`'s."""
+    gap = best - other
+    users = len(gap)
+    return gap.mean() <= gap.std(ddof=1) / np.sqrt(users) if users > 1 else not gap.any()
+
+
 def choose_fusion(found: Dict[Tuple[float, ...], np.ndarray]) -> Tuple[float, ...]:
     """The weighting (per-user hits on validation of each) with the fewest weighted sources
-    among those within one standard error of the best (the one-standard-error rule, Hastie,
-    Tibshirani and Friedman 7.10: the error of the paired difference per user), the best of
-    those; ties: the grid's order. A source earns weight only where validation shows more
-    than noise: on a log where one source dominates, that source alone."""
-    best = max(found, key=lambda w: found[w].mean())
-    users = len(found[best])
-
-    def within(w):
-        gap = found[best] - found[w]
-        return gap.mean() <= gap.std(ddof=1) / np.sqrt(users) if users > 1 else w == best
-
-    close = [w for w in found if within(w)]
+    among those within one standard error of the best, the best of those; ties: the grid's
+    order. On a log where one source dominates, that source alone."""
+    best = found[max(found, key=lambda w: found[w].mean())]
+    close = [w for w in found if within_noise(best, found[w])]
     return min(close, key=lambda w: (sum(x > 0 for x in w), -found[w].mean()))
+
+
+def defer(found: Dict[float, np.ndarray]) -> float:
+    """The largest prior (per-user hits on validation of each) within one standard error of
+    the best: the stage defers to the order it was handed, wholly (inf) where its own order's
+    gain is noise."""
+    best = found[max(found, key=lambda p: (found[p].mean(), -p))]
+    return max(p for p in found if within_noise(best, found[p]))
 
 
 def validation_hr(paths: Dict[str, str], args) -> Validation:
@@ -108,32 +120,37 @@ def validation_hr(paths: Dict[str, str], args) -> Validation:
             own = [rec._rank(user, top, lists, history)[0]
                    for (user, lists, history), top in zip(asked, merged[chosen])]
             for prior in PRIORS:
-                found[loss, steps, v, prior] = float(hits(
+                found[loss, steps, v, prior] = hits(
                     [o[with_prior(o, top, prior)] for o, top in zip(own, merged[chosen])],
-                    wanted).mean())
+                    wanted)
     return Validation(found, float(fusion_hits[chosen].mean()), dict(zip(SOURCES, chosen)),
                       {w: float(h.mean()) for w, h in fusion_hits.items()})
 
 
-def choose(on_val: Dict[Tuple[str, int, int, float], float]
+def choose(on_val: Dict[Tuple[str, int, int, float], np.ndarray]
            ) -> Dict[str, Tuple[int, int, float]]:
-    """Per loss, the (steps, value model, prior) of the best validation HR@10 (ties: fewer
-    steps, then VALUES order, then the smaller prior); the loss best on validation first."""
-    chosen: Dict[str, Tuple[int, int, float]] = {}
-    for (loss, steps, value, prior), hr in on_val.items():
-        best = chosen.get(loss)
-        if best is None or (hr, -steps, -value, -prior) > (on_val[(loss, *best)], -best[0],
-                                                           -best[1], -best[2]):
-            chosen[loss] = (steps, value, prior)
-    return dict(sorted(chosen.items(), key=lambda kv: -on_val[(kv[0], *kv[1])]))
+    """Per loss (per-user validation hits of each setting), the steps and value model of the
+    best validation HR@10 at any prior (ties: fewer steps, then VALUES order), and their prior
+    by `defer`; the loss best on validation first."""
+    rate: Dict[Tuple[str, int, int], float] = {}  # (loss, steps, value): its best HR@10
+    for (loss, steps, value, _), found in on_val.items():
+        rate[loss, steps, value] = max(rate.get((loss, steps, value), 0.0), found.mean())
+    best: Dict[str, Tuple[int, int]] = {}  # loss: (steps, value)
+    for (loss, steps, value), hr in rate.items():
+        if loss not in best or (hr, -steps, -value) > (rate[(loss, *best[loss])],
+                                                       -best[loss][0], -best[loss][1]):
+            best[loss] = (steps, value)
+    return {loss: (*best[loss], defer({prior: found for (*setting, prior), found
+                                       in on_val.items() if tuple(setting) == (loss, *best[loss])}))
+            for loss in sorted(best, key=lambda loss: -rate[(loss, *best[loss])])}
 
 
 def first_stage_prior(paths: Dict[str, str], ranker: str, first_stage: str, args,
-                      fusion: Dict[str, float]) -> Dict[float, float]:
-    """HR@10 of the validation world's first stage (`first_stage`, of its chosen heavy ranker
-    `ranker`) with each prior of PRIORS: its order of the THREE_PER_SOURCE-per-source merge
-    (weights `fusion`) fused with the merged order of that weight, asked as validation_hr
-    asks."""
+                      fusion: Dict[str, float]) -> Dict[float, np.ndarray]:
+    """Per-user validation hits of the validation world's first stage (`first_stage`, of its
+    chosen heavy ranker `ranker`) with each prior of PRIORS: its order of the
+    THREE_PER_SOURCE-per-source merge (weights `fusion`) fused with the merged order of that
+    weight, asked as validation_hr asks."""
     import torch
 
     from dlrm_hybrid.graph.pixie import PixieParams
@@ -153,8 +170,8 @@ def first_stage_prior(paths: Dict[str, str], ranker: str, first_stage: str, args
         lists = {s: rec.sources.source(s, user, history, exclude, timeline)[0] for s in fusion}
         merged = merge(lists, fusion)[0]
         orders.append((rec.first_stage.order(user, merged), merged))
-    return {prior: float(hits([own[with_prior(own, merged, prior)] for own, merged in orders],
-                              wanted).mean()) for prior in PRIORS}
+    return {prior: hits([own[with_prior(own, merged, prior)] for own, merged in orders], wanted)
+            for prior in PRIORS}
 
 
 def test_users(retrieval: str, limit: int):

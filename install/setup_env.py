@@ -80,20 +80,26 @@ def pair_for(version: str, table: Dict[str, Pair]) -> Pair:
     return table[minor]
 
 
-def installed_torch() -> dict:
+def installed_torch(modules: tuple[str, ...] = ()) -> dict:
     """What `import torch` gives in this environment, asked in a fresh interpreter so a failed
-    import is reported rather than raised here."""
+    import is reported rather than raised here; then, in the same interpreter (one torch
+    import, ~2 s, not two), `modules` are imported: {"failed": the error's last line} where
+    one fails."""
     probe = ("import json, importlib.metadata, torch; print(json.dumps({"
              "'version': torch.__version__, 'dist': importlib.metadata.version('torch'), "
              "'cuda': torch.version.cuda, 'hip': getattr(torch.version, 'hip', None), "
-             "'file': torch.__file__}))")
+             "'file': torch.__file__}), flush=True)")
+    if modules:
+        probe += f"; import {', '.join(modules)}"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    printed = result.stdout.strip().splitlines()
+    if not printed or not printed[-1].startswith("{"):
         raise InstallError(f"{sys.executable}: `import torch` fails ({last}); install torch "
                            f"into this environment (or create it with --system-site-packages "
                            f"where torch is installed system-wide), or drop TORCH=system")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    found = json.loads(printed[-1])
+    return {**found, "failed": last} if result.returncode != 0 else found
 
 
 def nvidia_driver() -> bool:
@@ -231,28 +237,25 @@ def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> di
         constraints.write_text(f"torch=={torch_info['dist']}\n")
         wanted.write_text(requirements(keep_dali=dali is not None))
         pip("-c", str(constraints), f"{fbgemm}=={pair.fbgemm}", "-r", str(wanted))
-    pip("--no-deps", f"torchrec=={pair.torchrec}")
-    # mllog and the compliance checker need only pyyaml (MODULES imports them below); the pandas
-    # and scipy it declares serve its result summarizer and RCP checker, which this program does
-    # not use (160 MB installed). `pip check` names them: known_unmet.
-    pip("--no-deps", MLPERF_LOGGING)
+    # torchrec: see the module's docstring. mllog and the compliance checker need only pyyaml
+    # (MODULES imports them below); the pandas and scipy mlperf-logging declares serve its result
+    # summarizer and RCP checker, which this program does not use (160 MB installed). `pip
+    # check` names them: known_unmet.
+    pip("--no-deps", f"torchrec=={pair.torchrec}", MLPERF_LOGGING)
     pip("--no-deps", "--no-build-isolation", "-e", str(ROOT))
-    after = installed_torch()
-    if (after["version"], after["file"]) != (torch_info["version"], torch_info["file"]):
-        raise InstallError(f"torch changed during the install: {torch_info['version']} at "
-                           f"{torch_info['file']} became {after['version']} at {after['file']}")
-    modules = ["fbgemm_gpu", "torchrec", *MODULES]
+    modules = ("fbgemm_gpu", "torchrec", *MODULES)
     if fbgemm == "fbgemm-gpu" and not nvidia_driver():
         # A docker build has no driver, and the CUDA build needs it to load.
         print("setup_env: no NVIDIA driver here, so fbgemm_gpu and torchrec are not imported "
               "now; they load where the GPUs are", flush=True)
-        modules = MODULES
-    check = subprocess.run([sys.executable, "-c", f"import {', '.join(modules)}"],
-                           capture_output=True, text=True)
-    if check.returncode != 0:
-        last = (check.stderr.strip().splitlines() or ["no output"])[-1]
+        modules = tuple(MODULES)
+    after = installed_torch(modules)
+    if (after["version"], after["file"]) != (torch_info["version"], torch_info["file"]):
+        raise InstallError(f"torch changed during the install: {torch_info['version']} at "
+                           f"{torch_info['file']} became {after['version']} at {after['file']}")
+    if "failed" in after:
         raise InstallError(f"installed, but `import {', '.join(modules)}` fails under torch "
-                           f"{after['version']}: {last}")
+                           f"{after['version']}: {after['failed']}")
     check_requirements(before, fbgemm)
     return after
 

@@ -5,6 +5,7 @@ an image's own Python keeping its DALI, `pip check` after the install, and hadol
 import _ctypes
 import ctypes
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -32,6 +33,29 @@ def test_the_table_knows_each_supported_torch_and_reads_any_version_string():
         assert setup_env.torch_minor(version) == minor
     with pytest.raises(setup_env.InstallError, match="FBGEMM=cuda, but torch 2.13.0 is a CPU"):
         setup_env.fbgemm_package({"version": "2.13.0", "cuda": None, "hip": None}, "cuda")
+
+
+def test_the_install_probe_tells_a_missing_torch_from_a_module_that_fails_after_it(monkeypatch):
+    """One interpreter asks torch's version, then imports the installed modules: torch failing
+    is the environment's fault (install torch), a module failing after it is the install's."""
+    torch_line = json.dumps({"version": "2.13.0", "dist": "2.13.0", "cuda": None, "hip": None,
+                             "file": "/x/torch/__init__.py"})
+    answers = {"ok": (0, torch_line + "\n", ""),
+               "module": (1, torch_line + "\n", "Traceback...\nImportError: libfoo.so: cannot "
+                                                 "open shared object file\n"),
+               "torch": (1, "", "ModuleNotFoundError: No module named 'torch'\n")}
+    for case, (code, out, err) in answers.items():
+        monkeypatch.setattr(setup_env.subprocess, "run", lambda cmd, **kw: subprocess.
+                            CompletedProcess(cmd, code, out, err))
+        if case == "torch":
+            with pytest.raises(setup_env.InstallError, match=r"`import torch` fails \("
+                               r"ModuleNotFoundError: No module named 'torch'\); install torch"):
+                setup_env.installed_torch(("torchrec",))
+            continue
+        found = setup_env.installed_torch(("torchrec",))
+        assert found["version"] == "2.13.0"
+        assert found.get("failed") == ("ImportError: libfoo.so: cannot open shared object file"
+                                       if case == "module" else None)
 
 
 def fbgemm_choice(torch_info: dict, library_path: Path) -> str:

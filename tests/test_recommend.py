@@ -218,7 +218,7 @@ def test_fusion_weights_scale_each_sources_reciprocal_ranks():
 
 def test_a_stages_order_fused_with_the_order_it_was_handed():
     """with_prior: 1 / (60 + own rank) + prior / (60 + incoming rank); prior 0 keeps the
-    stage's own order, a large prior gives the incoming order back."""
+    stage's own order, a large prior gives the incoming order back, inf gives it exactly."""
     from dlrm_hybrid.serve.rank_fusion import with_prior
 
     incoming, own = np.array([4, 8, 1, 6]), np.array([6, 1, 4, 8])
@@ -228,6 +228,10 @@ def test_a_stages_order_fused_with_the_order_it_was_handed():
     assert own[with_prior(own, incoming, 1.0)].tolist() == [4, 6, 1, 8]
     assert own[with_prior(own, incoming, 1.5)].tolist() == [4, 1, 6, 8]
     assert own[with_prior(own, incoming, 0.1)].tolist() == own.tolist()
+    assert own[with_prior(own, incoming, float("inf"))].tolist() == incoming.tolist()
+    # a first stage's cut: its own order of more items than it keeps, the merged order's first
+    merged, scored = np.arange(10, 0, -1), np.arange(1, 11)
+    assert scored[with_prior(scored, merged, float("inf"))[:3]].tolist() == [10, 9, 8]
 
 
 def test_the_ranker_gets_the_fused_candidates_best_first(served):
@@ -253,8 +257,8 @@ def test_the_ranker_gets_the_fused_candidates_best_first(served):
     assert len(set(rrf.values())) > 5  # the order is the fusion's, not ties'
     alone = ask("--value", "watched=0", "--fusion", "history=0")
     assert alone[:10] == lists[0] and sorted(alone) == sorted(rrf)  # history's items after
-    ranked, prior = ask(), ask("--rank-prior", "1000")
-    assert ranked != got and prior == got  # a large prior: the order the ranker was handed
+    ranked, prior, keep = ask(), ask("--rank-prior", "1000"), ask("--rank-prior", "inf")
+    assert ranked != got and prior == got == keep  # a large prior: the order it was handed
 
 
 def test_diversity_no_two_of_a_category_in_a_row(served):
@@ -353,7 +357,10 @@ BAD = [
     (["--user", "u0", "--fusion", "history=-1"], "--fusion: weights must be 0 or more"),
     (["--user", "u0", "--fusion", "history=1,history=0"], "--fusion: history is given twice"),
     (["--user", "u0", "--value", "liked=1, liked=2"], "--value: liked is given twice"),
-    (["--user", "u0", "--rank-prior", "-0.5"], "--rank-prior: must be 0 or more, got -0.5"),
+    (["--user", "u0", "--rank-prior", "-0.5"], "--rank-prior: must be 0 or more (inf: keep "
+                                                "the incoming order), got -0.5"),
+    (["--user", "u0", "--rank-prior", "nan"], "--rank-prior: must be 0 or more (inf: keep the "
+                                              "incoming order), got nan"),
     (["--user", "u0", "--first-stage-prior", "2"], "recommend: --first-stage-prior weighs"),
     (["--users", "{root}/users.txt"], "recommend: --users needs --out"),
     (["--users", "{root}/users.txt", "--out", "{root}/R/users.txt"],

@@ -170,16 +170,50 @@ def test_the_first_stage_learns_the_chosen_ranker_and_value_model(bench, tmp_pat
 
 
 def test_the_ranker_is_chosen_by_validation_hit_rate(bench):
-    """Per loss the steps, value model and prior of the best validation HR@10, ties to fewer
-    steps, then the smaller prior; the loss best on validation is the reported (first) one."""
-    on_val = {("pointwise", 150, 0, 0.0): 0.15, ("pointwise", 150, 1, 0.0): 0.16,
-              ("pointwise", 600, 0, 0.0): 0.17, ("pointwise", 600, 1, 0.0): 0.12,
-              ("pointwise", 600, 1, 2.0): 0.165, ("listwise", 150, 0, 0.0): 0.17,
-              ("listwise", 150, 0, 1.0): 0.18, ("listwise", 150, 0, 2.0): 0.18,
-              ("listwise", 300, 0, 0.0): 0.18, ("listwise", 300, 1, 0.0): 0.1}
+    """Per loss the steps and value model of the best validation HR@10 at any prior, ties to
+    fewer steps; their prior by the one-standard-error rule (the largest within it); the loss
+    best on validation is the reported (first) one."""
+    def hits(rate, gained=0, lost=0):  # 1,000 users, the first rate * 1000 hit, then changes
+        found = (np.arange(1000) < rate * 1000).astype(float)
+        found[-gained or len(found):] = 1
+        found[:lost] = 0
+        return found
+
+    keep = float("inf")
+    on_val = {("pointwise", 150, 0, 0.0): hits(0.15), ("pointwise", 150, 1, 0.0): hits(0.16),
+              ("pointwise", 600, 0, 0.0): hits(0.17), ("pointwise", 600, 0, keep): hits(0.16),
+              ("pointwise", 600, 1, 0.0): hits(0.12), ("pointwise", 600, 1, 2.0): hits(0.165),
+              ("listwise", 150, 0, 0.0): hits(0.17), ("listwise", 150, 0, 1.0): hits(0.18),
+              ("listwise", 150, 0, 2.0): hits(0.18, 4, 6), ("listwise", 150, 0, 4.0):
+              hits(0.18, 0, 3), ("listwise", 150, 0, keep): hits(0.18, 5, 12),
+              ("listwise", 300, 0, 0.0): hits(0.18), ("listwise", 300, 1, 0.0): hits(0.1)}
     chosen = bench.choose(on_val)
-    assert chosen == {"listwise": (150, 0, 1.0), "pointwise": (600, 0, 0.0)}
+    # listwise 150 steps: 0.18 at prior 1; prior 2 is 2 users below it of 10 that differ
+    # (within one standard error, sqrt(10) users), prior 4 3 of 3 and keeping the merged order
+    # 7 of 17 are not: prior 2. Pointwise: the merged order 10 users below, all one way.
+    assert chosen == {"listwise": (150, 0, 2.0), "pointwise": (600, 0, 0.0)}
     assert list(chosen) == ["listwise", "pointwise"]
+    on_val["listwise", 150, 0, keep] = hits(0.18, 5, 8)  # 3 users below of 13: within
+    assert bench.choose(on_val)["listwise"] == (150, 0, keep)
+
+
+def test_a_stage_defers_to_its_incoming_order_unless_validation_shows_more_than_noise(bench):
+    """`defer`: the largest prior within one standard error of the best (inf: the stage keeps
+    the order it was handed); a gain of a few users of 900 is noise, one of 40 is not."""
+    rng = np.random.default_rng(0)
+    keep = (rng.random(900) < 0.24).astype(float)
+    own = keep.copy()
+    own[np.flatnonzero(keep == 0)[:5]] = 1  # five hits gained, three lost: noise
+    own[np.flatnonzero(keep == 1)[:3]] = 0
+    found = {0.0: own, 2.0: own, float("inf"): keep}
+    assert bench.recommend_choice.defer(found) == float("inf")
+    better = keep.copy()
+    better[np.flatnonzero(keep == 0)[:40]] = 1  # 40 more of 900: more than noise
+    found = {0.0: better * 0, 1.0: better, 4.0: own, float("inf"): keep}
+    assert bench.recommend_choice.defer(found) == 1.0
+    found[2.0] = better.copy()
+    found[2.0][np.flatnonzero(better == 1)[:1]] = 0  # 1 user fewer than prior 1: within noise
+    assert bench.recommend_choice.defer(found) == 2.0
 
 
 def test_merge_weights_are_chosen_by_the_one_standard_error_rule(bench):

@@ -35,10 +35,14 @@ def merge(lists: Dict[str, np.ndarray], weights: Optional[Dict[str, float]] = No
 def with_prior(own: np.ndarray, incoming: np.ndarray, prior: float) -> np.ndarray:
     """Positions into `own` (a stage's order of some of `incoming`'s items) that order them by
     reciprocal-rank fusion of `own` (weight 1) and `incoming` (the order the stage was handed,
-    weight `prior`); prior 0: `own` as it is. Ties: `own`'s order."""
+    weight `prior`); prior 0: `own` as it is; prior inf: `incoming`'s order (the stage keeps
+    what it was handed, a choice where validation shows the stage's gain is noise). Ties:
+    `own`'s order."""
     if prior == 0 or not len(own):
         return np.arange(len(own))
     rank_in = {item: rank for rank, item in enumerate(incoming.tolist(), 1)}
+    if np.isinf(prior):
+        return np.argsort([rank_in[item] for item in own.tolist()], kind="stable")
     score = [1.0 / (RRF_K + rank) + prior / (RRF_K + rank_in[item])
              for rank, item in enumerate(own.tolist(), 1)]
     return np.argsort(-np.array(score), kind="stable")

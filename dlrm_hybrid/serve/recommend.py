@@ -51,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "items follow the weighted sources')")
     parser.add_argument("--first-stage-prior", type=float, default=0.0, metavar="W",
                         help="--first-stage: its order fused with the merged order of weight W "
-                             "(default 0: its own order)")
+                             "(default 0: its own order; inf: the merged order, the first stage "
+                             "only cutting it to --first-stage-keep)")
     parser.add_argument("--rank-prior", type=float, default=0.0, metavar="W", help="the "
                         "ranked order fused with the order the ranker was handed of weight W "
-                        "(default 0: the value model's order)")
+                        "(default 0: the value model's order; inf: the handed order)")
     parser.add_argument("--value", default="", metavar="TASK=W,...",
                         help="value model weights in place of the ranker's exported value_model")
     parser.add_argument("--keep-seen", action="store_true",

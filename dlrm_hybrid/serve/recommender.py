@@ -14,8 +14,8 @@ hundred best, a value model, final rules.
    Rank: those (without a first stage: the first `rank_top` merged items) through the
    multi-task ranker (an `export`ed file), ordered by the value model sum_t w_t p_t (ties: the
    order they came in). `first_stage_prior`, `rank_prior` (default 0): each of the two
-   orders fused with the order its stage was handed, with that weight (rank_fusion.with_prior:
-   a benchmark chooses them on validation).
+   orders fused with the order its stage was handed, with that weight; inf keeps the handed
+   order (rank_fusion.with_prior: a benchmark chooses them on validation).
 4. Rules: the blocklist out; diversity, no two items of one category in a row (greedily the next
    best item whose category differs from the last taken; when none is left, the rest in order);
    the first K.
@@ -93,8 +93,9 @@ class RecommendSettings:
                             f"{fusion}")
         for flag, prior in (("--first-stage-prior", self.first_stage_prior),
                             ("--rank-prior", self.rank_prior)):
-            if not (np.isfinite(prior) and prior >= 0):
-                raise UserError(f"{flag}: must be 0 or more, got {prior}")
+            if not prior >= 0:  # NaN fails too; inf keeps the incoming order
+                raise UserError(f"{flag}: must be 0 or more (inf: keep the incoming order), "
+                                f"got {prior}")
         if self.diversity not in DIVERSITY:
             raise UserError(f"--diversity: {self.diversity!r}; give one of {', '.join(DIVERSITY)}")
         self.pixie.check()
