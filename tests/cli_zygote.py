@@ -47,12 +47,14 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-# What train, eval, export, predict and bench import (torch, torchrec and fbgemm among them).
+# What train, eval, export, predict and bench import (torch, torchrec and fbgemm among them);
+# what retrieve, recommend and the two-tower runs import (faiss; numpy.ma: a profile of the
+# suite found them imported anew in 25 and 43 forked runs).
 PRELOAD = ("torch", "torchrec", "fbgemm_gpu", "torch.utils.tensorboard", "dlrm_hybrid.cli",
            "dlrm_hybrid.parallel.host_memory", "dlrm_hybrid.parallel.process_group",
            "dlrm_hybrid.train.loop",
            "dlrm_hybrid.train.inference", "dlrm_hybrid.serve.export", "dlrm_hybrid.serve.predict",
-           "dlrm_hybrid.bench.run")
+           "dlrm_hybrid.bench.run", "dlrm_hybrid.retrieval.index", "numpy.ma")
 # Read by the interpreter or by libraries when they load (libgomp: OMP_NUM_THREADS; ATen: its
 # CPU capability; oneDNN: its ISA limit; the dynamic loader; Python itself): a run whose value
 # differs from the zygote's cannot be a fork of it.
