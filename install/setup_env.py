@@ -85,7 +85,7 @@ def installed_torch(modules: tuple[str, ...] = ()) -> dict:
     import is reported rather than raised here; then, in the same interpreter (one torch
     import, ~2 s, not two), `modules` are imported: {"failed": the error's last line} where
     one fails."""
-    probe = ("import json, importlib.metadata, torch; print(json.dumps({"
+    probe = ("import json, importlib.metadata, torch; print('torch:', json.dumps({"
              "'version': torch.__version__, 'dist': importlib.metadata.version('torch'), "
              "'cuda': torch.version.cuda, 'hip': getattr(torch.version, 'hip', None), "
              "'file': torch.__file__}), flush=True)")
@@ -93,13 +93,15 @@ def installed_torch(modules: tuple[str, ...] = ()) -> dict:
         probe += f"; import {', '.join(modules)}"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-    printed = result.stdout.strip().splitlines()
-    if not printed or not printed[-1].startswith("{"):
+    # its own line, found among whatever the modules may print when they load
+    found = next((line[len("torch: "):] for line in result.stdout.splitlines()
+                  if line.startswith("torch: {")), None)
+    if found is None:
         raise InstallError(f"{sys.executable}: `import torch` fails ({last}); install torch "
                            f"into this environment (or create it with --system-site-packages "
                            f"where torch is installed system-wide), or drop TORCH=system")
-    found = json.loads(printed[-1])
-    return {**found, "failed": last} if result.returncode != 0 else found
+    info = json.loads(found)
+    return {**info, "failed": last} if result.returncode != 0 else info
 
 
 def nvidia_driver() -> bool:

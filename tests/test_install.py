@@ -40,9 +40,9 @@ def test_the_install_probe_tells_a_missing_torch_from_a_module_that_fails_after_
     is the environment's fault (install torch), a module failing after it is the install's."""
     torch_line = json.dumps({"version": "2.13.0", "dist": "2.13.0", "cuda": None, "hip": None,
                              "file": "/x/torch/__init__.py"})
-    answers = {"ok": (0, torch_line + "\n", ""),
-               "module": (1, torch_line + "\n", "Traceback...\nImportError: libfoo.so: cannot "
-                                                 "open shared object file\n"),
+    answers = {"ok": (0, f"torch: {torch_line}\n{{a module's own line}}\n", ""),
+               "module": (1, f"torch: {torch_line}\n", "Traceback...\nImportError: libfoo.so: "
+                                                          "cannot open shared object file\n"),
                "torch": (1, "", "ModuleNotFoundError: No module named 'torch'\n")}
     for case, (code, out, err) in answers.items():
         monkeypatch.setattr(setup_env.subprocess, "run", lambda cmd, **kw: subprocess.
