@@ -178,9 +178,10 @@ def test_three_stages_rank_the_first_stages_best_in_the_heavy_rankers_order(funn
         differs += answer.items.tolist() != two.recommend(name).items.tolist()
     assert differs  # the first stage changes what the heavy ranker sees
     assert not two.recommend("u0").stages["first_stage"].size  # two stages: none
-    rec.settings.first_stage_prior = 1000.0  # its order fused with the merged order's
-    kept = rec.recommend("u0").stages
-    assert kept["first_stage"].tolist() == kept["merged"][:6].tolist()
+    for prior in (1000.0, float("inf")):  # its order fused with the merged order's; kept
+        rec.settings.first_stage_prior = prior
+        kept = rec.recommend("u0").stages
+        assert kept["first_stage"].tolist() == kept["merged"][:6].tolist()
     rec.settings.first_stage_prior = 0.5
     kept = rec.recommend("u0").stages
     own = rec.first_stage.order(rec.retriever.user_of["u0"], kept["merged"])
