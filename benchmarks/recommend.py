@@ -34,9 +34,10 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    shows more than noise); each ranker orders the same RANK_TOP merged candidates with each
    value model of VALUES and each weight of the merged order beside its own (PRIORS,
    `recommend --rank-prior`, inf: keep the merged order); per loss the steps and value model of
-   the best validation HR@10 are kept (ties: fewer steps), with the largest prior within one
-   standard error of their best (a stage reorders only where validation shows more than
-   noise), and the loss best on validation is the ranked line and the heavy ranker of the
+   the best HR@10 on half the validation users are kept (ties: fewer steps), with the largest
+   prior within one standard error of the best on the other half (recommend_choice.halves: a
+   stage reorders only where users its setting was not picked on show more than noise), and
+   the loss best on the picking half is the ranked line and the heavy ranker of the
    three-stage funnel; the test world's ranker of those settings serves.
 4. The first-stage ranker, of that chosen heavy ranker (loss, steps, value model): its top
    `--top-k-label` (TOP_K_LABEL) of each request of the ranking train split (`predict
@@ -46,7 +47,7 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    (TOWER, EPOCHS), `export --retrieval`; each part named by the ranker, value model, K and
    labels-only or engaged it depends on, so --work keeps and reuses it too. The validation
    world builds its own of its chosen ranker, which chooses the first stage's weight of the
-   merged order (PRIORS, `recommend --first-stage-prior`) by the same rule.
+   merged order (PRIORS, `recommend --first-stage-prior`) by the same rule, on the judging half.
 5. Requests, only now asking the test users, with the chosen rankers: for each, one
    `Recommender.recommend_dense` (dlrm_hybrid/serve/recommend.py) with history = the user's
    training items and validation item, every one of them excluded; sources PER_SOURCE
@@ -347,7 +348,9 @@ def main() -> None:
         first_val = recommend_choice.first_stage_prior(
             world_paths, world_ranker, recommend_build.build_first_stage(
                 args, world, world_paths, world_ranker, value), args, on_val.fusion)
-        first_prior = recommend_choice.defer(first_val)
+        first_prior = recommend_choice.defer(  # the judging half: see choose
+            {prior: found[recommend_choice.halves(len(found))[1]]
+             for prior, found in first_val.items()})
         paths["first_stage"] = recommend_build.build_first_stage(
             args, work, paths, paths[f"ranker_{best}"], value)
         ranked = {}

@@ -4,7 +4,8 @@ of the merged order beside its own: `validation_hr`, `choose`), and the first st
 the merged order (`first_stage_prior`, `defer`). Weights and priors by the one-standard-error
 rule (Hastie, Tibshirani and Friedman 7.10, on the paired per-user difference): the simplest
 setting within one standard error of the best, where a source earns weight and a stage reorders
-what it was handed only where validation shows more than noise."""
+what it was handed only where validation shows more than noise; a ranker's setting is picked on
+one half of the validation users and its prior judged on the other (`halves`)."""
 
 from __future__ import annotations
 
@@ -127,20 +128,30 @@ def validation_hr(paths: Dict[str, str], args) -> Validation:
                       {w: float(h.mean()) for w, h in fusion_hits.items()})
 
 
+def halves(users: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Positions of the validation users that pick a setting (even) and of those that judge it
+    (odd). The best of many settings on the users that picked it is high by chance (the
+    winner's curse): a stage's prior, which decides whether it reorders at all, is judged on
+    users its setting was not picked on."""
+    return np.arange(0, users, 2), np.arange(1, users, 2)
+
+
 def choose(on_val: Dict[Tuple[str, int, int, float], np.ndarray]
            ) -> Dict[str, Tuple[int, int, float]]:
     """Per loss (per-user validation hits of each setting), the steps and value model of the
-    best validation HR@10 at any prior (ties: fewer steps, then VALUES order), and their prior
-    by `defer`; the loss best on validation first."""
+    best HR@10 at any prior on the picking half (ties: fewer steps, then VALUES order), and
+    their prior by `defer` on the judging half (`halves`); the loss best on the picking half
+    first."""
+    pick, judge = halves(len(next(iter(on_val.values()))))
     rate: Dict[Tuple[str, int, int], float] = {}  # (loss, steps, value): its best HR@10
     for (loss, steps, value, _), found in on_val.items():
-        rate[loss, steps, value] = max(rate.get((loss, steps, value), 0.0), found.mean())
+        rate[loss, steps, value] = max(rate.get((loss, steps, value), 0.0), found[pick].mean())
     best: Dict[str, Tuple[int, int]] = {}  # loss: (steps, value)
     for (loss, steps, value), hr in rate.items():
         if loss not in best or (hr, -steps, -value) > (rate[(loss, *best[loss])],
                                                        -best[loss][0], -best[loss][1]):
             best[loss] = (steps, value)
-    return {loss: (*best[loss], defer({prior: found for (*setting, prior), found
+    return {loss: (*best[loss], defer({prior: found[judge] for (*setting, prior), found
                                        in on_val.items() if tuple(setting) == (loss, *best[loss])}))
             for loss in sorted(best, key=lambda loss: -rate[(loss, *best[loss])])}
 
