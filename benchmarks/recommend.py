@@ -348,9 +348,7 @@ def main() -> None:
         first_val = recommend_choice.first_stage_prior(
             world_paths, world_ranker, recommend_build.build_first_stage(
                 args, world, world_paths, world_ranker, value), args, on_val.fusion)
-        first_prior = recommend_choice.defer(  # the judging half: see choose
-            {prior: found[recommend_choice.halves(len(found))[1]]
-             for prior, found in first_val.items()})
+        first_prior = recommend_choice.judged(first_val)
         paths["first_stage"] = recommend_build.build_first_stage(
             args, work, paths, paths[f"ranker_{best}"], value)
         ranked = {}

@@ -136,13 +136,19 @@ def halves(users: int) -> Tuple[np.ndarray, np.ndarray]:
     return np.arange(0, users, 2), np.arange(1, users, 2)
 
 
+def judged(found: Dict[float, np.ndarray]) -> float:
+    """`defer` on the judging half of the users (`halves`): a stage's prior, per-user hits of
+    each on all validation users."""
+    judge = halves(len(next(iter(found.values()))))[1]
+    return defer({prior: hits[judge] for prior, hits in found.items()})
+
+
 def choose(on_val: Dict[Tuple[str, int, int, float], np.ndarray]
            ) -> Dict[str, Tuple[int, int, float]]:
     """Per loss (per-user validation hits of each setting), the steps and value model of the
     best HR@10 at any prior on the picking half (ties: fewer steps, then VALUES order), and
-    their prior by `defer` on the judging half (`halves`); the loss best on the picking half
-    first."""
-    pick, judge = halves(len(next(iter(on_val.values()))))
+    their prior `judged` on the other half; the loss best on the picking half first."""
+    pick = halves(len(next(iter(on_val.values()))))[0]
     rate: Dict[Tuple[str, int, int], float] = {}  # (loss, steps, value): its best HR@10
     for (loss, steps, value, _), found in on_val.items():
         rate[loss, steps, value] = max(rate.get((loss, steps, value), 0.0), found[pick].mean())
@@ -151,8 +157,8 @@ def choose(on_val: Dict[Tuple[str, int, int, float], np.ndarray]
         if loss not in best or (hr, -steps, -value) > (rate[(loss, *best[loss])],
                                                        -best[loss][0], -best[loss][1]):
             best[loss] = (steps, value)
-    return {loss: (*best[loss], defer({prior: found[judge] for (*setting, prior), found
-                                       in on_val.items() if tuple(setting) == (loss, *best[loss])}))
+    return {loss: (*best[loss], judged({prior: found for (*setting, prior), found
+                                        in on_val.items() if tuple(setting) == (loss, *best[loss])}))
             for loss in sorted(best, key=lambda loss: -rate[(loss, *best[loss])])}
 
 

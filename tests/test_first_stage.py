@@ -182,6 +182,9 @@ def test_three_stages_rank_the_first_stages_best_in_the_heavy_rankers_order(funn
         rec.settings.first_stage_prior = prior
         kept = rec.recommend("u0").stages
         assert kept["first_stage"].tolist() == kept["merged"][:6].tolist()
+    order, rec.first_stage.order = rec.first_stage.order, None  # kept: nothing to score
+    assert rec.recommend("u0").stages["first_stage"].tolist() == kept["merged"][:6].tolist()
+    rec.first_stage.order = order
     rec.settings.first_stage_prior = 0.5
     kept = rec.recommend("u0").stages
     own = rec.first_stage.order(rec.retriever.user_of["u0"], kept["merged"])

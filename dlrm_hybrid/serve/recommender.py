@@ -227,7 +227,9 @@ class Recommender:
         stages["first_stage"] = np.zeros(0, np.int64)
         if self.first_stage is not None:
             start = self.clock()
-            scored = self.first_stage.order(user, stages["merged"])
+            # inf keeps the merged order: the first stage only cuts it, nothing to score
+            scored = (stages["merged"] if np.isinf(s.first_stage_prior) else
+                      self.first_stage.order(user, stages["merged"]))
             keep = with_prior(scored, stages["merged"], s.first_stage_prior)
             stages["first_stage"] = scored[keep[:s.first_stage_keep]]
             to_rank = stages["first_stage"]
