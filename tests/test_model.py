@@ -86,7 +86,7 @@ def test_padded_layers_start_and_stay_the_unpadded_function(monkeypatch):
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-        assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6)  # summation order differs by CPU
     trained = padded.state_dict()
     for key in FIRST_LAYERS:
         assert not trained[key][:, plain[key].shape[1]:].any(), key
