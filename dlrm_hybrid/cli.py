@@ -21,6 +21,7 @@ from dlrm_hybrid.graph import commands as pixie_commands
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
 from dlrm_hybrid.serve import recommend, retrieve
+from dlrm_hybrid.startup import collector_paused
 from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 
 FOLLOWER_ERROR_DELAY_S = 3.0
@@ -169,7 +170,8 @@ def run_train(args) -> None:
     def job(env) -> None:
         # after the config check and the process group's own (nccl without GPUs):
         # torchrec takes seconds to import
-        from dlrm_hybrid.train.loop import train
+        with collector_paused():
+            from dlrm_hybrid.train.loop import train
 
         train(cfg, env)
 
@@ -178,7 +180,8 @@ def run_train(args) -> None:
 
 def run_eval(args) -> None:
     checkpoint_config_path(Path(args.checkpoint))  # before torchrec's seconds of import
-    from dlrm_hybrid.train.inference import evaluate_checkpoint
+    with collector_paused():
+        from dlrm_hybrid.train.inference import evaluate_checkpoint
 
     run_distributed(lambda env: evaluate_checkpoint(args.checkpoint, args.config, args.overrides,
                                                     env, args.split))
@@ -289,9 +292,10 @@ def run_preprocess(args) -> None:
 
 
 def run_bench(args) -> None:
-    from dlrm_hybrid.bench.kernels import check_profile_dir
-    from dlrm_hybrid.bench.run import ROUNDS, bench, default_peers
-    from dlrm_hybrid.bench.torchrec_peer import require_torchrec_shape
+    with collector_paused():
+        from dlrm_hybrid.bench.kernels import check_profile_dir
+        from dlrm_hybrid.bench.run import ROUNDS, bench, default_peers
+        from dlrm_hybrid.bench.torchrec_peer import require_torchrec_shape
 
     if world_size_from_env() > 1:
         raise UserError("bench: runs in one process (ours and the baseline side by side); for "
@@ -319,9 +323,10 @@ def run_bench(args) -> None:
 
 def run_distributed(job, backend: str = "auto") -> None:
     """Run `job(env)` in the process group torchrun started (or a one-process group)."""
-    from dlrm_hybrid.parallel.host_memory import keep_freed_memory
-    from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
-    from dlrm_hybrid.train.stop_request import RunStopped
+    with collector_paused():
+        from dlrm_hybrid.parallel.host_memory import keep_freed_memory
+        from dlrm_hybrid.parallel.process_group import init_distributed, shutdown
+        from dlrm_hybrid.train.stop_request import RunStopped
 
     keep_freed_memory()
     env = init_distributed(backend)

@@ -251,8 +251,11 @@ def serve(listener_fd: int) -> Optional[dict]:
     """The zygote's loop. Returns None when the session ends; in a forked rank, returns the
     run's request (the rank then runs it from the top level, outside this loop)."""
     sys.path[0] = str(ROOT)  # `python -m` from the checkout: the package from there
-    for module in PRELOAD:
-        importlib.import_module(module)
+    from dlrm_hybrid.startup import collector_paused
+
+    with collector_paused():  # and frozen: no run writes to their pages to collect them
+        for module in PRELOAD:
+            importlib.import_module(module)
     listener = socket.socket(fileno=listener_fd)
     while True:
         ready, _, _ = select.select([listener, 0], [], [], 1.0)

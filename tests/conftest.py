@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import locale
@@ -29,6 +30,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 if not os.environ.get("OMP_NUM_THREADS", "").isdigit() or os.environ["OMP_NUM_THREADS"] == "0":
     os.environ["OMP_NUM_THREADS"] = "1"  # unset, empty or not a count: torch would refuse it
 SESSION_ENV = dict(os.environ)  # before any test changes it: the zygote's environment
+# Collecting imports torch, torchrec and the test modules: the collector paused meanwhile and
+# what they made frozen once collected (as dlrm_hybrid/startup.py does for the CLI).
+gc.disable()
 _zygote: Optional[Zygote] = None
 _fresh_cli = False  # --fresh-cli
 
@@ -103,6 +107,11 @@ def default_sigint() -> None:
 def _cli_env(base, extra_env: Optional[dict] = None) -> dict:
     env = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return {**env, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
+    gc.enable()
 
 
 def pytest_configure(config):

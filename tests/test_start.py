@@ -59,3 +59,28 @@ def test_output_piped_into_head_ends_quietly(tmp_path):
         timeout=60)
     assert len(result.stdout.splitlines()) == 3 and result.stdout.startswith("plan (")
     assert result.stderr == ""
+
+
+def test_imports_skip_the_collector_and_leave_it_on_with_what_they_made_frozen():
+    """What a command imports under collector_paused is frozen, and the collector is back on
+    after it (a long run without it would keep every reference cycle it makes), also when the
+    import fails; where it was off, it stays off."""
+    import gc
+
+    from dlrm_hybrid.startup import collector_paused
+
+    frozen = gc.get_freeze_count()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+            made = [[] for _ in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(made)
+        with pytest.raises(ImportError), collector_paused():
+            import dlrm_hybrid.no_such_module  # noqa: F401
+        assert gc.isenabled()
+        gc.disable()
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
