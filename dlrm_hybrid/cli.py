@@ -196,15 +196,15 @@ def run_export(args) -> None:
     if args.index or index_settings:
         raise UserError("export: --index and its settings are for --retrieval (a two_tower "
                         "checkpoint)")
-    from dlrm_hybrid.serve.export import description_path
+    with collector_paused():
+        from dlrm_hybrid.serve.export import description_path, export_model
+        from dlrm_hybrid.train.inference import export_checkpoint
 
     outputs = [("--out", args.out)]
     if not args.state_dict:
         outputs.append(("--out's description", str(description_path(Path(args.out)))))
     refuse_overwriting_inputs(outputs, [("--checkpoint", args.checkpoint)], "export")
     if args.state_dict:
-        from dlrm_hybrid.train.inference import export_checkpoint
-
         if args.quantize != "fp32" or args.table_overrides:
             raise UserError("export: --state-dict writes the fp32 weights for training; "
                             "--quantize and --quantize-table are for the served model")
@@ -213,8 +213,6 @@ def run_export(args) -> None:
         print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it with "
               f"weights_only=True into dlrm_hybrid.model.dlrm.build_model(...))")
         return
-    from dlrm_hybrid.serve.export import export_model
-
     description = export_model(args.checkpoint, args.out, args.quantize, args.table_overrides,
                                args.overrides)
     tables = sum(t["bytes"] for t in description["tables"])
@@ -246,7 +244,8 @@ def run_retrieval_export(args, index_settings: dict) -> None:
 
 
 def run_predict(args) -> None:
-    from dlrm_hybrid.serve.predict import predict
+    with collector_paused():
+        from dlrm_hybrid.serve.predict import predict
 
     if args.batch_size < 1:
         raise UserError("predict: --batch-size must be at least 1")
