@@ -202,11 +202,11 @@ def synth_command(plan: Plan, data: Path) -> List[str]:
 
 
 def train_vs_bench(plan: Plan, source: str, data: Path, out: Path, bench_rows: List[dict],
-                   timeout: float) -> dict:
+                   timeout: float, run_dir: Path) -> dict:
     """`train` at the ratio setting from `source` ("files": the split-binary dataset at `data`;
-    "synthetic": the planted data, made where the run is); its last `window` steps' samples/s
-    (from the run's metrics.jsonl) over bench's for that setting."""
-    run_dir = Path(tempfile.mkdtemp(prefix=f"gpu_check_{source}_"))  # OUT: logs and reports
+    "synthetic": the planted data, made where the run is), into `run_dir` (OUT gets only logs
+    and reports); its last `window` steps' samples/s (from the run's metrics.jsonl) over
+    bench's for that setting."""
     sets = [f"train.run_dir={run_dir}", f"train.max_steps={plan.train_steps}",
             f"train.log_every={plan.window}", "train.eval_every=0", "train.progress_bar=false",
             "checkpoint.resume=none", "checkpoint.every=0", f"parallel.backend={plan.backend}",
@@ -241,9 +241,9 @@ def wait_for_synth(synth: subprocess.Popen, timeout: float) -> Optional[str]:
     return None if synth.returncode == 0 else f"synth exit {synth.returncode} (see synth.log)"
 
 
-def two_process(plan: Plan, timeout: float) -> dict:
-    """A real `train` job on 2 ranks (GPUs: NCCL, bf16, CUDA Graphs): its `done:` line."""
-    run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_two_"))
+def two_process(plan: Plan, timeout: float, run_dir: Path) -> dict:
+    """A real `train` job on 2 ranks (GPUs: NCCL, bf16, CUDA Graphs) into `run_dir`: its
+    `done:` line."""
     sets = [f"train.max_steps={10 if plan.rehearsal else 300}", "train.eval_every=0",
             "train.progress_bar=false", f"data.val_samples={2 * plan.batch}",
             f"train.run_dir={run_dir}",
@@ -318,8 +318,20 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"config": plan.config, "versions": versions(), "steps": plan.steps}
     result["imports"] = imports(args.out)
-    # written on the CPU while the tests use the GPU; not under OUT, which comes back
-    data = Path(tempfile.mkdtemp(prefix="gpu_check_data_")) / "data"
+    # the dataset (written on the CPU while the tests use the GPU) and the runs: not under
+    # OUT, which comes back; removed at the end
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    try:
+        return _stages(args, plan, result, scratch, deadline, start)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _stages(args, plan: Plan, result: dict, scratch: Path, deadline: float,
+            start: float) -> int:
+    import torch
+
+    data = scratch / "data"
     with open(args.out / "synth.log", "w") as synth_log:
         synth = subprocess.Popen(synth_command(plan, data), cwd=ROOT, stdout=synth_log,
                                  stderr=subprocess.STDOUT)
@@ -336,9 +348,11 @@ def main() -> int:
         why_not = wait_for_synth(synth, left - 30) if source == "files" else None
         result["train_vs_bench"][source] = ({"ok": False, "error": why_not} if why_not else
                                             train_vs_bench(plan, source, data, args.out,
-                                                           result["bench"], left))
-    shutil.rmtree(data.parent, ignore_errors=True)
-    result["two_process"] = (two_process(plan, max(deadline - time.time(), 30)) if two_ranks
+                                                           result["bench"], left,
+                                                           scratch / f"train_{source}"))
+    shutil.rmtree(data, ignore_errors=True)
+    result["two_process"] = (two_process(plan, max(deadline - time.time(), 30),
+                                         scratch / "two") if two_ranks
                              else {"ok": None, "error": "not run: fewer than 2 GPUs"})
     hit = [r for r in result["bench"] if r["setting"] == TARGET["setting"] and r["ok"]]
     verdict = ("not measured" if not hit else

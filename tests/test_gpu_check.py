@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -114,8 +115,12 @@ def test_the_cpu_rehearsal_runs_every_stage_and_writes_the_report(tmp_path, monk
         monkeypatch.setattr(module, "subprocess", ZygoteSubprocess())
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the fresh ones too, as every run of the suite
     out = tmp_path / "out"
+    scratch = tmp_path / "tmp"  # where its dataset and runs go
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     monkeypatch.setattr(sys, "argv", ["benchmarks/gpu_check.py", str(out), "--cpu-rehearsal"])
     assert gpu_check.main() == 0, capsys.readouterr()
+    assert not list(scratch.iterdir())  # removed at the end
     printed = capsys.readouterr().out
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["versions"]["torch"] == torch.__version__
@@ -135,4 +140,4 @@ def test_the_cpu_rehearsal_runs_every_stage_and_writes_the_report(tmp_path, monk
     assert "| bench fp32 | " in table and "| train from files vs bench | " in table
     assert "| train from synthetic vs bench | " in table
     assert table.strip() in printed
-    assert not list(out.glob("*data*"))  # the dataset was written outside OUT and removed
+    assert not list(out.glob("*data*"))  # the dataset was written outside OUT
