@@ -1,9 +1,14 @@
 """The test infrastructure itself: runs forked from the CLI zygote (tests/cli_zygote.py) are the
 runs a fresh interpreter and torchrun give, and the per-file timing notice (suite_timing.py)."""
 
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from cli_zygote import needs_fresh
+from cli_zygote import STOP_GRACE_S, needs_fresh
 from conftest import ROOT, done_fields, failure, read_metrics, run_cli
 from suite_timing import grown
 
@@ -75,6 +80,33 @@ def test_a_forked_run_ends_as_the_interpreter_ends_it(tmp_path, ending):
     assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:]
     if ending == "raises":
         assert fresh.stderr.splitlines()[-1] == "ValueError: bad row"
+
+
+def test_runs_overlap_and_a_run_its_caller_stops_waiting_for_is_stopped(tmp_path, request):
+    """The zygote waits for several runs at once: a short run ends while a 2-rank run sleeps;
+    when that run's caller gives up (its timeout), both its ranks are stopped."""
+    if request.config.getoption("--fresh-cli"):
+        pytest.skip("about the zygote")
+    pids = tmp_path / "pids"
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text(f"import os, time\nwith open({str(pids)!r}, 'a') as f:\n"
+                       f"    f.write(f'{{os.getpid()}}\\n')\ntime.sleep(120)\n")
+    quick = tmp_path / "quick.py"
+    quick.write_text("print('quick')\n")
+    assert run_cli([], script=quick).stdout == "quick\n"  # the zygote started: no import below
+    with ThreadPoolExecutor(1) as pool:
+        sleeping = pool.submit(run_cli, [], nproc=2, timeout=4, script=sleeper)
+        while len(pids.read_text().split() if pids.exists() else []) < 2:
+            time.sleep(0.05)
+        assert run_cli([], script=quick).stdout == "quick\n"
+        assert not sleeping.done()
+        with pytest.raises(subprocess.TimeoutExpired):
+            sleeping.result()
+    ranks = [int(pid) for pid in pids.read_text().split()]
+    deadline = time.monotonic() + STOP_GRACE_S + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
 
 
 def test_runs_whose_environment_libraries_read_when_loaded_start_fresh():
