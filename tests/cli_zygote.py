@@ -17,9 +17,10 @@ environment that the imported libraries read when loaded (FRESH_ENV_PREFIXES).
 
 Processes: zygote -> rank(s), forked per request, each a session leader like torchrun's workers;
 the zygote waits for every run's ranks in its one loop (a job process between them cost a fork
-and an exit of the whole zygote, 0.03 s of CPU per run). Protocol, one SOCK_SEQPACKET connection per run: the request is a
-JSON message {argv, env, cwd, nproc, script, sigint_default} carrying the stdout and stderr
-descriptors (SCM_RIGHTS); once the ranks are forked, {"pids": [...]}; then the answer
+and an exit of the whole zygote, 0.03 s of CPU per run). Protocol, one SOCK_SEQPACKET
+connection per run: the request is a JSON message {argv, env, cwd, nproc, script,
+sigint_default} carrying the stdout and stderr descriptors (SCM_RIGHTS); once the ranks are
+forked, {"pids": [...]}; then the answer
 {"returncode": n} or {"error": text}. The caller closing the connection stops the run (its
 timeout). The zygote ends when its stdin closes (the test session ended or died).
 
@@ -280,7 +281,7 @@ def serve(listener_fd: int) -> Optional[dict]:
 class _Job:
     """One run's ranks, waited for as torchrun waits for its workers: all succeed, or the first
     to fail ends the job (the others get SIGTERM, SIGKILL after STOP_GRACE_S). The connection
-    becoming readable means the caller gave up (its timeout): everything is killed."""
+    becoming readable means the caller gave up (its timeout): the ranks are stopped so too."""
 
     def __init__(self, conn: socket.socket, pids: List[int]):
         self.conn, self.pids, self.code = conn, pids, 0
@@ -380,12 +381,12 @@ def _rank_envs(env: Dict[str, str], nproc: int) -> List[Dict[str, str]]:
 
 
 def _become_rank(env: Dict[str, str], cwd: str, out: int, err: int,
-                 sigint_default: bool, zygotes: list) -> None:
+                 sigint_default: bool, zygote_fds: list) -> None:
     """Turn this fork into the fresh process the run would have been (`sigint_default`: one
     started with SIGINT's default action, where Python installs its KeyboardInterrupt), less
-    the `zygotes` connections and pidfds it was forked holding."""
+    the zygote's connections and pidfds for other runs (`zygote_fds`) it was forked holding."""
     try:
-        for held in zygotes:
+        for held in zygote_fds:
             held.close() if isinstance(held, socket.socket) else os.close(held)
         os.setsid()  # its own process group, stopped as one, like torchrun's workers
         if sigint_default:
