@@ -38,12 +38,16 @@ def assert_same_losses(got, expected, steps):
         assert abs(got[step] - expected[step]) <= 1e-4 * abs(expected[step]), step
 
 
+def two_rank_args(run_dir, steps, every, embedding="adagrad"):
+    return ["train", "--config", "configs/demo.yaml", *sets(
+        f"optim.embedding={embedding}", f"train.max_steps={steps}", f"checkpoint.every={every}",
+        f"train.run_dir={run_dir}")]
+
+
 def two_rank_run(run_dir, steps, every, embedding="adagrad"):
     """An uninterrupted 2-rank run of `steps` steps, checkpointed every `every`: (its run
     directory, steps, every)."""
-    result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
-        f"optim.embedding={embedding}", f"train.max_steps={steps}", f"checkpoint.every={every}",
-        f"train.run_dir={run_dir}")], nproc=2)
+    result = run_cli(two_rank_args(run_dir, steps, every, embedding), nproc=2)
     assert result.returncode == 0, failure(result)
     return run_dir, steps, every
 
@@ -105,13 +109,16 @@ def test_rowwise_adagrad_column_shards_that_cannot_reshard_say_why(tmp_path):
 
 
 def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path, two_rank_adagrad):
+    """torchrun restarts both ranks and they resume from the last complete checkpoint. The
+    uninterrupted reference is forked from the CLI zygote (tests/cli_zygote.py) as every run of
+    the suite: up to the checkpoint it resumed from, this run is torchrun's own first attempt, so
+    its losses equal the reference's exactly there, which is what shows that a 2-rank run forked
+    from the zygote is the one torchrun starts."""
     clean, _, _ = two_rank_adagrad
-    steps = [f"train.max_steps={KILLED_STEPS}", f"checkpoint.every={KILLED_EVERY}"]
     killed = tmp_path / "killed"
     job = subprocess.Popen(
         [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
-         "dlrm_hybrid", "train", "--config", "configs/demo.yaml",
-         *sets(*steps, f"train.run_dir={killed}")],
+         "dlrm_hybrid", *two_rank_args(killed, KILLED_STEPS, KILLED_EVERY)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # torchrun's rendezvous store, shared with the workers by default, keeps the previous
         # attempt's gloo addresses: restarted workers then cannot connect (pytorch#135712).
@@ -129,8 +136,10 @@ def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path, two_
     assert out.strip().splitlines()[-1].startswith(f"done: steps={KILLED_STEPS}")
     resumed_at = int(out.split("resumed from")[1].split("(step ")[1].split(")")[0])
     assert resumed_at >= KILLED_EVERY
-    assert_same_losses(step_losses(killed), step_losses(clean),
-                       range(resumed_at + 1, KILLED_STEPS + 1))
+    got, want = step_losses(killed), step_losses(clean)
+    first_attempt = range(1, resumed_at + 1)
+    assert [got[s] for s in first_attempt] == [want[s] for s in first_attempt]
+    assert_same_losses(got, want, range(resumed_at + 1, KILLED_STEPS + 1))
 
 
 def test_a_run_interrupted_while_writing_a_checkpoint_resumes_from_the_one_before(

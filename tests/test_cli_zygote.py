@@ -1,5 +1,7 @@
 """The test infrastructure itself: runs forked from the CLI zygote (tests/cli_zygote.py) are the
-runs a fresh interpreter and torchrun give, and the per-file timing notice (suite_timing.py)."""
+runs a fresh interpreter and torchrun give, and the per-file timing notice (suite_timing.py).
+That a 2-rank training run forked from it has torchrun's losses is checked where torchrun runs
+anyway: test_checkpoint.py's killed rank, whose first attempt is torchrun's."""
 
 import os
 import subprocess
@@ -9,26 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cli_zygote import STOP_GRACE_S, needs_fresh
-from conftest import ROOT, done_fields, failure, read_metrics, run_cli
+from conftest import ROOT, failure, run_cli
 from suite_timing import grown
-
-SHORT = ["train.max_steps=4", "train.log_every=1", "train.eval_every=0", "data.val_samples=2048",
-         "train.progress_bar=false", "checkpoint.every=0"]
-
-
-def test_a_two_rank_train_forked_from_the_zygote_is_the_torchrun_one(tmp_path):
-    runs = {}
-    for fresh in (False, True):
-        run_dir = tmp_path / ("torchrun" if fresh else "zygote")
-        result = run_cli(["train", "--config", "configs/demo.yaml", *[
-            a for o in [*SHORT, f"train.run_dir={run_dir}"] for a in ("--set", o)]],
-            nproc=2, fresh=fresh)
-        assert result.returncode == 0, failure(result)
-        done = done_fields(result.stdout)
-        del done["samples_per_s"]
-        runs[fresh] = done, [e["loss"] for e in read_metrics(run_dir) if "loss" in e]
-    assert len(runs[True][1]) == 4
-    assert runs[False] == runs[True]
 
 
 def test_a_failing_rank_ends_the_zygote_job_with_its_code(request):
