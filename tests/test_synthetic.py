@@ -12,6 +12,7 @@ from conftest import done_fields, failure, run_cli
 from dlrm_hybrid.config import DataConfig
 from dlrm_hybrid.data.loader import rank_batches
 from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.data import synthetic
 from dlrm_hybrid.data.synthetic import SyntheticClicks
 
 CFG = DataConfig(cardinalities=[1000, 50, 7], hotness=[1, 4, 2], train_samples=4096,
@@ -151,6 +152,26 @@ def test_teacher_order_2_probabilities_are_unchanged(cfg, first4, digest):
     prob = SyntheticClicks(cfg).columns("val", 10, 256).true_prob
     assert prob[:4].tolist() == first4
     assert hashlib.sha256(prob.tobytes()).hexdigest()[:16] == digest
+
+
+@pytest.mark.parametrize("tasks", [(), ("click", "like")], ids=["one label", "two tasks"])
+@pytest.mark.parametrize("cfg", [CFG, UNIFORM], ids=["fixed", "uniform"])
+def test_latent_vectors_kept_or_drawn_per_lookup_give_the_same_data(cfg, tasks, monkeypatch):
+    """Tables small enough keep every row's teacher latent vector, drawn once and looked up;
+    larger ones (over synthetic.LATENT_TABLE_ELEMENTS) draw each looked-up one: the same data
+    bit for bit either way."""
+    cfg = DataConfig(**{**cfg.__dict__, "label_missing": 0.3 if tasks else 0.0})
+    def columns():
+        data = SyntheticClicks(cfg, tasks)
+        kept = data._constants(torch.device("cpu")).latent_rows(-1, cfg.teacher_dim) is not None
+        return kept, data.columns("train", 1000, 300)
+
+    kept, a = columns()
+    monkeypatch.setattr(synthetic, "LATENT_TABLE_ELEMENTS", 0)
+    drawn, b = columns()
+    assert kept and not drawn
+    assert a.true_prob.tobytes() == b.true_prob.tobytes()
+    assert a.labels.tobytes() == b.labels.tobytes()  # NaN where missing, in the same places
 
 
 @pytest.mark.parametrize("cfg", [CFG, UNIFORM], ids=["fixed", "uniform"])

@@ -52,6 +52,12 @@ CPU = torch.device("cpu")
 # fresh ones every batch (which cost FL15 more than its arithmetic), and blocks of 2^21 were
 # the fastest of 2^19..2^25 with 1 thread and 16 (benchmarks/README.md).
 BLOCK_ELEMENTS = {"cuda": 1 << 26, "cpu": 1 << 21}
+# Where every table's teacher latent vectors together have at most this many entries (32 MiB of
+# float64), they are drawn once per device and looked up: drawing every looked-up entry (its
+# hash and ndtri) was over half of making a batch (1,024 samples, 1 thread, Intel Xeon with AMX:
+# the demo's 3.5-4.3 ms -> 1.7-1.9 ms, the MLPerf test's multi-hot 4.6-7.5 ms -> 1.9-2.0 ms).
+# Larger tables draw each looked-up entry as before. Either way the same values, bit for bit.
+LATENT_TABLE_ELEMENTS = 1 << 22
 
 
 def _int64(x: int) -> int:
@@ -281,11 +287,13 @@ class SyntheticClicks(ClickDataset):
         [B, tables, d]. All tables' draws in one pass."""
         d, hotness = self.teacher_dim, self.spec.hotness
         slots = torch.cat(ids, dim=1)
-        flat = (slots * d)[..., None] + torch.arange(d, device=slots.device)
-        flat ^= tables.latent_keys[task + 1][:, None]
-        vec = _uniform_of(flat)
-        torch.special.ndtri(vec, out=vec)
-        if lengths is None and slots.shape[1] == len(ids):  # one id each: no pooling
+        latents = tables.latent_rows(task, d)
+        if latents is not None:  # every table's rows, one after the other
+            vec = latents.index_select(0, (slots + tables.first_row).flatten())
+            vec = vec.view(*slots.shape, d)
+        else:
+            vec = _latent_draws(slots, tables.latent_keys[task + 1][:, None], d)
+        if lengths is None and vec.shape[1] == len(ids):  # one id each: no pooling
             return vec / d**0.5
         parts = vec.split(hotness, dim=1)
         return torch.stack([_pool(part, None if lengths is None else n)
@@ -314,6 +322,15 @@ class SyntheticClicks(ClickDataset):
         projected = dense @ tables.projections[task + 1] / self.teacher_dim**0.5
         return torch.cat([projected[:, None], self._pooled_latents(ids, lengths, tables, task)],
                          dim=1)
+
+
+def _latent_draws(ids: torch.Tensor, keys: torch.Tensor, d: int) -> torch.Tensor:
+    """The unscaled teacher latent vectors of `ids` [..., columns], each column's ids drawn with
+    its key (`keys` broadcasting against them): [..., columns, d] float64, N(0, 1) entries."""
+    flat = (ids * d)[..., None] + torch.arange(d, device=ids.device)
+    flat ^= keys
+    vec = _uniform_of(flat)
+    return torch.special.ndtri(vec, out=vec)
 
 
 def _concat(blocks: List[Columns]) -> Columns:
@@ -357,6 +374,24 @@ class _TableConstants:
                                   for t, _ in slots]))
             for shift in range(len(data.label_names) + 1)]
         self.projections = [p.to(device) for p in [data.dense_proj, *data.task_dense_proj]]
+        first = np.cumsum([0, *spec.cardinalities])  # each table's first row in latent_rows
+        self.first_row = on([int(first[t]) for t, _ in slots])
+        self._table_slots = [slots.index((t, 0)) for t in range(len(spec.hotness))]
+        self._cardinalities, self._device = spec.cardinalities, device
+        self._latent_rows: Dict[int, torch.Tensor] = {}
+
+    def latent_rows(self, task: int, d: int) -> Optional[torch.Tensor]:
+        """Every table's unscaled teacher latent vectors (a task's own for `task` >= 0), one
+        table after the other, [all rows, d], drawn on first use; None where they would hold
+        over LATENT_TABLE_ELEMENTS entries."""
+        if sum(self._cardinalities) * d > LATENT_TABLE_ELEMENTS:
+            return None
+        if task not in self._latent_rows:
+            keys = self.latent_keys[task + 1]
+            self._latent_rows[task] = torch.cat([
+                _latent_draws(torch.arange(rows, device=self._device), keys[slot], d)
+                for rows, slot in zip(self._cardinalities, self._table_slots)])
+        return self._latent_rows[task]
 
 
 def third_order(z: torch.Tensor) -> torch.Tensor:
