@@ -23,7 +23,7 @@ from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMIT_MIB = 160  # small enough that this file's counts need several ranges
+LIMIT_MIB = 206  # small enough that this file's counts need several ranges (4 processes of ~37 MiB)
 
 
 def criteo_text(rows, seed=0, unique=0.5):
@@ -210,6 +210,17 @@ def test_vocabulary_maps_new_files_with_the_datasets_ids(logs, in_memory, tmp_pa
             got = np.fromfile(fspec.splits[split].categorical[f], fspec.categorical_dtypes[f])
             np.testing.assert_array_equal(got, expected[codes == s, f])
     assert (expected == 0).any() and (expected > 0).any()
+
+
+def test_the_memory_plan_counts_the_parent_the_fork_server_and_each_worker(monkeypatch):
+    """Each process costs `base` before any data; 2 workers make 4 processes with the parent and
+    the fork server the workers are forked from."""
+    monkeypatch.setattr(budget, "own_rss", lambda: 40 * 2**20)
+    per_worker = budget.MIN_CHUNK_BYTES * 6 + budget.MIN_ENTRIES * budget.RANGE_BYTES_PER_ENTRY
+    need = (4 * 40 * 2**20 + 2 * per_worker) / budget.HEADROOM
+    with pytest.raises(ConfigError, match=rf"below the {need / 2**20:,.0f} MiB that 2 workers "
+                                          rf"need at least \(40 MiB per process before data\)"):
+        budget.plan_memory(20 * 2**20, 2, 8, 6, 1 << 20)
 
 
 def test_memory_limits_are_read_as_sizes_and_one_too_small_is_a_one_line_error(logs, tmp_path):

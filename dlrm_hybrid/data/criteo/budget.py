@@ -1,14 +1,15 @@
 """The memory limit of a preprocessing run and how it is shared out, the process tree's peak RSS,
 and free disk.
 
-Every process (the parent and each worker) costs `base` (Python and numpy, measured at start);
+Every process (the parent, the fork server the workers are forked from, and each worker) costs
+`base` (Python and numpy, measured at start);
 the rest of the limit is split among the workers: a worker parses `chunk_bytes` of text at a time,
 counts at most `counter_capacity` distinct keys before it spills a run, and an aggregation range
 holds at most `range_entries` run entries. The parent keeps only per-task records.
 
-Peak RSS of the tree is bounded from above by the parent's peak plus, for the pool of workers
-that peaked highest together, the sum of each worker's peak (each reports its own VmHWM).
-"""
+Peak RSS of the tree is bounded from above by the parent's peak, the fork server's, and, for the
+pool of workers that peaked highest together, the sum of each worker's peak (each reports its own
+VmHWM, and its fork server's)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ def own_peak_rss() -> int:
     return _status("VmHWM") or 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def parent_peak_rss() -> int:
+    """The parent process's peak RSS in bytes (a worker's parent: its fork server); 0 if unread."""
+    return _kib_field(f"/proc/{os.getppid()}/status", "VmHWM") or 0
+
+
 def own_rss() -> int:
     return _status("VmRSS") or own_peak_rss()
 
@@ -103,12 +109,13 @@ def plan_memory(limit: int, workers: int, counter_bytes_per_entry: int,
     """Share `limit` among the parent and `workers` workers; a limit too small for that is a
     one-line error."""
     base = own_rss()
-    share = (int(limit * HEADROOM) - base * (workers + 1)) // workers
+    processes = workers + 2  # and the parent and the fork server
+    share = (int(limit * HEADROOM) - base * processes) // workers
     chunk = min(chunk_bytes, max(MIN_CHUNK_BYTES, share // 4 // parse_bytes_per_byte))
     counter = (share - chunk * parse_bytes_per_byte) // counter_bytes_per_entry
     entries = share * 3 // 4 // RANGE_BYTES_PER_ENTRY
     if min(counter, entries) < MIN_ENTRIES:
-        need = (base * (workers + 1) + workers * (MIN_CHUNK_BYTES * parse_bytes_per_byte
+        need = (base * processes + workers * (MIN_CHUNK_BYTES * parse_bytes_per_byte
                                                   + MIN_ENTRIES * RANGE_BYTES_PER_ENTRY)) / HEADROOM
         raise ConfigError(f"--memory-limit: {limit / 2**20:,.0f} MiB is below the "
                           f"{need / 2**20:,.0f} MiB that {workers} workers need at least "

@@ -1,10 +1,10 @@
 """One run of `preprocess criteo` (`Job`): its tasks, memory plan and work folder; the pool of
-spawned workers that runs its steps (worker_steps.py), each step recorded as it ends and reused by
-a later run while its record still holds; the three phases (count, number, write) as steps.
+workers that runs its steps (worker_steps.py), each step recorded as it ends and reused by a later
+run while its record still holds; the three phases (count, number, write) as steps.
 
-The job's workers are started once, as its first steps need them, and run every phase: a spawned
-worker spends ~0.4 s of CPU importing numpy and the steps' modules, a cost paid once per worker
-rather than once per worker and phase. They are joined when the job ends (`close`)."""
+The job's workers are started once, as its first steps need them, and run every phase. They are
+forked from a fork server (`_worker_context`) that imported numpy and the steps' modules once, so
+no worker pays that import again. They are joined when the job ends (`close`)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from dlrm_hybrid.data.criteo.progress import JobProgress
 from dlrm_hybrid.data.criteo.splits import check_splits_filled, split_counts, split_jobs
 from dlrm_hybrid.data.criteo.vocabulary import FOLDER, file_name
 from dlrm_hybrid.data.criteo.work import WorkFolder
+from dlrm_hybrid.data.criteo import worker_steps
 from dlrm_hybrid.data.criteo.worker_steps import (CountJob, aggregate_range, copy_vocabulary,
                                                  count_task, number_all, number_range, write_job)
 from dlrm_hybrid.data.criteo.write import WriteJob, size_files, split_files
@@ -63,6 +64,7 @@ class Job:
         self.files = {p: os.stat(p) for p in inputs}
         self.input_bytes = sum(t.size for t in self.tasks)
         self.peaks: List[Dict[int, int]] = []  # per pool started: worker pid -> peak RSS
+        self.server_peak = 0  # the fork server's peak RSS, as its workers last read it
         self.passes: Dict[str, dict] = {}
         self.reused = 0
         self.counted_digest: Optional[str] = None  # of the count records the later steps use
@@ -86,11 +88,11 @@ class Job:
         return [stat.st_size, stat.st_mtime_ns]
 
     def pool(self, workers: int) -> ProcessPoolExecutor:
-        """The job's spawned workers (they start without the parent's memory), for a phase that
+        """The job's workers (they start without the parent's memory), for a phase that
         runs at most `workers` steps at a time. The pool starts a worker only when no started one
         is idle, so it holds at most the most steps any phase ran at once."""
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.workers, _worker_context())
             self.peaks.append({})
         self._processes = max(self._processes, workers)
         return self._pool
@@ -138,6 +140,7 @@ class Job:
                 record = future.result()  # raises the worker's error
                 self.peaks[-1][record["pid"]] = max(record["peak_rss"],
                                                     self.peaks[-1].get(record["pid"], 0))
+                self.server_peak = max(self.server_peak, record["server_peak_rss"])
                 if not name.startswith("count."):
                     record["counted"] = self.counted_digest
                 done(i, record, True)
@@ -159,10 +162,10 @@ class Job:
         return record if valid else None
 
     def peak_rss(self) -> int:
-        """Upper bound of the tree's peak: the parent's, and the pool whose workers' peaks sum
-        highest (a worker lives as long as its pool, idle or not)."""
-        return budget.own_peak_rss() + max((sum(p.values()) for p in self.peaks),
-                                           default=0)
+        """Upper bound of the tree's peak: the parent's, the fork server's, and the pool whose
+        workers' peaks sum highest (a worker lives as long as its pool, idle or not)."""
+        return budget.own_peak_rss() + self.server_peak + max(
+            (sum(p.values()) for p in self.peaks), default=0)
 
     # -- pass 1 --
 
@@ -288,3 +291,12 @@ def _load_histograms(stem: str) -> List[numbering.Histogram]:
     with np.load(stem + ".histograms.npz") as saved:
         arrays = [saved[f"arr_{i}"] for i in range(2 * NUM_CATEGORICAL)]
     return list(zip(arrays[0::2], arrays[1::2]))
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Workers forked from a fork server that imported worker_steps once: fresh processes that
+    hold none of the parent's memory or threads (torch's, in a training process) as spawned ones
+    would, without each importing numpy and the steps' modules anew (~0.4 s of CPU a worker)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([worker_steps.__name__])
+    return context

@@ -1,4 +1,4 @@
-"""What the spawned workers of `preprocess criteo` run, one step each: count a task (pass 1),
+"""What the workers of `preprocess criteo` run, one step each: count a task (pass 1),
 number the counted values (all in one range, or range of keys by range of keys), copy a given
 vocabulary, write a task (pass 2). Each returns its result with its process's peak RSS, which the
 job sums for the report."""
@@ -112,4 +112,5 @@ def write_job(job: WriteJob) -> dict:
 
 
 def _worker_memory() -> dict:
-    return {"pid": os.getpid(), "peak_rss": budget.own_peak_rss()}
+    return {"pid": os.getpid(), "peak_rss": budget.own_peak_rss(),
+            "server_peak_rss": budget.parent_peak_rss()}
