@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (ROOT, TORCHRUN, assert_eval_and_export_reproduce, failure, read_metrics,
-                      run_cli)
+from conftest import (ROOT, TORCHRUN, assert_eval_and_export_reproduce, done_fields, failure,
+                      read_metrics, run_cli)
 from shared_runs import DEMO_RUN, DEMO_STEPS, copy_of
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.synth_dataset import write_synthetic
@@ -46,10 +46,17 @@ def two_rank_args(run_dir, steps, every, embedding="adagrad"):
 
 def two_rank_run(run_dir, steps, every, embedding="adagrad"):
     """An uninterrupted 2-rank run of `steps` steps, checkpointed every `every`: (its run
-    directory, steps, every)."""
+    directory, steps, every, its `done:` line's fields less samples_per_s)."""
     result = run_cli(two_rank_args(run_dir, steps, every, embedding), nproc=2)
     assert result.returncode == 0, failure(result)
-    return run_dir, steps, every
+    return run_dir, steps, every, finished(result.stdout)
+
+
+def finished(stdout):
+    """The `done:` line's fields, less the one that depends on the machine's speed."""
+    done = done_fields(stdout)
+    del done["samples_per_s"]
+    return done
 
 
 # The killed run's length: its kill lands after the first checkpoint with 80 steps to spare.
@@ -65,7 +72,7 @@ def two_rank_adagrad(tmp_path_factory):
 
 @pytest.mark.parametrize("embedding", ["adagrad", "sgd"])
 def test_a_two_rank_checkpoint_resumes_on_one_and_on_three_ranks(tmp_path, embedding, request):
-    full, steps, every = (request.getfixturevalue("two_rank_adagrad") if embedding == "adagrad"
+    full, steps, every, _ = (request.getfixturevalue("two_rank_adagrad") if embedding == "adagrad"
                           else two_rank_run(tmp_path / "full", 12, 6, embedding))
     middle = full / "checkpoints" / f"step_{steps - every}"
     assert {p.name for p in (full / "checkpoints").iterdir()} == {middle.name, f"step_{steps}"}
@@ -114,7 +121,7 @@ def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path, two_
     the suite: up to the checkpoint it resumed from, this run is torchrun's own first attempt, so
     its losses equal the reference's exactly there, which is what shows that a 2-rank run forked
     from the zygote is the one torchrun starts."""
-    clean, _, _ = two_rank_adagrad
+    clean, _, _, clean_done = two_rank_adagrad
     killed = tmp_path / "killed"
     job = subprocess.Popen(
         [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
@@ -133,7 +140,8 @@ def test_a_killed_rank_restarts_and_resumes_with_identical_losses(tmp_path, two_
     out, err = job.communicate(timeout=300)
     assert job.returncode == 0, err[-3000:]
     assert "resumed from" in out
-    assert out.strip().splitlines()[-1].startswith(f"done: steps={KILLED_STEPS}")
+    done = finished(out)  # the last line printed, as the forked run's
+    assert done == pytest.approx(clean_done, rel=1e-4) and done["steps"] == KILLED_STEPS
     resumed_at = int(out.split("resumed from")[1].split("(step ")[1].split(")")[0])
     assert resumed_at >= KILLED_EVERY
     got, want = step_losses(killed), step_losses(clean)
