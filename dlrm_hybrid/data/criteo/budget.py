@@ -106,10 +106,10 @@ class MemoryPlan:
 
 def plan_memory(limit: int, workers: int, counter_bytes_per_entry: int,
                 parse_bytes_per_byte: int, chunk_bytes: int) -> MemoryPlan:
-    """Share `limit` among the parent and `workers` workers; a limit too small for that is a
-    one-line error."""
+    """Share `limit` among the parent, the fork server and `workers` workers; a limit too
+    small for that is a one-line error."""
     base = own_rss()
-    processes = workers + 2  # and the parent and the fork server
+    processes = workers + 2
     share = (int(limit * HEADROOM) - base * processes) // workers
     chunk = min(chunk_bytes, max(MIN_CHUNK_BYTES, share // 4 // parse_bytes_per_byte))
     counter = (share - chunk * parse_bytes_per_byte) // counter_bytes_per_entry
