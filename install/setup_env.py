@@ -244,7 +244,10 @@ def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> di
     # summarizer and RCP checker, which this program does not use (160 MB installed). `pip
     # check` names them: known_unmet.
     pip("--no-deps", f"torchrec=={pair.torchrec}", MLPERF_LOGGING)
-    pip("--no-deps", "--no-build-isolation", "-e", str(ROOT))
+    # PEP 660 straight away: without --use-pep517 pip runs `setup.py develop`, which setuptools
+    # >= 80 hands to a nested pip that builds in an isolated environment, fetching setuptools
+    # from the index (3.5 s more here, and a network need, for the same editable install).
+    pip("--no-deps", "--no-build-isolation", "--use-pep517", "-e", str(ROOT))
     modules = ("fbgemm_gpu", "torchrec", *MODULES)
     if fbgemm == "fbgemm-gpu" and not nvidia_driver():
         # A docker build has no driver, and the CUDA build needs it to load.

@@ -66,6 +66,8 @@ def demo_checkpoint(demo_run) -> Path:
 
 # Dense SGD: Adagrad's first steps move each weight by +-lr whatever its gradient's size, so
 # the sign of a near-zero gradient (rounding of another reduction order) would decide them.
+# SGD tables at lr 30: at the demo's 0.1 their rows move so little that 20 steps' losses stay
+# within 1e-5 of a run whose tables never change; at 30 those differ by 1e-4 at step 4.
 EQUIVALENCE = ["train.max_steps=20", "train.log_every=1", "train.eval_every=0",
                "data.val_samples=8192", "train.progress_bar=false", "optim.dense=sgd",
                "optim.dense_lr=0.5", "train.precision=fp32", "train.cuda_graphs=false"]
@@ -74,7 +76,8 @@ EQUIVALENCE = ["train.max_steps=20", "train.log_every=1", "train.eval_every=0",
 def equivalence_run(run_dir: Path, nproc: int, optimizer: str, extra_env=None):
     """The demo config with EQUIVALENCE and `optimizer` tables on `nproc` gloo ranks (1: the
     plain process): (its per-step losses, the CLI's result)."""
-    overrides = [*EQUIVALENCE, f"optim.embedding={optimizer}", f"train.run_dir={run_dir}"]
+    overrides = [*EQUIVALENCE, f"optim.embedding={optimizer}", f"train.run_dir={run_dir}",
+                 *(["optim.embedding_lr=30"] if optimizer == "sgd" else [])]
     result = run_cli(["train", "--config", "configs/demo.yaml",
                       *[arg for o in overrides for arg in ("--set", o)]],
                      nproc=nproc if nproc > 1 else 0, extra_env=extra_env)
@@ -82,20 +85,31 @@ def equivalence_run(run_dir: Path, nproc: int, optimizer: str, extra_env=None):
     return [e["loss"] for e in read_metrics(run_dir) if "loss" in e], result
 
 
-@pytest.fixture(scope="session")
-def two_rank_sgd(tmp_path_factory):
-    """equivalence_run with SGD tables on 2 ranks, one thread each: (losses, result, run
-    directory). 1 rank must match it (test_distributed.py), and so must 2 threads a rank
-    (test_cpu_lookup.py)."""
+def shared_equivalence_run(tmp_path_factory, nproc: int):
+    """equivalence_run with SGD tables on `nproc` ranks, one thread each, made once per `pytest`
+    run: (losses, result, run directory). Read it; never write into it."""
     def make(run_dir: Path) -> dict:
-        losses, result = equivalence_run(run_dir, 2, "sgd")
+        losses, result = equivalence_run(run_dir, nproc, "sgd")
         return {"losses": losses, "args": result.args, "returncode": result.returncode,
                 "stdout": result.stdout, "stderr": result.stderr}
 
-    run_dir, made = shared(tmp_path_factory, "two_rank_sgd", make)
+    run_dir, made = shared(tmp_path_factory, f"sgd_on_{nproc}", make)
     result = subprocess.CompletedProcess(made["args"], made["returncode"], made["stdout"],
                                          made["stderr"])
     return made["losses"], result, run_dir
+
+
+@pytest.fixture(scope="session")
+def two_rank_sgd(tmp_path_factory):
+    """The 2-rank SGD equivalence run, which 1 rank must match (test_distributed.py)."""
+    return shared_equivalence_run(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="session")
+def one_rank_sgd(tmp_path_factory):
+    """The 1-rank SGD equivalence run, which 2 ranks (test_distributed.py) and 2 threads
+    (test_cpu_lookup.py) must match."""
+    return shared_equivalence_run(tmp_path_factory, 1)
 
 
 def copy_of(folder: Path, to: Path) -> Path:

@@ -13,7 +13,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
 
-from conftest import ROOT
+from conftest import ROOT, read_metrics
 from shared_runs import equivalence_run
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.source import open_dataset
@@ -110,13 +110,15 @@ def test_sharded_cpu_model_uses_the_c_update(tmp_path, process_group):
     assert any(type(m) is CpuSgdTBE for m in _all_modules(dmp))
 
 
-def test_two_ranks_train_the_same_with_one_or_two_threads_each(tmp_path, two_rank_sgd):
-    """One thread a rank: the session's 2-rank SGD run (shared_runs.py)."""
-    losses = {"1": two_rank_sgd[0]}
-    losses["2"], _ = equivalence_run(tmp_path / "2", 2, "sgd", {"OMP_NUM_THREADS": "2"})
+def test_one_or_two_threads_train_the_same(tmp_path, one_rank_sgd):
+    """One thread: the session's 1-rank SGD run (shared_runs.py), whose 8 tables are all the
+    rank's own, on the C update. Two threads split them between them."""
+    one_thread, _, one_thread_dir = one_rank_sgd
+    two_threads, _ = equivalence_run(tmp_path / "2", 1, "sgd", {"OMP_NUM_THREADS": "2"})
+    assert [read_metrics(run)[0]["threads"] for run in (one_thread_dir, tmp_path / "2")] == [1, 2]
     # Each table is updated whole by one thread, so the tables agree bit for bit; the MLP
     # GEMMs may round differently on 2 threads.
-    assert len(losses["2"]) == 20 and losses["2"] == pytest.approx(losses["1"], rel=1e-5)
+    assert len(two_threads) == 20 and two_threads == pytest.approx(one_thread, rel=1e-5)
 
 
 def test_huge_pages_keep_the_values():

@@ -16,22 +16,24 @@ from shared_runs import equivalence_run
 
 def train_losses(tmp_path, nproc, optimizer, request):
     """(per-step losses, `done:` fields, run directory) of shared_runs.equivalence_run; the
-    2-rank SGD one is the session's (test_cpu_lookup.py compares with it too)."""
-    if (nproc, optimizer) == (2, "sgd"):
-        losses, result, run_dir = request.getfixturevalue("two_rank_sgd")
+    SGD ones are the session's (test_cpu_lookup.py compares with the 1-rank one too)."""
+    if optimizer == "sgd":
+        shared_run = {1: "one_rank_sgd", 2: "two_rank_sgd"}[nproc]
+        losses, result, run_dir = request.getfixturevalue(shared_run)
     else:
         run_dir = tmp_path / f"{optimizer}-{nproc}"
         losses, result = equivalence_run(run_dir, nproc, optimizer)
     return losses, done_fields(result.stdout), run_dir
 
 
-def validation_logits(run_dir):
-    """The final checkpoint's click logits on the validation split, in one unsharded model."""
+def validation_logits(run_dir, exported):
+    """The final checkpoint's click logits on the validation split, in one unsharded model
+    (exported to `exported`: the run may be a shared one, not to be written into)."""
     from dlrm_hybrid.train.inference import export_checkpoint
 
     checkpoint = run_dir / "checkpoints" / "step_20"
-    export_checkpoint(str(checkpoint), str(run_dir / "model.pt"))
-    return exported_val_scores(checkpoint, run_dir / "model.pt")[0]
+    export_checkpoint(str(checkpoint), str(exported))
+    return exported_val_scores(checkpoint, exported)[0]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
@@ -47,7 +49,8 @@ def test_one_and_two_ranks_give_the_same_losses(tmp_path, optimizer, request):
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) / abs(a) < 1e-4, f"step {step}: 1 rank {a}, 2 ranks {b}"
     assert one[-1] < one[0]
-    torch.testing.assert_close(validation_logits(run_two), validation_logits(run_one),
+    torch.testing.assert_close(validation_logits(run_two, tmp_path / "two.pt"),
+                               validation_logits(run_one, tmp_path / "one.pt"),
                                rtol=1e-5, atol=1e-5)
     assert abs(done_one["val_logloss"] - done_two["val_logloss"]) < 1e-4
 

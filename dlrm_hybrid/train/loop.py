@@ -92,7 +92,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
                           on_device=train_step.pipeline is None)  # else the pipeline copies
     log.record({"step": first, "loader": batches.name, "step_driver": train_step.driver,
                 "precision": train_step.precision.name,
-                "cuda_graphs": train_step.graph is not None,
+                "cuda_graphs": train_step.graph is not None, "threads": torch.get_num_threads(),
                 "dense": cfg.parallel.dense, "dense_replicas_shards": dense_layout(
                     cfg.parallel.dense, cfg.parallel.hsdp_shard_size, env.world_size,
                     env.local_world_size)})
