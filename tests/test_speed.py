@@ -301,7 +301,8 @@ def check_report(lines, fields, ran: str):
     assert re.search(rf"measured (\d+)x\1 {matmul} matmul", roofline), roofline
     assert roofline.rsplit("achieved ", 1)[1].split()[0] == fields["roofline_fraction"]
     x, y = float(fields["samples_per_s"]), float(fields["baseline_samples_per_s"])
-    assert x > 0 and y > 0 and float(fields["ratio"]) == pytest.approx(x / y, rel=0.01)
+    # the ratio is printed to 2 decimals (0.38 for 0.3759: a relative tolerance fails it)
+    assert x > 0 and y > 0 and float(fields["ratio"]) == pytest.approx(x / y, abs=0.0051)
     assert 0 < float(fields["peak_mem_gib"]) < 24
 
 
@@ -318,7 +319,7 @@ def test_bench_prints_the_comparison_line():
     assert fields["exchange"] == "pooled" and fields["exchange_bytes"] == "0"  # one process
     check_report(lines, fields, ran)
     x, z = float(fields["samples_per_s"]), float(fields["torchrec_samples_per_s"])
-    assert float(fields["torchrec_ratio"]) == pytest.approx(x / z, rel=0.01)
+    assert float(fields["torchrec_ratio"]) == pytest.approx(x / z, abs=0.0051)  # 2 decimals
     assert any(line.strip().startswith("torchrec (DLRM, DistributedModelParallel") for line in lines)
     assert fields.get("requested", "bf16") == "bf16"
     assert fields["cpu"] == re.sub(r",\s*", ",", cpu_capability()).replace(" ", "-")
