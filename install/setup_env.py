@@ -251,6 +251,7 @@ def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> di
     # PEP 660 straight away: without --use-pep517 pip runs `setup.py develop`, which setuptools
     # >= 80 hands to a nested pip that builds in an isolated environment, fetching setuptools
     # from the index (3.5 s more here, and a network need, for the same editable install).
+    # pip >= 25.3 always takes this path (it removed `setup.py develop`).
     pip("--no-deps", "--no-build-isolation", "--use-pep517", "-e", str(ROOT))
     modules = ("fbgemm_gpu", "torchrec", *MODULES)
     if fbgemm == "fbgemm-gpu" and not nvidia_driver():
