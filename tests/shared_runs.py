@@ -66,18 +66,19 @@ def demo_checkpoint(demo_run) -> Path:
 
 # Dense SGD: Adagrad's first steps move each weight by +-lr whatever its gradient's size, so
 # the sign of a near-zero gradient (rounding of another reduction order) would decide them.
-# SGD tables at lr 30: at the demo's 0.1 their rows move so little that 20 steps' losses stay
-# within 1e-5 of a run whose tables never change; at 30 those differ by 1e-4 at step 4.
 EQUIVALENCE = ["train.max_steps=20", "train.log_every=1", "train.eval_every=0",
                "data.val_samples=8192", "train.progress_bar=false", "optim.dense=sgd",
                "optim.dense_lr=0.5", "train.precision=fp32", "train.cuda_graphs=false"]
+# SGD tables: at the demo's lr 0.1 their rows move so little that 20 steps' losses stay within
+# 1e-5 of a run whose tables never change; at 30 the two differ by 2e-4 at step 4.
+SGD_TABLE_LR = "optim.embedding_lr=30"
 
 
 def equivalence_run(run_dir: Path, nproc: int, optimizer: str, extra_env=None):
     """The demo config with EQUIVALENCE and `optimizer` tables on `nproc` gloo ranks (1: the
     plain process): (its per-step losses, the CLI's result)."""
     overrides = [*EQUIVALENCE, f"optim.embedding={optimizer}", f"train.run_dir={run_dir}",
-                 *(["optim.embedding_lr=30"] if optimizer == "sgd" else [])]
+                 *([SGD_TABLE_LR] if optimizer == "sgd" else [])]
     result = run_cli(["train", "--config", "configs/demo.yaml",
                       *[arg for o in overrides for arg in ("--set", o)]],
                      nproc=nproc if nproc > 1 else 0, extra_env=extra_env)
