@@ -18,6 +18,7 @@ prefetched without starting more work.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import math
 from collections import deque
@@ -26,9 +27,26 @@ from typing import Deque, Iterator, List, Optional
 import numpy as np
 import torch
 
+from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.batch import Batch, Columns, fixed_hotness_kjt, jagged_kjt
 
 GROUP_ROWS = 8192
+
+
+def check_dali(loader: str) -> None:
+    """`data.loader: dali` where DALI is not installed: a one-line error before any work. A CPU
+    install leaves DALI out (requirements-gpu.txt: 955 MB of CUDA libraries a CPU run cannot use);
+    the GPU install and `make test` (its CPU pipelines are tested) put it in."""
+    if loader != "dali":
+        return
+    try:
+        found = importlib.util.find_spec("nvidia.dali") is not None
+    except ImportError:  # no `nvidia` package at all
+        found = False
+    if not found:
+        raise ConfigError("data.loader: 'dali', but NVIDIA DALI is not installed (a CPU install "
+                          "leaves it out); install it (.venv/bin/pip install -r "
+                          "requirements-gpu.txt) or set data.loader=torch")
 
 
 class DaliLoader:
@@ -36,6 +54,7 @@ class DaliLoader:
 
     def __init__(self, columns: Iterator[Columns], feature_names: List[str], device: torch.device,
                  depth: int = 4) -> None:
+        check_dali(self.name)  # eval of a run trained with DALI, on a host without it
         import nvidia.dali as dali
         import nvidia.dali.fn as fn
 
