@@ -1,6 +1,7 @@
-"""`dlrm-hybrid plot RUN_DIR [RUN_DIR ...]`: the training loss and validation AUC (a multi-task
-run's: each task's) of one or more runs, against steps and against time, read from their metrics.jsonl and overlaid in one image,
-for a look at a run without TensorBoard (e.g. on a cluster's login node)."""
+"""`dlrm-hybrid plot RUN_DIR [RUN_DIR ...]`: the training loss and what each run's evaluations
+measured (a ranker's validation AUC, a multi-task run's each task's, a two-tower run's recall@K),
+against steps and against time, read from their metrics.jsonl and overlaid in one image, for a
+look at a run without TensorBoard (e.g. on a cluster's login node)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_ta
 METRICS = "metrics.jsonl"
 DEFAULT_NAME = "curves.png"
 LINE_STYLES = (("-", "."), ("--", "x"), (":", "^"), ("-.", "s"))  # (line, marker) per task
-TASK_AUC = "val_auc_"  # a multi-task run's per-task validation AUC: val_auc_<task>
+# What an evaluation measured, the first family its records hold: (metric name prefix, the
+# panel's name for it). A ranker's val_auc, a multi-task run's val_auc_<task>, a two-tower run's
+# val_recall@<K>; any other val_* field (not a planted ceiling's) where none of these is.
+FAMILIES = (("val_auc", "AUC"), ("val_recall@", "recall@K"), ("val_", "metric"))
+CEILING = "val_ceiling_"  # the planted teacher's own retrieval metrics: a bound, not the run's
 SIZE_IN, DPI = (12.0, 8.0), 100  # 1200 x 800 pixels
 
 
@@ -29,17 +34,30 @@ class Run:
     """One run's curves: (step, elapsed seconds or None, value) points."""
     name: str
     loss: List[tuple] = field(default_factory=list)
-    auc: List[tuple] = field(default_factory=list)
-    task_auc: Dict[str, List[tuple]] = field(default_factory=dict)  # multi-task: val_auc_<task>
+    evals: Dict[str, List[tuple]] = field(default_factory=dict)  # each val_* field's points
 
     def timed(self) -> bool:
-        points = self.loss + self.auc + [p for ps in self.task_auc.values() for p in ps]
+        points = self.loss + [p for ps in self.evals.values() for p in ps]
         return all(t is not None for _, t, _ in points)
 
-    def auc_curves(self) -> List[tuple]:
-        """(label suffix, points) of each AUC curve: the click AUC, or each task's."""
-        return ([("", self.auc)] if self.auc else []) + [
-            (f" {task}", points) for task, points in self.task_auc.items()]
+    def measured(self) -> str:
+        """The panel's name for what this run's evaluations measured ("" before any)."""
+        return next((name for prefix, name in FAMILIES
+                     if any(k.startswith(prefix) for k in self.evals)), "")
+
+    def eval_curves(self) -> List[tuple]:
+        """(label suffix, points) of each evaluation curve of the first family in FAMILIES the
+        run's evaluations hold: the AUC (" <task>": a task's), or " recall@<K>" for each K."""
+        prefix = next((p for p, name in FAMILIES if name == self.measured()), None)
+        return [(_legend_suffix(key), points) for key, points in self.evals.items()
+                if prefix and key.startswith(prefix)]
+
+
+def _legend_suffix(key: str) -> str:
+    """val_auc: ""; val_auc_<task>: " <task>"; val_recall@10: " recall@10"."""
+    if key == "val_auc":
+        return ""
+    return " " + (key[len("val_auc_"):] if key.startswith("val_auc_") else key[len("val_"):])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,9 +83,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def read_run(run_dir: str, name: str) -> Run:
-    """The loss and AUC points of `run_dir/metrics.jsonl`; a last line cut short (a run killed
-    while writing it) is skipped with a notice. Only top-level `loss` and `val_auc` fields are
-    points, so the events a resume superseded (kept inside its `resumed` record) are not."""
+    """The loss and evaluation points of `run_dir/metrics.jsonl`; a last line cut short (a run
+    killed while writing it) is skipped with a notice. Only top-level `loss` and `val_*` fields
+    are points, so the events a resume superseded (kept inside its `resumed` record) are not."""
     path = Path(run_dir) / METRICS
     if not path.is_file():
         what = "is not a folder" if not Path(run_dir).is_dir() else f"holds no {METRICS}"
@@ -88,9 +106,9 @@ def read_run(run_dir: str, name: str) -> Run:
                             f"damaged (remove that line to plot the rest)")
         else:  # the record a resume leaves (`resumed`) holds no point: skipped there
             _add_point(run, event)
-    if not run.loss and not run.auc_curves():
-        raise UserError(f"plot: {path} has no loss or val_auc records yet; plot it once the run "
-                        f"has logged (train.log_every steps)")
+    if not run.loss and not run.eval_curves():
+        raise UserError(f"plot: {path} has no loss or evaluation records yet; plot it once the "
+                        f"run has logged (train.log_every steps)")
     return run
 
 
@@ -105,13 +123,15 @@ def _parse(line: str) -> Optional[dict]:
 def _add_point(run: Run, event: dict) -> None:
     elapsed = event.get("elapsed_s")
     elapsed = elapsed if isinstance(elapsed, numbers.Real) else None
-    for key, points in (("loss", run.loss), ("val_auc", run.auc)):
-        if isinstance(event.get(key), numbers.Real):
-            points.append((event["step"], elapsed, event[key]))
+    if _number(event.get("loss")):
+        run.loss.append((event["step"], elapsed, event["loss"]))
     for key, value in event.items():
-        if key.startswith(TASK_AUC) and isinstance(value, numbers.Real):
-            run.task_auc.setdefault(key[len(TASK_AUC):], []).append(
-                (event["step"], elapsed, value))
+        if key.startswith("val_") and not key.startswith(CEILING) and _number(value):
+            run.evals.setdefault(key, []).append((event["step"], elapsed, value))
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _names(run_dirs: List[str]) -> List[str]:
@@ -132,7 +152,13 @@ def _image_format(out: str) -> str:
 
 
 def _curves(run: Run, attr: str) -> List[tuple]:
-    return [("", run.loss)] if attr == "loss" else run.auc_curves()
+    return [("", run.loss)] if attr == "loss" else run.eval_curves()
+
+
+def _eval_label(runs: List[Run]) -> str:
+    """"validation AUC", "validation recall@K", or each measure the runs overlaid hold."""
+    measured = [m for m in dict.fromkeys(r.measured() for r in runs) if m]
+    return "validation " + (" / ".join(measured) or "AUC")
 
 
 def _empty_reason(runs: List[Run], attr: str) -> str:
@@ -142,15 +168,15 @@ def _empty_reason(runs: List[Run], attr: str) -> str:
 
 
 def _write(runs: List[Run], out: Path, kind: str) -> None:
-    """Loss (top) and AUC (bottom) against steps (left) and elapsed time (right), written whole
-    or not at all."""
+    """Loss (top) and what the evaluations measured (bottom) against steps (left) and elapsed
+    time (right), written whole or not at all."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=SIZE_IN, dpi=DPI)
-    for row, (attr, label) in enumerate((("loss", "training loss"), ("auc", "validation AUC"))):
+    for row, (attr, label) in enumerate((("loss", "training loss"), ("auc", _eval_label(runs)))):
         for x, xlabel in enumerate(("step", "elapsed, s")):
             ax = axes[row][x]
             drawn = [(i, r) for i, r in enumerate(runs)

@@ -230,6 +230,30 @@ def test_plot_older_run_without_time_plots_against_steps(tmp_path):
     assert (pixels[:, 0] > 300).all() and (pixels[:, 1] == 0).all()
 
 
+def test_plot_of_a_two_tower_run_draws_its_recall(tmp_path):
+    """A two-tower run's evaluations hold recall/HR/NDCG@K (and the planted ceiling's), no AUC:
+    the lower panels draw each K's recall@K (not the ceiling's), not "no evaluation yet"."""
+    from dlrm_hybrid.curves import read_run
+
+    run_dir = tmp_path / "two_tower"
+    run_dir.mkdir()
+    records = [{"step": 0, "loader": "torch", "time": 1.7e9, "elapsed_s": 0.5}]
+    for step in (10, 20):
+        records.append({"step": step, "loss": 6.0 - step / 10, "time": 1.7e9 + step,
+                         "elapsed_s": float(step)})
+        records.append({"step": step, **{f"val_{m}@{k}": step / 100 + k / 200
+                                         for k in (10, 50) for m in ("recall", "hr", "ndcg")},
+                        "val_mrr": 0.06, "val_ceiling_recall@10": 0.33, "users": 2000,
+                        "eval_s": 0.08, "time": 1.7e9 + step + 1, "elapsed_s": step + 1.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = run_cli(["plot", str(run_dir)])
+    assert result.returncode == 0, failure(result)
+    assert (_colour_pixels(_read_png(run_dir / "curves.png"), C0) > 100).all()
+    assert dict(read_run(str(run_dir), "two_tower").eval_curves()) == {
+        f" recall@{k}": [(step, step + 1.0, step / 100 + k / 200) for step in (10, 20)]
+        for k in (10, 50)}
+
+
 def test_plot_skips_a_cut_last_line_and_the_resume_marker(tmp_path, plotted):
     """A killed run's cut last line and a resume's `resumed` record (its superseded events
     inside) leave the image as the clean record draws it."""
@@ -248,7 +272,7 @@ def test_plot_skips_a_cut_last_line_and_the_resume_marker(tmp_path, plotted):
 @pytest.mark.parametrize("case, message", [
     ("missing", "is not a folder"),
     ("no_metrics", "holds no metrics.jsonl"),
-    ("empty", "has no loss or val_auc records yet"),
+    ("empty", "has no loss or evaluation records yet"),
     ("damaged", "line 2 is not a JSON record"),
     ("out_is_input", "is the run record"),
 ])

@@ -50,7 +50,7 @@ def test_plot_draws_each_tasks_auc(tmp_path):
                 "oracle_auc_like": 0.8, "elapsed_s": 1.5},
                {"step": 20, "val_auc_click": 0.66, "val_auc_like": 0.6, "elapsed_s": 2.5}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    curves = dict(read_run(str(run), "run").auc_curves())
+    curves = dict(read_run(str(run), "run").eval_curves())
     assert curves == {" click": [(10, 1.5, 0.61), (20, 2.5, 0.66)],
                       " like": [(10, 1.5, 0.58), (20, 2.5, 0.6)]}
     plot(argparse.Namespace(run_dirs=[str(run)], out=None))  # the CLI: tests/test_curves.py
