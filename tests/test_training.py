@@ -116,6 +116,36 @@ def test_a_dataset_with_an_empty_validation_split_stops_training_at_start(tmp_pa
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_data_smaller_than_one_global_batch_stops_before_anything_is_written(tmp_path):
+    """Before the plan is printed and before the run folder is made or an earlier run in it set
+    aside: one line with the dataset's count and the key to lower."""
+    from conftest import run_cli
+    from dlrm_hybrid.data.synth_dataset import write_synthetic
+
+    data, earlier, fresh = tmp_path / "data", tmp_path / "earlier", tmp_path / "fresh"
+    write_synthetic(load_config(None, ["data.train_samples=500", "data.val_samples=64"]).data,
+                    str(data))
+    earlier.mkdir()
+    (earlier / "metrics.jsonl").write_text('{"step": 5, "loss": 0.5}\n')
+    result = run_cli(["train", "--set", f"data.path={data}", "--set", "train.max_steps=2",
+                      "--set", "data.global_batch_size=1024", "--set", f"train.run_dir={earlier}"])
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"error: {data}: its training split holds 500 samples, fewer than one global batch "
+        f"(data.global_batch_size=1024); lower data.global_batch_size to at most 500, or train "
+        f"on more data"]
+    assert [p.name for p in earlier.iterdir()] == ["metrics.jsonl"]
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 5, "loss": 0.5}\n'
+    result = run_cli(["train", "--set", "data.train_samples=500", "--set", "train.max_steps=2",
+                      "--set", "data.global_batch_size=1024", "--set", f"train.run_dir={fresh}"])
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "error: synthetic data: data.train_samples=500 is fewer than one global batch "
+        "(data.global_batch_size=1024); lower data.global_batch_size to at most 500, or raise "
+        "data.train_samples"]
+    assert not fresh.exists()
+
+
 def test_auc_of_a_one_class_split_is_reported_undefined_not_zero(tmp_path, process_group):
     """200 real Criteo rows give ~6 validation rows, sometimes all non-clicks."""
     import math

@@ -63,6 +63,27 @@ def require_samples(dataset, splits: Sequence[str], where: str) -> None:
                         f"{where} reads it; set {key} above 0")
 
 
+def require_one_batch(dataset, global_batch: int, world_size: int) -> None:
+    """Stop at start, before the plan is printed or the run folder touched, in one line, when the
+    training split holds fewer samples than one global batch: no step could be read."""
+    n = dataset.num_samples("train")
+    if n >= global_batch:
+        return
+    fits = n // world_size * world_size  # a batch the world size divides
+    lower = (f"lower data.global_batch_size to at most {fits}" if fits
+             else f"use fewer ranks than {world_size}")
+    batch = f"one global batch (data.global_batch_size={global_batch})"
+    if isinstance(dataset, SplitBinaryDataset):
+        where = dataset.fspec.root
+    elif isinstance(dataset, InteractionData):
+        where = dataset.root or "planted interactions"
+    else:
+        raise DataError(f"synthetic data: data.train_samples={n} is fewer than {batch}; {lower}, "
+                        f"or raise data.train_samples")
+    raise DataError(f"{where}: its training split holds {n:,} samples, fewer than {batch}; "
+                    f"{lower}, or train on more data")
+
+
 def make_loader(data_cfg, dataset, split: str, env, seed: int = 0, start_step: int = 0,
                 on_device: bool = True):
     """This rank's batches of `split` on its device (or pinned on the host, for a consumer that

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from dlrm_hybrid.config import Config, ConfigError
 from dlrm_hybrid.data.criteo.day23 import require_reference_rule
-from dlrm_hybrid.data.source import make_loader, open_dataset, require_samples
+from dlrm_hybrid.data.source import (make_loader, open_dataset, require_one_batch,
+                                     require_samples)
 from dlrm_hybrid.parallel.dense_memory import dense_layout, require_dense_fits
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
@@ -66,6 +67,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
     dataset = open_dataset(cfg.data, cfg.model, cfg.retrieval)
     require_samples(dataset, ("train", "val"), "training")
+    require_one_batch(dataset, cfg.data.global_batch_size, env.world_size)
     run = run_schedule(cfg, dataset.num_samples("train"))
     kind = model_kind(cfg)
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
