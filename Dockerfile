@@ -13,10 +13,11 @@ ARG FROM_IMAGE_NAME=nvcr.io/nvidia/pytorch:26.10-py3
 FROM ${FROM_IMAGE_NAME}
 
 WORKDIR /workspace/dlrm_hybrid
-COPY Makefile setup.py requirements.txt ./
+COPY Makefile setup.py requirements.txt requirements-gpu.txt requirements-dev.txt ./
 COPY install ./install
 COPY dlrm_hybrid ./dlrm_hybrid
-# FBGEMM=cuda: a build sees no GPU driver, so `auto` would pick the CPU build.
+# FBGEMM=cuda: a build sees no GPU driver, so `auto` would pick the CPU build (and leave out
+# requirements-gpu.txt; here the image's DALI stands for it).
 RUN make install TORCH=system VENV= FBGEMM=cuda PYTHON=python3 \
  && rm -rf /root/.cache/pip
 COPY configs ./configs

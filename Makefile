@@ -1,4 +1,7 @@
-# `make demo` trains the default config; `make test` runs the tests. Both create or reuse .venv.
+# `make demo` trains the default config; `make test` runs the tests. Both create or reuse .venv:
+# `make demo` (and `make install`) with what a run needs (requirements.txt, and
+# requirements-gpu.txt where fbgemm's CUDA build goes in), `make test` (and `make install-dev`)
+# with the tests' and benchmarks' tools too (requirements-dev.txt, requirements-gpu.txt).
 PYTHON ?= python3
 VENV ?= .venv
 # VENV= (empty): no venv: install into $(PYTHON) itself, as the Dockerfile does into the NGC
@@ -31,24 +34,32 @@ endif
 # FBGEMM: auto (the CUDA build where torch has CUDA and the NVIDIA driver is installed), cuda, cpu.
 FBGEMM ?= auto
 STAMP := $(STATE)/.installed-torch-$(TORCH)-fbgemm-$(FBGEMM)-gpus-$(GPUS)
+DEV_STAMP := $(STAMP)-dev
+INSTALL_INPUTS := requirements.txt requirements-gpu.txt setup.py Makefile install/setup_env.py \
+                  install/torch_versions.txt dlrm_hybrid/csrc/cpu_lookup.c dlrm_hybrid/csrc/criteo.c
 
-.PHONY: demo test install clean
+.PHONY: demo test install install-dev clean
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m dlrm_hybrid.torchrun --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt setup.py Makefile install/setup_env.py install/torch_versions.txt \
-          dlrm_hybrid/csrc/cpu_lookup.c
+install-dev: $(DEV_STAMP)
+
+# The dev install is a run's install and more, so it leaves both stamps: `make demo` after
+# `make test` installs nothing.
+$(STAMP): $(INSTALL_INPUTS)
+$(DEV_STAMP): $(INSTALL_INPUTS) requirements-dev.txt
+$(STAMP) $(DEV_STAMP):
 	$(if $(VENV),test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV),mkdir -p $(STATE))
 	rm -f $(STATE)/.installed-*
-	$(PY) install/setup_env.py $(TORCH_ARG) --fbgemm $(FBGEMM)
+	$(PY) install/setup_env.py $(TORCH_ARG) --fbgemm $(FBGEMM)$(if $(filter $(DEV_STAMP),$@), --dev)
 	echo $(TORCH) > $(STATE)/.torch
-	touch $@
+	touch $(sort $(STAMP) $@)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -9,9 +9,14 @@ driver is installed, since it does not load without the driver's libnvidia-ml; e
 `fbgemm-gpu-cpu`, which runs under a CUDA torch too), and torchrec goes in with `--no-deps`: it
 declares the CUDA fbgemm-gpu, which on a CPU build fails to load and overwrites the CPU files.
 
+What else goes in: requirements.txt (a run's needs) always; requirements-gpu.txt (DALI, 955 MB
+of CUDA builds and codecs a CPU run cannot use) with fbgemm's CUDA build; `--dev` (`make test`)
+adds requirements-dev.txt (the tests' and benchmarks' tools) and requirements-gpu.txt on CPU too,
+since the tests run DALI's CPU pipelines.
+
 It installs into the Python that runs it: a venv's (`make install`), or an image's own Python
 (`make install VENV=`, as the Dockerfile does on NGC's image). A DALI that Python already imports
-is kept (NGC's images ship one built for their CUDA), not joined by requirements.txt's. The
+is kept (NGC's images ship one built for their CUDA), not joined by requirements-gpu.txt's. The
 install ends with `pip check`: a line it adds that is not in known_unmet fails it.
 Only the standard library is used, since nothing else may be installed yet.
 """
@@ -31,6 +36,8 @@ from typing import Dict, NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 MLPERF_LOGGING = "mlperf-logging==4.1.68"  # train.mlperf_log (MLPerf Training logs)
 TABLE = Path(__file__).resolve().parent / "torch_versions.txt"
+# The requirement files by purpose (see the module's docstring), in the repository's root.
+RUN, GPU, DEV = "requirements.txt", "requirements-gpu.txt", "requirements-dev.txt"
 PIP = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 UNMET = re.compile(r"(\S+) \S+ requires (\S+), which is not installed\.")  # a `pip check` line
 # What the install imports at its end: our package and the modules it uses beside it, among
@@ -155,16 +162,23 @@ def remove_other_build(fbgemm: str) -> None:
 
 def importable_dali() -> str | None:
     """The DALI this Python already imports ("2.4.0 at PATH"), or None: an NGC image ships one
-    built for its CUDA, and requirements.txt's, another distribution of the same files, would
+    built for its CUDA, and requirements-gpu.txt's, another distribution of the same files, would
     overwrite it."""
     probe = "import nvidia.dali as d; print(d.__version__, 'at', d.__file__)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     return result.stdout.strip().splitlines()[-1] if result.returncode == 0 else None
 
 
-def requirements(keep_dali: bool) -> str:
-    """requirements.txt, less its nvidia-dali line where a DALI is kept."""
-    lines = (ROOT / "requirements.txt").read_text().splitlines(keepends=True)
+def requirement_files(fbgemm: str, dev: bool) -> list[str]:
+    """The requirement files this install takes: a run's everywhere, the GPU's with the CUDA
+    build (where DALI's GPU pipelines can run) or for the tests, the tests' tools with `dev`."""
+    return [RUN] + ([GPU] if fbgemm == "fbgemm-gpu" or dev else []) + ([DEV] if dev else [])
+
+
+def requirements(files: list[str], keep_dali: bool) -> str:
+    """The files' lines together, less any nvidia-dali line where a DALI is kept."""
+    lines = [line for name in files
+             for line in (ROOT / name).read_text().splitlines(keepends=True)]
     return "".join(line for line in lines if not (keep_dali and line.startswith("nvidia-dali")))
 
 
@@ -203,7 +217,7 @@ def check_requirements(before: set[str], fbgemm: str) -> None:
         print(*added, sep="\n", file=sys.stderr, flush=True)
         more = f" (and {len(added) - 1} more, above)" if len(added) > 1 else ""
         raise InstallError(f"`pip check` after the install: {added[0].rstrip('.')}{more}; make "
-                           f"the pins in requirements.txt and install/torch_versions.txt agree "
+                           f"the pins in requirements*.txt and install/torch_versions.txt agree "
                            f"with it")
     for line in sorted(after - set(wrong)):
         print(f"setup_env: pip check, known (install/setup_env.py known_unmet): {line}")
@@ -216,7 +230,8 @@ def pip(*args: str) -> None:
         raise InstallError(f"`pip install {' '.join(args)}` failed (its output is above)")
 
 
-def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> dict:
+def install(torch_version: str | None, build: str, table: Dict[str, Pair],
+            dev: bool = False) -> dict:
     before = pip_check()
     if torch_version is not None:
         pair_for(torch_version, table)  # an unknown release fails before anything is installed
@@ -231,17 +246,22 @@ def install(torch_version: str | None, build: str, table: Dict[str, Pair]) -> di
         print(f"setup_env: keeping the torch inside {sys.prefix}, which does not see the system "
               f"site-packages; for the system's torch, remove it first (make clean)", flush=True)
     remove_other_build(fbgemm)
-    dali = importable_dali()
+    files = requirement_files(fbgemm, dev)
+    dali = importable_dali() if GPU in files else None
     if dali:
         print(f"setup_env: keeping the DALI this Python has (nvidia.dali {dali}); "
-              f"requirements.txt's nvidia-dali is not installed", flush=True)
+              f"{GPU}'s nvidia-dali is not installed", flush=True)
+    elif GPU not in files:
+        print(f"setup_env: {GPU} (DALI, data.loader=dali) is left out: a CPU run does not use "
+              f"it; `make test` and the CUDA build (FBGEMM=cuda) install it", flush=True)
+    print(f"setup_env: installing {', '.join(files)}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         # Whatever a requirement declares, the torch found stays: pip fails instead of replacing
         # it. The distribution's version, not torch.__version__: PyPI's CUDA wheels say "2.11.0"
         # in their metadata and "2.11.0+cu130" at run time.
         constraints, wanted = Path(folder, "constraints.txt"), Path(folder, "requirements.txt")
         constraints.write_text(f"torch=={torch_info['dist']}\n")
-        wanted.write_text(requirements(keep_dali=dali is not None))
+        wanted.write_text(requirements(files, keep_dali=dali is not None))
         pip("-c", str(constraints), f"{fbgemm}=={pair.fbgemm}", "-r", str(wanted))
     # torchrec: see the module's docstring. mllog and the compliance checker need only pyyaml
     # (MODULES imports them below); the pandas and scipy mlperf-logging declares serve its result
@@ -278,9 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="keep the torch this environment has (never reinstalled)")
     parser.add_argument("--fbgemm", choices=["auto", "cuda", "cpu"], default="auto",
                         help="fbgemm-gpu build (auto: CUDA where torch and the driver have it)")
+    parser.add_argument("--dev", action="store_true",
+                        help=f"also {DEV} and {GPU}: what the tests and benchmarks use")
     args = parser.parse_args(argv)
     try:
-        install(args.torch, args.fbgemm, read_table())
+        install(args.torch, args.fbgemm, read_table(), args.dev)
     except InstallError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

