@@ -108,11 +108,15 @@ def summary(meta: InteractionMeta, output: str, seconds: float) -> str:
         f"  read       {e['rows']:,} rows from {len(meta.source)} file(s), columns {e['columns']}",
         f"  bad rows   {sum(bad.values()):,} skipped"
         + (" (" + ", ".join(f"{k} {v:,}" for k, v in bad.items()) + ")" if bad else ""),
+        *([f"  duplicate  {e['duplicate']:,} rows repeat an earlier row in every column: "
+           f"one engagement each, kept once"] if e.get("duplicate") else []),
         f"  positive   {meta.positive}: {e['not_positive']:,} rows are not",
         f"  min-count  {e['min_count']}: {e['below_min_count']:,} positives left out with "
         f"{e['dropped_users']:,} users and {e['dropped_items']:,} items",
         *([f"  recent     {e['held_recent']:,} positives left out (--holdout-recent "
-             f"{e['holdout_recent']}: each user's most recent)"] if e.get("holdout_recent") else []),
+             f"{e['holdout_recent']}: each user's most recent), with "
+             f"{e['recent_only_users']:,} users and {e['recent_only_items']:,} items that had "
+             f"no other"] if e.get("holdout_recent") else []),
         f"  kept       {kept:,} positives of {meta.users:,} users and {meta.items:,} items",
         f"  features   user: {sides(meta.user_side)}; item: {sides(meta.item_side)}",
         f"  split      {meta.split_rule}"
@@ -120,5 +124,6 @@ def summary(meta: InteractionMeta, output: str, seconds: float) -> str:
         "             " + ", ".join(f"{s} {n:,}" for s, n in meta.samples.items()),
         f"done: users={meta.users} items={meta.items} "
         + " ".join(f"{s}={n}" for s, n in meta.samples.items())
-        + f" skipped={sum(bad.values())} not_positive={e['not_positive']} "
-          f"below_min_count={e['below_min_count']}"])
+        + f" skipped={sum(bad.values())} duplicate={e['duplicate']} "
+          f"not_positive={e['not_positive']} below_min_count={e['below_min_count']}"
+        + (f" held_recent={e['held_recent']}" if e.get("holdout_recent") else "")])

@@ -1,9 +1,11 @@
 """`preprocess interactions --labels ...`: an interaction log -> a ranking dataset (split-binary,
 several labels) for the DLRM, beside the retrieval dataset the same command makes without them.
 
-- Engagements: every row of the log is one (someone watched, rated, clicked); reading, ids,
-  side features, --min-count and the splits are interaction_split.py's (`prepare`, every row
-  a positive), so a user's last engagement is test, the one before validation (or a time cut).
+- Engagements: every row of the log is one (someone watched, rated, clicked; a row written
+  twice, once); reading, ids, side features, duplicates, --min-count and the splits are
+  interaction_split.py's (`prepare`, every row a positive), so a user's last engagement is
+  test, the one before validation (or a time cut), and the retrieval datasets of the same log
+  hold the same rows.
 - Labels (`--labels watched,liked:rating>=4,disliked:rating<=2`): NAME alone is 1 on every
   engagement; NAME:COLUMN<op>NUMBER (COLUMN rating or label; >=, <=, >, <, ==, !=) is 1 where
   the row's value passes. Each engagement row is one sample.
@@ -308,8 +310,8 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                 "numerical_features": dense_names,
                 "rows": {"read": meta.extra["rows"],
                          "kept": sum(v.engagements for v in splits.values()),
-                         **{k: meta.extra[k] for k in (*BAD_KINDS, "below_min_count",
-                                                       "held_out")}},
+                         **{k: meta.extra[k] for k in (*BAD_KINDS, "duplicate",
+                                                       "below_min_count", "held_out")}},
                 "engagements": {SPLIT_FOLDERS[s]: v.engagements for s, v in splits.items()},
                 "engagements_without_negatives": sum(v.without_negatives for v in splits.values()),
                 "min_count": meta.extra["min_count"]}.items():
@@ -380,16 +382,19 @@ def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelR
     unsampled = sum(s.without_negatives for s in splits.values())
     bad = sum(e[k] for k in BAD_KINDS)
     kept = sum(s.engagements for s in splits.values())
+    left = {k: sum(s.left_out.get(k, 0) for s in splits.values()) for k in LEFT_OUT}
     lines = [f"wrote {output} in {seconds:.1f} s (a ranking dataset: split-binary)",
              f"  read       {e['rows']:,} rows = {kept:,} engagements kept + {bad:,} bad rows "
-             f"skipped + {e['below_min_count']:,} below --min-count {e['min_count']}"
+             f"skipped + {e['duplicate']:,} duplicates (a row written twice: kept once) + "
+             f"{e['below_min_count']:,} below --min-count {e['min_count']}"
              + (f" + {e['held_out']:,} held out (--holdout {e['holdout']}: its validation and "
-                f"test pairs, in no split)" if e["holdout"] else ""),
+                f"test pairs, in no split)" if e["holdout"] else "")
+             + (f" + {sum(left.values()):,} not the candidates' (below)"
+                if any(s.candidate is not None for s in splits.values()) else ""),
              f"  kept       {meta.users:,} users, {meta.items:,} items; split {meta.split_rule}",
              f"  negatives  {negatives} per engagement ({unsampled:,} engagements without: their "
              f"user engaged with every item)",
              "  labels     " + ", ".join(f"{r.name}: {r}" for r in rules)]
-    left = {k: sum(s.left_out.get(k, 0) for s in splits.values()) for k in LEFT_OUT}
     if any(s.candidate is not None for s in splits.values()):
         lines.append("  candidates engagements left out: " + ", ".join(
             f"{k.replace('_', ' ')} {v:,}" for k, v in left.items()))
@@ -399,7 +404,7 @@ def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelR
                      f"engagements + {len(s.users) - s.engagements:,} negatives); rates {rates}")
     train = splits["train"]
     lines.append(f"done: rows={e['rows']} kept={kept} skipped={bad} "
-                 f"below_min_count={e['below_min_count']} held_out={e['held_out']} "
+                 f"duplicate={e['duplicate']} below_min_count={e['below_min_count']} held_out={e['held_out']} "
                  + " ".join(f"{SPLIT_FOLDERS[s]}={len(v.users)}" for s, v in splits.items()) + " "
                  + " ".join(f"rate_{r.name}={train.labels[:, t].mean():.4f}"
                             for t, r in enumerate(rules)) + f" seconds={seconds:.2f}")
