@@ -334,8 +334,29 @@ def test_movielens_ratings_csv_is_told_by_its_header_under_any_name(tmp_path, na
     assert set(pairs(data, "train")) == SPLITS["train"] and pairs(data, "test") == SPLITS["test"]
 
 
+@pytest.mark.parametrize("header, sep", [("user,item,rating,timestamp", ","),
+                                         ("timestamp\tuser_id\trating\titem_id", "\t"),
+                                         ("User;Item;_;rating;timestamp", ";")])
+def test_a_header_that_names_the_roles_is_the_roles(tmp_path, header, sep):
+    """No --columns needed: each column's name is its role (a role, `_`, or an id column
+    named as ids are), in the header's order."""
+    roles = [{"user_id": "user", "item_id": "item"}.get(n, n.lower())
+             for n in header.split(sep)]
+    values = [{"user": u, "item": i, "rating": r, "timestamp": t, "_": "x"}
+              for u, i, r, t in ROWS]
+    log = write_log(tmp_path / "log.txt", [header] + [sep.join(str(v[role]) for role in roles)
+                                                      for v in values])
+    result = preprocess([log], tmp_path / "out")
+    assert result.returncode == 0, failure(result)
+    assert "done: users=3 items=5 train=4 val=2 test=2" in result.stdout
+    data = open_interactions(str(tmp_path / "out"))
+    assert set(pairs(data, "train")) == SPLITS["train"]
+    assert pairs(data, "val") == SPLITS["val"] and pairs(data, "test") == SPLITS["test"]
+
+
 @pytest.mark.parametrize("name, text", [
     ("ratings.csv", "user,item,score\n1,2,5\n"),  # MovieLens' name, another header
+    ("log.csv", "user,rating,timestamp\n1,5,7\n"),  # a header of roles, but no item column
     ("ratings.csv", "1,2,5,7\n"),  # MovieLens' name, no header
     ("u.data", "1,2,5,7\n"),  # u.data's name, commas
     ("ratings.dat", "1::2::5\n"),  # ratings.dat's name, three fields

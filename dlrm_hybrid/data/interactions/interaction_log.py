@@ -5,7 +5,7 @@ Layouts: MovieLens' rating files are recognised by their content (`known_layout`
 by its header, whatever the file is called; u.data and ratings.dat, which have none, by a name of
 theirs and a first line of four numbers in their delimiter. Any other file needs --columns, a
 comma list of roles: user, item, timestamp, rating, label, user:NAME or item:NAME (a side feature
-of that tower) and _ (a column to ignore). A header line (a number column that is not a number,
+of that tower) and _ (a column to ignore), unless its header names them (`header_roles`). A header line (a number column that is not a number,
 the roles' own names, or id columns named as ids are: `user_id`, `movieId`, ...) is skipped, and
 a UTF-8 byte-order mark dropped. Fields may be quoted ("a,b"). Ids and side values are kept as
 the file's bytes; numbers are float64. A user or item id must be UTF-8 text without a line
@@ -131,12 +131,42 @@ def layout_of(path: str, columns: Optional[Tuple[str, ...]], delimiter: Optional
     if columns is not None:
         return columns, delimiter or _sniff(path), None
     known = known_layout(path)
-    if known is None:
+    if known is not None:
+        return MOVIELENS, delimiter or known[0], known[1]
+    named = header_roles(path, delimiter)
+    if named is None:
         raise UserError(f"{path}: not a MovieLens ratings file (ratings.csv's header "
-                        f"{','.join(MOVIELENS_HEADER)}, or {' / '.join(HEADERLESS)} rows); say "
-                        f"what its columns are with --columns, e.g. --columns "
-                        f"user,item,rating,timestamp")
-    return MOVIELENS, delimiter or known[0], known[1]
+                        f"{','.join(MOVIELENS_HEADER)}, or {' / '.join(HEADERLESS)} rows) and "
+                        f"no header of roles; say what its columns are with --columns, e.g. "
+                        f"--columns user,item,rating,timestamp")
+    return named, delimiter or _sniff(path), True
+
+
+def header_roles(path: str, delimiter: Optional[str]) -> Optional[Tuple[str, ...]]:
+    """The roles a header line names, each column's (`user,item,rating,timestamp`,
+    `user_id,item_id,label`, `user,item,item:genre,_`: what --columns would say), or None
+    where one column names no role or the roles are not a layout --columns takes."""
+    first = _first_line(path)
+    sep = delimiter or next((d for d in ("::", "\t", ",", ";", "|") if d in first), None)
+    if sep is None:
+        return None
+    fields = next(csv.reader([first.replace(sep, SEPARATOR)], delimiter=SEPARATOR), [])
+    roles = tuple(_role_named(f.strip()) for f in fields)
+    if not all(roles):
+        return None
+    try:
+        return parse_columns(",".join(roles))  # type: ignore[arg-type]
+    except UserError:  # e.g. no item column, or a rating and a label
+        return None
+
+
+def _role_named(name: str) -> Optional[str]:
+    """The role a header's column name names: a role itself (`user`, `rating`, `item:genre`,
+    `_`), or an id column named as ids are (`user_id`, `movieId`); None for any other name."""
+    lower = name.lower()
+    if lower in ROLES or name == IGNORED or re.fullmatch(r"(user|item):[A-Za-z0-9_]+", name):
+        return lower if lower in ROLES else name
+    return next((role for role in ("user", "item") if _names_ids(name, role)), None)
 
 
 def known_layout(path: str) -> Optional[Tuple[str, bool]]:
