@@ -21,7 +21,8 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    per step count of `--ranker-steps` (CANDIDATE_RANKER_STEPS; RANKER_STEPS on the uniform
    dataset), tasks watched, liked, disliked as the README trains them, `export`; `pixie build`
    of each retrieval dataset's training split. `--work DIR` keeps them, each named by the
-   settings it depends on, and a later run reuses what DIR holds.
+   settings it depends on, in a folder named by the log's bytes (recommend_build.log_folder),
+   and a later run on the same log reuses what DIR holds.
 3. The choice, on validation only, in a validation world: the log without each user's test
    item and later rows (recommend_build.validation_log), built as in 1-2 in DIR/validation_world,
    so its test item is the real validation item and its towers, graph, candidate models and
@@ -283,8 +284,8 @@ def main() -> None:
     parser.add_argument("--val-users", type=int, default=0, help="validation users that choose "
                         "the ranker (0: all)")
     parser.add_argument("--work", help="build the datasets, models and graph in this folder and "
-                        "keep them; what it already holds (named by its settings) is reused "
-                        "(default: a temporary folder)")
+                        "keep them; what it already holds of this log (named by its bytes "
+                        "and the settings) is reused (default: a temporary folder)")
     parser.add_argument("--ranker-data", choices=("candidates", "uniform"),
                         default="candidates", help="the ranker's negatives: the early funnel's "
                         "candidates with candidate features (default), or uniform (issue 44's "

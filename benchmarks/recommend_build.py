@@ -1,11 +1,14 @@
 """What benchmarks/recommend.py measures, built: the datasets, two-tower models, multi-task
 rankers and graphs (`build`), and the first-stage ranker of the chosen heavy ranker
 (`build_first_stage`), the validation world's log (`validation_log`), and the history a request
-asks with (`asked_history`). Each part is named by the settings it depends on, so a `--work`
-folder keeps several and a later run makes only what its settings change."""
+asks with (`asked_history`). Each part is named by the settings it depends on, inside a folder
+named by the log it is made of (`log_folder`: a digest of the file's bytes), so a `--work`
+folder keeps several, a later run makes only what its settings change, and another log never
+reads what an earlier log made."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -22,6 +25,18 @@ LABELS = "watched,liked:rating>=4,disliked:rating<=2"
 TASKS = "[{name: watched}, {name: liked, head: [16]}, {name: disliked, head: [16]}]"
 VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}  # the rankers' exported value model
 TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
+
+
+def log_folder(scratch: Path, data: str) -> Path:
+    """Where `scratch` keeps what is made of the log `data`: log_<the first 16 hex digits of
+    the BLAKE2b of its bytes> (5 s a GB on a 2-core EPYC), so a copy of the same log reuses
+    it and another log (even under the same name, size and time) does not."""
+    try:
+        with open(data, "rb") as f:
+            digest = hashlib.file_digest(f, "blake2b").hexdigest()[:16]
+    except OSError as e:
+        raise SystemExit(f"error: --data {data}: cannot read ({e.strerror})") from None
+    return Path(scratch) / f"log_{digest}"
 
 
 def train_tower(args, data: str, scratch: Path, name: str) -> str:
@@ -72,15 +87,17 @@ def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> st
 
 
 def validation_log(data: str, scratch: Path) -> str:
-    """The validation world's log (`scratch`/u.data, kept where it is already): `data` without
-    each test user's last positive (rating >= 4, by time then file order: the retrieval
-    dataset's test item) and every later row of that user, so that its test item is the real
-    validation item and every model built from it stops where the test world's stop before
-    the test item. Users with fewer than 3 positives (no test item) keep every row."""
+    """The validation world's log (u.data in `scratch`'s folder of `data`, `log_folder`; kept
+    where it is already): `data` without each test user's last positive (rating >= 4, by time
+    then file order: the retrieval dataset's test item) and every later row of that user, so
+    that its test item is the real validation item and every model built from it stops where
+    the test world's stop before the test item. Users with fewer than 3 positives (no test
+    item) keep every row. A row equal to an earlier one in every column is no positive of its
+    own (the datasets keep one copy: interaction_split.duplicate_rows)."""
     from dlrm_hybrid.data.interactions.interaction_log import read_log
-    from dlrm_hybrid.data.interactions.interaction_split import SHORT
+    from dlrm_hybrid.data.interactions.interaction_split import SHORT, duplicate_rows
 
-    out = scratch / "u.data"
+    out = log_folder(scratch, data) / "u.data"
     if out.is_file():
         return str(out)
     log = read_log([data])
@@ -91,12 +108,12 @@ def validation_log(data: str, scratch: Path) -> str:
     order = np.lexsort((rows, log.columns["timestamp"]))  # oldest first, ties: file order
     position = np.empty_like(order)
     position[order] = rows
-    positive = log.columns["rating"] >= 4
+    positive = (log.columns["rating"] >= 4) & ~duplicate_rows(log)
     last = np.full(users.max() + 1, -1)  # each user's last positive, in time order
     np.maximum.at(last, users[positive], position[positive])
     last[np.bincount(users[positive], minlength=len(last)) < SHORT] = len(rows)  # no test item
     keep = position < last[users]
-    scratch.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".part"), "w", encoding="utf-8") as f:
         for r in np.flatnonzero(keep).tolist():
             f.write("\t".join((log.columns["user"][r].decode("utf-8"),
@@ -110,10 +127,11 @@ def validation_log(data: str, scratch: Path) -> str:
 def build(args, scratch: Path, data: str = "") -> Dict[str, str]:
     """The datasets, the models exported and the graphs of the log `data` (default
     args.data): {what: path}; `ranker_<loss>_<steps>` for each of args.losses and
-    args.ranker_steps. Each is named by the settings it depends on and kept where `scratch`
-    (--work) already has it, so a second run with other ranker settings makes only what they
-    change."""
+    args.ranker_steps. Each is named by the settings it depends on, in `scratch`'s (--work)
+    folder of the log (`log_folder`), and kept where that already has it, so a second run with
+    other ranker settings makes only what they change, and a run on another log makes all."""
     cli, k, data = retrieval_bench.cli, args.holdout_recent, data or args.data
+    scratch = log_folder(scratch, data)
     kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}_sim"  # similarity
             if args.ranker_data == "candidates"
             else f"uniform_{args.negatives}")
@@ -156,8 +174,9 @@ def build_first_stage(args, scratch: Path, paths: Dict[str, str], ranker: str,
     model `value`: its top args.top_k_label of each request of the ranking train split, the
     first-stage dataset (with the retrieval training engagements unless
     args.first_stage_labels_only), its two-tower model exported: the model's folder. Each part
-    is named by what it depends on and kept where `scratch` (--work) already has it."""
-    cli = retrieval_bench.cli
+    is named by what it depends on and kept where `scratch` (--work) already has it: in the
+    log's folder there that `build` made `paths` in, beside them."""
+    cli, scratch = retrieval_bench.cli, Path(paths["retrieval"]).parent
     labels_name = f"{Path(ranker).stem}_{value_tag(value)}_top{args.top_k_label}"
     kind = labels_name + ("" if args.first_stage_labels_only else "_engaged")
     labels, data = scratch / f"{labels_name}.labels", scratch / f"first_stage_data_{kind}"

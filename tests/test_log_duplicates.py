@@ -133,3 +133,16 @@ def test_every_row_is_counted_once_with_holdout_recent(tmp_path):
     assert extra["dropped_users"] == extra["dropped_items"] == 0
     assert extra["recent_only_items"] == 10 and extra["recent_only_users"] == 0
     assert "10 positives left out (--holdout-recent 2" in result.stdout
+
+
+def test_the_benchmarks_validation_world_stops_before_the_deduplicated_test_item(funnel):
+    """benchmarks/recommend_build.validation_log: the world's test items are the log's
+    validation items, the hand-added user's too (its last positive row is the second copy,
+    no engagement of its own)."""
+    from conftest import load_script
+
+    root = funnel[0]
+    build = load_script("benchmarks/recommend_build.py", "recommend_build_duplicates")
+    world = build.validation_log(str(root / "ratings.csv"), root / "world")
+    cli("preprocess", "interactions", "--input", world, "--output", str(root / "world_ret"))
+    assert split_pairs(root / "world_ret", "test") == split_pairs(root / "ret", "val")

@@ -112,7 +112,8 @@ def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench
     ranking dataset and rankers; other tower epochs remake the towers and what reads them."""
     import argparse
 
-    args = argparse.Namespace(data="u.data", holdout_recent=10, negatives=7,
+    (tmp_path / "u.data").write_text("1\t1\t5\t1\n")
+    args = argparse.Namespace(data=str(tmp_path / "u.data"), holdout_recent=10, negatives=7,
                               candidate_ratio=0.75, ranker_data="candidates", epochs=2,
                               losses=["pointwise"], ranker_steps=[10, 20])
     build = bench.recommend_build.build
@@ -130,6 +131,39 @@ def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench
     args.epochs = 3
     build(args, tmp_path)
     assert [m[0] for m in made].count("train") == 4 and ["preprocess", "interactions"] in made
+
+
+def test_work_folder_keeps_what_each_log_made_apart(bench, tmp_path, made):
+    """--work: what a log made is kept in a folder named by its bytes, so another log (here
+    under the same file name) makes every part again, reads none of the first's (the validation
+    world's log included), and a copy of the first log reuses what it made."""
+    import argparse
+    import os
+
+    first_log, copy = tmp_path / "a/ratings.csv", tmp_path / "b/ratings.csv"
+    for path in (first_log, copy):
+        path.parent.mkdir()
+        path.write_text("userId,movieId,rating,timestamp\n1,1,5,1\n1,2,4,2\n1,3,5,3\n")
+    args = argparse.Namespace(data=str(first_log), holdout_recent=10, negatives=7,
+                              candidate_ratio=0.75, ranker_data="candidates", epochs=2,
+                              losses=["pointwise"], ranker_steps=[10])
+    build, work = bench.recommend_build.build, tmp_path / "work"
+    first = build(args, work)
+    world = bench.recommend_build.validation_log(str(first_log), work / "validation_world")
+    made.clear()
+    args.data = str(copy)
+    assert build(args, work) == first and made == []
+    assert bench.recommend_build.validation_log(str(copy), work / "validation_world") == world
+    stamp = os.stat(first_log).st_mtime_ns
+    first_log.write_text("userId,movieId,rating,timestamp\n2,1,5,1\n2,2,4,2\n2,3,5,3\n")
+    os.utime(first_log, ns=(stamp, stamp))  # the same size and time: the bytes tell
+    args.data = str(first_log)
+    second = build(args, work)
+    assert [m[0] for m in made].count("train") == 3 and made.count(["pixie", "build"]) == 2
+    assert not set(second.values()) & set(first.values())
+    other = bench.recommend_build.validation_log(str(first_log), work / "validation_world")
+    assert other != world and Path(other).read_text().startswith("2\t")
+    assert Path(world).read_text().startswith("1\t")
 
 
 def test_the_first_stage_learns_the_chosen_ranker_and_value_model(bench, tmp_path, made):
