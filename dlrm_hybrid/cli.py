@@ -20,7 +20,7 @@ from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph import commands as pixie_commands
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
-from dlrm_hybrid.serve import recommend, retrieve
+from dlrm_hybrid.serve import recommend, recommend_tune, retrieve
 from dlrm_hybrid.startup import collector_paused
 from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 
@@ -33,7 +33,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     commands = {"train": run_train, "plan": dry_run.run, "synth": run_synth, "eval": run_eval,
                 "export": run_export, "predict": run_predict, "preprocess": run_preprocess,
                 "bench": run_bench, "plot": curves.run, "retrieve": retrieve.run,
-                "pixie": pixie_commands.run, "recommend": recommend.run}
+                "pixie": pixie_commands.run, "recommend": recommend.run,
+                "recommend-tune": recommend_tune.run}
     try:
         commands[args.command](args)
     except UserError as e:
@@ -122,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
     recommend.add_arguments(commands.add_parser(
         "recommend", help="a user's top K: candidates (two-tower, history, Pixie), ranked by a "
                           "multi-task model and its value model, filtered by rules"))
+    recommend_tune.add_arguments(commands.add_parser(
+        "recommend-tune", help="choose the funnel's merge weights, ranker, value model and "
+                               "priors on validation; write the settings `recommend --settings` "
+                               "reads"))
     bench = _config_arguments(commands.add_parser(
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")

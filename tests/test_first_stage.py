@@ -208,3 +208,100 @@ def test_recommend_command_with_a_first_stage(funnel):
     result = run_cli(["recommend", *inputs, "--first-stage", str(root / "rank")])
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "--first-stage: " in result.stderr and "has no retrieval.yaml" in result.stderr
+
+
+def test_recommend_tune_writes_the_settings_recommend_reads(funnel):
+    """`recommend-tune` chooses the three-stage funnel's value model and priors on the
+    retrieval dataset's validation pairs and writes them; `recommend --settings` answers as the
+    same settings given as flags (a flag given beside the file wins); a file that is not one, a
+    bad key, or another ranker than the file's is one line."""
+    import yaml
+
+    root = funnel.root
+    out = root / "funnel.yaml"
+    served = ["--retrieval", str(root / "R"), "--pixie", str(root / "G")]
+    funnel_flags = ["--per-source", "15", "--first-stage-keep", "7", "--steps", "2000"]
+    said = cli("recommend-tune", *served, "--ranker", str(root / "M.pt"), "--first-stage",
+               str(root / "F"), *funnel_flags, "--value", "liked=1,disliked=-1",
+               "--value", "disliked=1", "--k", "5", "--out", str(out)).stdout
+    tuned = yaml.safe_load(out.read_text())
+    chosen = tuned["settings"]
+    assert said.startswith(f"recommend-tune: wrote {out} users=") and "hr@5_ranked=" in said
+    assert tuned["ranker"] == str((root / "M.pt").resolve())
+    assert tuned["first_stage"] == str((root / "F").resolve())
+    assert chosen["per_source"] == 15 and chosen["first_stage_keep"] == 7
+    assert chosen["value"] in ({"liked": 1.0, "disliked": -1.0}, {"disliked": 1.0})
+    assert chosen["first_stage_prior"] is not None and tuned["validation"]["users"] > 200
+    assert set(chosen["fusion"]) == {"two_tower", "history", "pixie"}
+
+    def answer(*args: str) -> dict:
+        found = json.loads(cli("recommend", *served, "--user", "u3", "--k", "5", "--steps",
+                               "2000", *args, "--json").stdout)
+        del found["ms"]
+        return found
+
+    fusion = ",".join(f"{s}={w}" for s, w in chosen["fusion"].items())
+    as_flags = ["--ranker", str(root / "M.pt"), "--first-stage", str(root / "F"),
+                "--per-source", "15", "--first-stage-keep", "7", "--fusion", fusion]
+    priors = ["--rank-prior", str(chosen["rank_prior"]), "--first-stage-prior",
+              str(chosen["first_stage_prior"])]
+    assert answer("--settings", str(out)) == answer(*as_flags, *priors, "--value",
+                                                    "liked=1,disliked=-1")
+    assert answer("--settings", str(out), "--value", "disliked=1") == \
+        answer(*as_flags, *priors, "--value", "disliked=1")
+    chosen.update(value={"disliked": 1.0}, rank_prior=float("inf"), first_stage_prior=0.0)
+    out.write_text(yaml.safe_dump(tuned))  # a file edited by hand is read as it says
+    assert answer("--settings", str(out)) == answer(*as_flags, "--rank-prior", "inf",
+                                                    "--value", "disliked=1")
+
+    def refused(says: str, *args: str) -> None:
+        result = run_cli(["recommend", *served, "--user", "u3", *args])
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)
+        assert says in result.stderr, result.stderr
+
+    chosen["rank_prior"] = "high"
+    out.write_text(yaml.safe_dump(tuned))
+    refused("settings.rank_prior is not a number 0 or more ('high')", "--settings", str(out))
+    out.write_text("ranker: [unclosed\n")
+    refused(f"--settings: {out}: not YAML", "--settings", str(out))
+    out.write_text("k: 3\n")
+    refused("not a funnel settings file", "--settings", str(out))
+    refused("--settings: cannot read", "--settings", str(root / "none.yaml"))
+    chosen["rank_prior"] = 0.0
+    out.write_text(yaml.safe_dump(tuned))
+    refused("is not what --settings", "--settings", str(out), "--ranker", str(root / "F"))
+    refused("recommend: give --ranker FILE", "--per-source", "15")
+
+
+def test_a_labelled_evaluation_pair_stays_and_is_still_asked_for(tmp_path):
+    """A train request's negatives may be a user's validation or test item (never_negative),
+    and the heavy ranker may put one in its top K: the row stays, counted, and the first
+    stage's evaluation (and its export's seen items) exclude the users' engagements, not the
+    labels, so that pair is still one to find, as in the retrieval dataset."""
+    from dlrm_hybrid.data.interactions.first_stage_labels import first_stage_data
+    from dlrm_hybrid.data.interactions.interaction_data import (InteractionData,
+                                                                open_interactions,
+                                                                write_interactions)
+    from dlrm_hybrid.data.interactions.interaction_meta import InteractionMeta
+
+    pairs = {"train": (np.array([0, 0, 1]), np.array([0, 1, 2])),
+             "val": (np.array([0, 1]), np.array([3, 4])), "test": (np.array([0, 1]), np.array([5, 0]))}
+    names = (["a", "b"], [f"i{i}" for i in range(6)])
+    write_interactions(InteractionData(InteractionMeta(2, 6), pairs, np.zeros((2, 0), np.int64),
+                                       np.zeros((6, 0), np.int64)), str(tmp_path / "ret"), *names)
+    ret = open_interactions(str(tmp_path / "ret"))
+    users = np.array(["a", "a", "b", "b"], dtype=object)
+    items = np.array(["i5", "i2", "i4", "i1"], dtype=object)  # a's test item, b's validation one
+    for seed in (None, 0):
+        data, counts = first_stage_data(ret, str(tmp_path / "ret"), "rank", users, items,
+                                        np.array([True, True, True, False]), seed)
+        assert counts["evaluation_pairs"] == 2 and counts["kept"] == 3
+        out = tmp_path / f"first_{seed}"
+        write_interactions(data, str(out), *names)
+        first = open_interactions(str(out))
+        assert {(0, 5), (1, 4)} <= set(zip(*(a.tolist() for a in first.pairs["train"])))
+        for split, earlier in (("val", ("train",)), ("test", ("train", "val"))):
+            for got, want in zip(first.findable(split, earlier), ret.findable(split, earlier)):
+                assert got.tolist() == want.tolist()
+        for got, want in zip(first.engaged(("train",)), ret.engaged(("train",))):
+            assert got.tolist() == want.tolist()

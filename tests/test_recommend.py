@@ -261,6 +261,25 @@ def test_the_ranker_gets_the_fused_candidates_best_first(served):
     assert ranked != got and prior == got == keep  # a large prior: the order it was handed
 
 
+def test_items_keep_their_own_value_and_probabilities_when_a_prior_reorders_them(served):
+    """A prior reorders the ranked items; each still prints the value and task probabilities
+    the ranker gave it (the prior-0 answer's, item by item), not those of the item that held
+    its place."""
+    def ask(*args: str) -> tuple:
+        answer = recommend(served, "--user", "u2", *FUNNEL, "--k", "20", "--diversity", "off",
+                           *args)
+        return {item: (answer["values"][n], [answer["probabilities"][t][n] for t in
+                                             ("watched", "liked", "disliked")])
+                for n, item in enumerate(answer["items"])}, answer["items"]
+
+    own, own_order = ask()
+    assert [own[i][0] for i in own_order] == sorted((v for v, _ in own.values()), reverse=True)
+    for prior in ("1", "inf"):
+        fused, order = ask("--rank-prior", prior)
+        assert order != own_order and sorted(order) == sorted(own_order)
+        assert fused == own, prior
+
+
 def test_diversity_no_two_of_a_category_in_a_row(served):
     def repeats(ranked):  # two of a category in a row in the first 8
         categories = [served.category[i] for i in ranked["items"][:8]]

@@ -14,16 +14,26 @@ from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph.commands import add_walk_arguments, walk_params
 from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_target,
                                       temporary_beside)
+from dlrm_hybrid.serve.funnel_settings import read_settings, tuned_inputs
 from dlrm_hybrid.serve.recommender import (SOURCES, STAGES, Recommendation, Recommender,
                                            RecommendSettings)
+
+# what a flag left out means without a settings file (RecommendSettings' defaults)
+DEFAULTS = {"sources": ",".join(SOURCES), "per_source": 200, "rank_top": 300,
+            "first_stage_keep": 100, "fusion": None, "value": None, "first_stage_prior": 0.0,
+            "rank_prior": 0.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--retrieval", required=True, help="a folder `export --retrieval` wrote")
     parser.add_argument("--pixie", required=True, help="a folder `pixie build` wrote from the "
                         "retrieval model's dataset")
-    parser.add_argument("--ranker", required=True, help="a multi-task ranker `export` wrote, "
-                        "trained on a `preprocess interactions --labels` dataset of the same log")
+    parser.add_argument("--ranker", help="a multi-task ranker `export` wrote, trained on a "
+                        "`preprocess interactions --labels` dataset of the same log (required "
+                        "unless --settings names one)")
+    parser.add_argument("--settings", metavar="FILE", help="the file `recommend-tune` wrote: its "
+                        "ranker, first stage, sources, candidate counts, merge weights, value "
+                        "model and priors (a flag given here overrides the file's)")
     parser.add_argument("--ranker-data", help="that ranking dataset (default: the folder the "
                         "ranker was trained on, from its .json)")
     who = parser.add_mutually_exclusive_group(required=True)
@@ -34,29 +44,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--k", type=int, default=20, help="items to return (default 20)")
     parser.add_argument("--history", metavar="I1,I2,...", help="the user's recent items (most "
                         "recent first) in place of their training items")
-    parser.add_argument("--sources", default=",".join(SOURCES),
+    parser.add_argument("--sources",
                         help=f"candidate sources (default {','.join(SOURCES)})")
-    parser.add_argument("--per-source", type=int, default=200,
+    parser.add_argument("--per-source", type=int,
                         help="candidates each source gives (default 200)")
-    parser.add_argument("--rank-top", type=int, default=300,
+    parser.add_argument("--rank-top", type=int,
                         help="merged candidates the ranker scores without a first stage "
                              "(default 300)")
     parser.add_argument("--first-stage", metavar="DIR", help="a first-stage ranker (`export "
                         "--retrieval` of a model trained on `preprocess first-stage`'s dataset): "
                         "it scores every merged candidate and the ranker scores its best")
-    parser.add_argument("--first-stage-keep", type=int, default=100, metavar="N",
+    parser.add_argument("--first-stage-keep", type=int, metavar="N",
                         help="--first-stage: candidates it passes to the ranker (default 100)")
-    parser.add_argument("--fusion", default="", metavar="SOURCE=W,...", help="the merge's "
+    parser.add_argument("--fusion", metavar="SOURCE=W,...", help="the merge's "
                         "weight of each source in reciprocal-rank fusion (default 1 each; 0: its "
                         "items follow the weighted sources')")
-    parser.add_argument("--first-stage-prior", type=float, default=0.0, metavar="W",
+    parser.add_argument("--first-stage-prior", type=float, metavar="W",
                         help="--first-stage: its order fused with the merged order of weight W "
                              "(default 0: its own order; inf: the merged order, the first stage "
                              "only cutting it to --first-stage-keep)")
-    parser.add_argument("--rank-prior", type=float, default=0.0, metavar="W", help="the "
+    parser.add_argument("--rank-prior", type=float, metavar="W", help="the "
                         "ranked order fused with the order the ranker was handed of weight W "
                         "(default 0: the value model's order; inf: the handed order)")
-    parser.add_argument("--value", default="", metavar="TASK=W,...",
+    parser.add_argument("--value", metavar="TASK=W,...",
                         help="value model weights in place of the ranker's exported value_model")
     parser.add_argument("--keep-seen", action="store_true",
                         help="keep items the user already engaged with")
@@ -77,15 +87,21 @@ def run(args: argparse.Namespace) -> None:
         raise UserError("recommend: --out is for --users (a batch); one user's list is printed")
     if args.users and args.history is not None:
         raise UserError("recommend: --history is for one --user")
-    if args.first_stage_prior and not args.first_stage:
+    tuned = {}
+    if args.settings:
+        tuned = read_settings(args.settings)
+        tuned_inputs(args, tuned)
+    elif args.ranker is None:
+        raise UserError("recommend: give --ranker FILE (or --settings FILE, which names one)")
+    settings = settings_of(args, tuned)
+    if settings.first_stage_prior and not args.first_stage:
         raise UserError("recommend: --first-stage-prior weighs the merged order beside a first "
                         "stage's; give --first-stage DIR too, or leave it out")
-    settings = settings_of(args)
     if args.out:
         refuse_overwriting_inputs([("--out", args.out)], [
             ("--users", args.users), ("--retrieval", args.retrieval), ("--pixie", args.pixie),
             ("--ranker", args.ranker), ("--ranker-data", args.ranker_data),
-            ("--first-stage", args.first_stage),
+            ("--first-stage", args.first_stage), ("--settings", args.settings),
             ("--blocklist", args.blocklist)], "recommend")
         require_file_target("--out", args.out)
     names = _lines("--users", args.users) if args.users else [args.user]
@@ -114,21 +130,33 @@ def run(args: argparse.Namespace) -> None:
           + f" ms_total={sum(answer.ms.values()):.3f}")
 
 
-def settings_of(args: argparse.Namespace) -> RecommendSettings:
-    sources = tuple(s.strip() for s in args.sources.split(",") if s.strip())
+def settings_of(args: argparse.Namespace, tuned: Optional[dict] = None) -> RecommendSettings:
+    """The request's settings: each flag given, else the settings file's (`tuned`, from
+    `recommend-tune`), else the default."""
+    given = {"sources": args.sources, "per_source": args.per_source, "rank_top": args.rank_top,
+             "first_stage_keep": args.first_stage_keep,
+             "fusion": parse_weights("--fusion", args.fusion, "pixie"),
+             "value": parse_weights("--value", args.value, "liked"),
+             "first_stage_prior": args.first_stage_prior, "rank_prior": args.rank_prior}
+    s = {key: flag if flag is not None else (tuned or {}).get(key, DEFAULTS[key])
+         for key, flag in given.items()}
+    for key in ("first_stage_prior", "rank_prior"):  # a file's none: no first stage tuned
+        s[key] = DEFAULTS[key] if s[key] is None else s[key]
     settings = RecommendSettings(
-        args.k, sources, args.per_source, args.rank_top, _weights("--value", args.value, "liked"),
-        not args.keep_seen, tuple(_lines("--blocklist", args.blocklist)) if args.blocklist else (),
-        args.diversity, walk_params(args), args.device, args.first_stage_keep,
-        _weights("--fusion", args.fusion, "pixie"), args.first_stage_prior, args.rank_prior)
+        args.k, tuple(x.strip() for x in s["sources"].split(",") if x.strip()),
+        s["per_source"], s["rank_top"], s["value"], not args.keep_seen,
+        tuple(_lines("--blocklist", args.blocklist)) if args.blocklist else (), args.diversity,
+        walk_params(args), args.device, s["first_stage_keep"], s["fusion"],
+        s["first_stage_prior"], s["rank_prior"])
     settings.check()
     return settings
 
 
-def _weights(flag: str, text: str, example: str) -> Optional[Dict[str, float]]:
+def parse_weights(flag: str, text: Optional[str], example: str
+                  ) -> Optional[Dict[str, float]]:
     """`flag` NAME=W,...: None where not given (--value: the ranker's own value model;
     --fusion: 1 each)."""
-    if not text.strip():
+    if text is None or not text.strip():
         return None
     weights: Dict[str, float] = {}
     what = "TASK" if flag == "--value" else "SOURCE"

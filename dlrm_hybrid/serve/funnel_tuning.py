@@ -1,0 +1,250 @@
+"""The funnel's choices on validation (`recommend-tune`, funnel_settings.py): the merge's source
+weights, the ranker and its value model, and each stage's weight of the order it was handed
+(its prior, rank_fusion.with_prior). Each is judged on what that stage delivers in the funnel
+it serves: the merge and the ranker by HR@K of their lists, the first stage by whether the
+held-out item is among the `first_stage_keep` it hands on (its own order's top K is never
+shown), and the heavy ranker behind a first stage against the list the first stage handed it.
+
+Weights and priors by the one-standard-error rule (Hastie, Tibshirani and Friedman 7.10, on
+the paired per-user difference): the simplest setting within one standard error of the best,
+so a source earns weight and a stage reorders what it was handed only where validation shows
+more than noise. A ranker's setting is picked on one half of the validation users and its
+prior judged on the other (`halves`): the best of many settings on the users that picked it is
+high by chance."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.serve.candidate_sources import SOURCES
+from dlrm_hybrid.serve.rank_fusion import merge, with_prior
+from dlrm_hybrid.serve.recommend_inputs import (check_ranker, open_ranker, trained_on,
+                                                value_model_weights)
+
+FUSION_GRID = (0.0, 0.25, 0.5, 1.0)  # each source's merge weight; the largest is 1
+# the incoming order's weight beside a stage's own; inf: the stage keeps the incoming order
+PRIORS = (0.0, 0.5, 1.0, 2.0, 4.0, float("inf"))
+Key = Tuple[Hashable, int, int, float]  # (ranker group, steps or position, value model, prior)
+
+
+@dataclass
+class Requests:
+    """The validation requests, each asked as `recommend` asks: dense user, the held-out item
+    it should find, the history the sources walk from (most recent first), what is left out,
+    a history tower's timeline (None: the stored one)."""
+
+    users: np.ndarray
+    wanted: np.ndarray
+    histories: List[np.ndarray]
+    excludes: List[np.ndarray]
+    timelines: List[Optional[np.ndarray]]
+
+
+@dataclass
+class Evaluation:
+    """Per-user hits of every setting tried: `fusion_found` (weights in the sources' order;
+    empty where the weights were given), `first_found` (first-stage prior: the held-out item
+    among the kept), `found` (Key: HR@K of the ranked list)."""
+
+    fusion: Dict[str, float]
+    merged: np.ndarray  # the chosen merge's hits at K
+    fusion_found: Dict[Tuple[float, ...], np.ndarray] = field(default_factory=dict)
+    first_found: Dict[float, np.ndarray] = field(default_factory=dict)
+    first_stage_prior: Optional[float] = None
+    found: Dict[Key, np.ndarray] = field(default_factory=dict)
+
+
+def hits(orders: Sequence[np.ndarray], wanted: np.ndarray, k: int) -> np.ndarray:
+    """1 where the user's item is in its order's first k, per user."""
+    return np.array([item in order[:k] for order, item in zip(orders, wanted)], float)
+
+
+def within_noise(best: np.ndarray, other: np.ndarray) -> bool:
+    """`other`'s per-user hits within one standard error (of the paired difference per user)
+    of `best`'s."""
+    gap = best - other
+    users = len(gap)
+    return gap.mean() <= gap.std(ddof=1) / np.sqrt(users) if users > 1 else not gap.any()
+
+
+def choose_fusion(found: Dict[Tuple[float, ...], np.ndarray]) -> Tuple[float, ...]:
+    """The weighting (per-user hits of each) with the fewest weighted sources among those
+    within one standard error of the best, the best of those; ties: the grid's order. On a
+    log where one source dominates, that source alone."""
+    best = found[max(found, key=lambda w: found[w].mean())]
+    close = [w for w in found if within_noise(best, found[w])]
+    return min(close, key=lambda w: (sum(x > 0 for x in w), -found[w].mean()))
+
+
+def defer(found: Dict[float, np.ndarray]) -> float:
+    """The largest prior (per-user hits of each) within one standard error of the best: the
+    stage defers to the order it was handed, wholly (inf) where its own order's gain is
+    noise."""
+    best = found[max(found, key=lambda p: (found[p].mean(), -p))]
+    return max(p for p in found if within_noise(best, found[p]))
+
+
+def halves(users: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Positions of the validation users that pick a setting (even) and of those that judge
+    it (odd)."""
+    return np.arange(0, users, 2), np.arange(1, users, 2)
+
+
+def judged(found: Dict[float, np.ndarray]) -> float:
+    """`defer` on the judging half of the users: a stage's prior, per-user hits of each."""
+    judge = halves(len(next(iter(found.values()))))[1]
+    return defer({prior: hits[judge] for prior, hits in found.items()})
+
+
+def choose(found: Dict[Key, np.ndarray]) -> Dict[Hashable, Tuple[int, int, float]]:
+    """Per ranker group (per-user hits of each Key), the steps and value model of the best
+    HR@K at any prior on the picking half (ties: fewer steps, then the value models' order),
+    and their prior `judged` on the other half; the group best on the picking half first."""
+    pick = halves(len(next(iter(found.values()))))[0]
+    rate: Dict[Tuple[Hashable, int, int], float] = {}  # (group, steps, value): best HR@K
+    for (group, steps, value, _), hit in found.items():
+        rate[group, steps, value] = max(rate.get((group, steps, value), 0.0), hit[pick].mean())
+    best: Dict[Hashable, Tuple[int, int]] = {}
+    for (group, steps, value), hr in rate.items():
+        if group not in best or (hr, -steps, -value) > (rate[(group, *best[group])],
+                                                        -best[group][0], -best[group][1]):
+            best[group] = (steps, value)
+    return {group: (*best[group], judged({prior: hit for (*setting, prior), hit in found.items()
+                                          if tuple(setting) == (group, *best[group])}))
+            for group in sorted(best, key=lambda g: -rate[(g, *best[g])])}
+
+
+def fused_found(own: Sequence[np.ndarray], handed: Sequence[np.ndarray], wanted: np.ndarray,
+                cut: int, priors: Sequence[float] = PRIORS) -> Dict[float, np.ndarray]:
+    """Per prior, per-user hits among the first `cut` of a stage's order (`own`) fused with the
+    order it was handed (`handed`) of that weight: a first stage's `cut` is what it keeps, a
+    ranker's the K shown."""
+    return {prior: hits([o[with_prior(o, h, prior)] for o, h in zip(own, handed)], wanted, cut)
+            for prior in priors}
+
+
+def validation_requests(rec, data: str, split: str = "val", limit: int = 0) -> Requests:
+    """The requests of the dataset `data` (the retrieval model's; its split's pairs whose item
+    the user did not engage with before: a seen item is never returned): split "val", each
+    user asking with its training items, as `recommend --user` asks; "test", with its
+    validation item before them (a world whose test item is the real validation item). The
+    first `limit` (0: all)."""
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+
+    folder = Path(data)
+    if not (folder / "interactions.yaml").is_file():
+        raise UserError(f"--data: {data} has no interactions.yaml; give the retrieval model's "
+                        f"dataset (a `preprocess interactions` folder)")
+    dataset = open_interactions(data)
+    if dataset.users != len(rec.retriever.user_side) or \
+            dataset.items != len(rec.retriever.item_vectors):
+        raise UserError(f"--data: {data} has {dataset.users} users and {dataset.items} items, "
+                        f"the retrieval model {len(rec.retriever.user_side)} and "
+                        f"{len(rec.retriever.item_vectors)}; give the dataset it was trained on")
+    earlier = ("train",) if split == "val" else ("train", "val")
+    indptr, wanted = dataset.findable(split, earlier)
+    users = np.repeat(np.arange(dataset.users), np.diff(indptr))
+    if limit:
+        users, wanted = users[:limit], wanted[:limit]
+    if not len(users):
+        raise UserError(f"--data: {data} has no {split} pairs to choose on (each a user's "
+                        f"held-out item not seen before); make it with a validation split")
+    later: Dict[int, List[int]] = {}
+    if split != "val":
+        for user, item in zip(*(np.asarray(a).tolist() for a in dataset.pairs["val"])):
+            later.setdefault(user, []).append(item)
+    asked = Requests(users, np.asarray(wanted, np.int64), [], [], [])
+    for user in users.tolist():
+        history, timeline = request_history(rec, user, later.get(user, []))
+        asked.histories.append(history)
+        asked.excludes.append(np.union1d(rec.retriever.seen(user), history))
+        asked.timelines.append(timeline)
+    return asked
+
+
+def request_history(rec, user: int, later: Sequence[int]
+                    ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """(history, timeline) of a request: the `later` items (held out of training, newest
+    first) then the training items most recent first (`Recommender.stored_latest_first`: what
+    the ranker's similarity features read); a history tower's timeline (the training items in
+    time order, then `later`'s oldest first; None where nothing is later or there is no
+    history tower: the stored one)."""
+    latest = rec.stored_latest_first(user)
+    history = np.concatenate([np.asarray(later, np.int64), latest]).astype(np.int64)
+    timeline = None
+    if len(later) and rec.retriever.history_length:
+        timeline = np.concatenate([latest[::-1], np.asarray(later)[::-1]]).astype(np.int64)
+    return history, timeline
+
+
+def evaluate(rec, asked: Requests, rankers: Dict[Tuple[Hashable, int], str],
+             values: Sequence[Optional[Dict[str, float]]], k: int = 10,
+             fusion: Optional[Dict[str, float]] = None,
+             ranker_data: Optional[str] = None) -> Evaluation:
+    """Every setting's per-user hits on `asked`, with `rec`'s sources, first stage (if any) and
+    settings (per_source, rank_top, first_stage_keep): the merge's weights of FUSION_GRID
+    chosen by `choose_fusion` (or `fusion` as given); with a first stage, its prior by the
+    held-out item among its kept (`judged`), the kept list at that prior handed to the
+    rankers; each ranker of `rankers` ((group, steps) -> exported file) with each value model
+    of `values` (None: the ranker's own) and each prior of PRIORS, by HR@k of its list
+    (`ranker_data`: the ranking dataset all of them read, where given in place of theirs)."""
+    s = rec.settings
+    empty = (np.zeros(0, np.int64), np.zeros(0))
+    lists = [{src: rec.sources.source(src, int(u), h, e, t) if src in s.sources else empty
+              for src in SOURCES}
+             for u, h, e, t in zip(asked.users, asked.histories, asked.excludes, asked.timelines)]
+
+    def merged_with(weights: Dict[str, float]) -> List[np.ndarray]:
+        return [merge({src: found[src][0] for src in s.sources}, weights)[0] for found in lists]
+
+    result = Evaluation({}, np.zeros(0))
+    if fusion is None:
+        for w in itertools.product(FUSION_GRID, repeat=len(s.sources)):
+            if max(w) == 1.0:
+                result.fusion_found[w] = hits(merged_with(dict(zip(s.sources, w))),
+                                              asked.wanted, k)
+        fusion = dict(zip(s.sources, choose_fusion(result.fusion_found)))
+    result.fusion = {src: float(fusion.get(src, 1.0)) for src in s.sources}
+    merged = merged_with(result.fusion)
+    result.merged = hits(merged, asked.wanted, k)
+    handed = [m[:s.rank_top] for m in merged]
+    if rec.first_stage is not None:
+        scored = [rec.first_stage.order(int(u), m) for u, m in zip(asked.users, merged)]
+        result.first_found = fused_found(scored, merged, asked.wanted, s.first_stage_keep)
+        result.first_stage_prior = prior = judged(result.first_found)
+        handed = [o[with_prior(o, m, prior)][:s.first_stage_keep]
+                  for o, m in zip(scored, merged)]
+    for (group, steps), path in rankers.items():
+        ranking, description = with_ranker(rec, path, ranker_data)
+        for v, value in enumerate(values):
+            ranking.weights = value_model_weights(value, ranking.tasks, description)
+            own = [ranking._rank(int(u), top, found, h)[0] for u, top, found, h
+                   in zip(asked.users, handed, lists, asked.histories)]
+            for prior, hit in fused_found(own, handed, asked.wanted, k).items():
+                result.found[group, steps, v, prior] = hit
+    return result
+
+
+def with_ranker(rec, path: str, ranker_data: Optional[str] = None):
+    """`rec` with the ranker `path` in place of its own (a shallow copy: the retrieval model,
+    graph and ranking features shared) and the ranker's description; refused in one line
+    where it was trained on another ranking dataset than `rec`'s (unless `ranker_data` names
+    the one they all read)."""
+    module, description = open_ranker(path)
+    check_ranker(description, rec.features, path)
+    data = (description.get("source") or {}).get("data")
+    if data and not ranker_data and \
+            Path(trained_on(description, path)).resolve() != Path(rec.features.path).resolve():
+        raise UserError(f"--ranker: {path} was trained on {data}, the first --ranker on "
+                        f"{rec.features.path}; compare rankers of one ranking dataset (or give "
+                        f"--ranker-data)")
+    other = copy.copy(rec)
+    other.ranker, other.tasks = module, list(description["tasks"])
+    return other, description
