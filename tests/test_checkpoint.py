@@ -347,3 +347,31 @@ def test_eval_and_export_reproduce_the_training_run(tmp_path, demo_run, demo_che
     bad = run_cli(["export", "--checkpoint", str(demo_run), "--out", str(tmp_path / "x.pt")])
     assert bad.returncode == 2 and "is not a complete checkpoint" in bad.stderr
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_checkpoint_that_does_not_exist_is_named_with_the_steps_that_do(tmp_path):
+    """A mistyped step is said to not exist, beside the published steps (not a `.partial`, not
+    one without meta.json); a run or checkpoints folder given instead gets its steps too."""
+    root = tmp_path / "run" / "checkpoints"
+    for name, published in (("step_500", True), ("step_1000", True), ("step_1500", False),
+                            (".step_2500.partial", False)):
+        (root / name).mkdir(parents=True)
+        if published:
+            (root / name / "meta.json").write_text("{}")
+    steps = f"{root} holds step_500, step_1000: give one of them"
+    for given, what in ((root / "step_2000", "does not exist"),
+                        (root / "step_1500", "is not a complete checkpoint (no meta.json)"),
+                        (tmp_path / "run", "is not a complete checkpoint (no meta.json)")):
+        result = run_cli(["eval", "--checkpoint", str(given)])
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.strip().splitlines() == [f"error: --checkpoint: {given} {what}; "
+                                                      + steps]
+    result = run_cli(["train", "--set", f"checkpoint.resume={root / 'step_2000'}",
+                      "--set", f"train.run_dir={tmp_path / 'run'}"])
+    assert result.stderr.strip().splitlines() == [
+        f"error: checkpoint.resume: {root / 'step_2000'} does not exist; {steps}, auto or none"]
+    result = run_cli(["eval", "--checkpoint", str(tmp_path / "elsewhere" / "step_5")])
+    assert result.stderr.strip().splitlines() == [
+        f"error: --checkpoint: {tmp_path / 'elsewhere' / 'step_5'} does not exist, and no "
+        f"checkpoint is published beside it; give a step_<n> folder of a run "
+        f"(train.run_dir/checkpoints)"]

@@ -172,8 +172,9 @@ def test_eval_under_the_launcher_checks_its_config_first(tmp_path, config):
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "error: config file configs/nope.yaml: cannot read (No such file or directory); check "
-        "the path" if config else f"error: --checkpoint: {checkpoint} is not a complete "
-        "checkpoint (no meta.json); give a step_<n> folder"]
+        "the path" if config else f"error: --checkpoint: {checkpoint} does not exist, and no "
+        "checkpoint is published beside it; give a step_<n> folder of a run "
+        "(train.run_dir/checkpoints)"]
     assert not list((tmp_path / "tmp").iterdir())
 
 

@@ -36,12 +36,12 @@ from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.parallel.exchange import make_replicas_current
 from dlrm_hybrid.train.checkpoint_digest import ALGORITHM, damaged_files, file_digest, file_digests
-from dlrm_hybrid.train.checkpoint_folder import CONFIG, META, checkpoint_config_path
+from dlrm_hybrid.train.checkpoint_folder import (CONFIG, META, checkpoint_config_path,
+                                                 complete_checkpoints, require_checkpoint)
 from dlrm_hybrid.train.checkpoint_reader import METADATA, checkpoint_reader
 from dlrm_hybrid.train.dataset_identity import dataset_identity
 from dlrm_hybrid.train.optim import checkpoint_state, from_checkpoint_state
 
-NAME = re.compile(r"step_(\d+)$")
 EARLIER_RUN = ""  # the run of a checkpoint written before runs were recorded
 
 
@@ -91,12 +91,6 @@ def run_of(meta: dict) -> str:
     return str(meta.get("run", EARLIER_RUN))
 
 
-def complete_checkpoints(root: Path) -> List[Path]:
-    """Published checkpoints under `root`, oldest first."""
-    found = [p for p in root.glob("step_*") if NAME.search(p.name) and (p / META).exists()]
-    return sorted(found, key=lambda p: int(NAME.search(p.name).group(1)))
-
-
 def run_checkpoints(root: Path, run: str) -> List[Path]:
     """The published checkpoints of `run` under `root`, oldest first."""
     def written_by_run(path: Path) -> bool:
@@ -116,9 +110,7 @@ def checkpoint_to_resume(cfg) -> Optional[Path]:
         found = complete_checkpoints(checkpoint_root(cfg))
         return found[-1] if found else None
     path = Path(resume)
-    if not (path / META).exists():
-        raise ConfigError(f"checkpoint.resume: {resume} is not a complete checkpoint (no {META}); "
-                          f"give a step_<n> folder, auto or none")
+    require_checkpoint(path, "checkpoint.resume", "auto or none")
     return path
 
 
