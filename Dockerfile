@@ -1,5 +1,5 @@
 # dlrm_hybrid on NVIDIA's NGC PyTorch image, which brings CUDA, NCCL, torch and DALI, all kept:
-# `make install TORCH=system VENV=` installs into the image's own Python the fbgemm-gpu and
+# `make install-dev TORCH=system VENV=` installs into the image's own Python the fbgemm-gpu and
 # torchrec built for its torch (install/torch_versions.txt: torch 2.11-2.14) and this package,
 # and keeps the image's DALI. An image whose torch the table does not know fails the build in
 # one line naming the known ones.
@@ -17,8 +17,9 @@ COPY Makefile setup.py requirements.txt requirements-gpu.txt requirements-dev.tx
 COPY install ./install
 COPY dlrm_hybrid ./dlrm_hybrid
 # FBGEMM=cuda: a build sees no GPU driver, so `auto` would pick the CPU build (and leave out
-# requirements-gpu.txt; here the image's DALI stands for it).
-RUN make install TORCH=system VENV= FBGEMM=cuda PYTHON=python3 \
+# requirements-gpu.txt; here the image's DALI stands for it). install-dev: the image carries the
+# tests, and the GPU check (benchmarks/gpu_check.sh) runs the `gpu` ones.
+RUN make install-dev TORCH=system VENV= FBGEMM=cuda PYTHON=python3 \
  && rm -rf /root/.cache/pip
 COPY configs ./configs
 COPY launch ./launch

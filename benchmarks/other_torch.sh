@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The suite on another torch, installed the way a user or a container has it: a fresh venv with
-# `pip install torch==VERSION` in it, then `make install TORCH=system VENV=that venv` (which must
-# leave that torch's files untouched: checked), then the test suite under it. Prints the times.
+# `pip install torch==VERSION` in it, then `make install-dev TORCH=system VENV=that venv` (which
+# must leave that torch's files untouched: checked), then the test suite under it. Prints the
+# times.
 #   benchmarks/other_torch.sh 2.14.1 [VENV_DIR]      (default /tmp/dlrm_hybrid-torch-VERSION)
 # PyPI's Linux torch wheels are CUDA builds (~3 GB with their CUDA libraries); they run on CPU,
 # and `make install` pairs them with fbgemm-gpu-cpu where no NVIDIA driver is installed.
@@ -18,15 +19,15 @@ SECONDS=0
 "$env/bin/python" -m pip install --quiet --disable-pip-version-check "torch==$version"
 torch_s=$SECONDS
 before=$("$env/bin/python" -c "$fingerprint")
-make -C "$root" install TORCH=system VENV="$env"
+make -C "$root" install-dev TORCH=system VENV="$env"  # the suite needs the dev set
 install_s=$((SECONDS - torch_s))
 after=$("$env/bin/python" -c "$fingerprint")
 if [ "$before" != "$after" ]; then
-    echo "other_torch: make install TORCH=system changed torch ${before%% *} -> ${after%% *}" >&2
+    echo "other_torch: make install-dev TORCH=system changed torch ${before%% *} -> ${after%% *}" >&2
     exit 1
 fi
 cd "$root"
 "$env/bin/python" -m pytest -q tests -p no:cacheprovider
 suite_s=$((SECONDS - torch_s - install_s))
-echo "other_torch: torch ${after%% *}: pip install torch ${torch_s} s, make install TORCH=system" \
+echo "other_torch: torch ${after%% *}: pip install torch ${torch_s} s, make install-dev TORCH=system" \
      "${install_s} s (torch kept), suite ${suite_s} s"

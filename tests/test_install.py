@@ -188,7 +188,7 @@ def test_the_dockerfile_passes_hadolint():
 
 
 def dockerfile_install() -> list[str]:
-    """The Dockerfile's `make install ...` (the RUN line before its `&&`), as arguments."""
+    """The Dockerfile's `make install-dev ...` (the RUN line before its `&&`), as arguments."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
     run = next(line for line in text.splitlines() if line.startswith("RUN make install"))
     return shlex.split(run.removeprefix("RUN ").split("&&")[0])
@@ -218,14 +218,11 @@ def test_the_dockerfiles_install_keeps_the_pythons_torch_and_dali_and_installs_i
         shutil.copytree(ROOT / folder, checkout / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     command = dockerfile_install()
-    assert command[:2] == ["make", "install"] and "FBGEMM=cuda" in command
+    assert command[:2] == ["make", "install-dev"] and "FBGEMM=cuda" in command
     # The build this suite's environment has: the other would be swapped in for it, there too.
-    # The CPU build's install leaves requirements-gpu.txt out; the dev install takes it on CPU
-    # too (and its other tools are this suite's, already there), so DALI is asked for either way.
+    # The dev install takes requirements-gpu.txt with either build, so DALI is asked for here too.
     build = "cuda" if setup_env.installed("fbgemm-gpu") else "cpu"
     command[command.index("FBGEMM=cuda")] = f"FBGEMM={build}"
-    if build == "cpu":
-        command[command.index("install")] = "install-dev"
     path = f"{env / 'bin'}:{os.environ['PATH']}"  # `python3` is the environment's
     run = subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=300,
                          env={**OUTSIDE_MAKE, "PATH": path})
