@@ -70,7 +70,7 @@ def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
     search = _Search(tables, world_size, budget_bytes, batch_size, strategy, gpus_per_node,
                      device or DEVICES["h100"], split_rowwise, replicate)
     try:
-        return search.plan()
+        plan = search.plan()
     except PlacementError as e:
         narrowest = max(t.shard_bytes(min(_column_widths(t.dim, t.dim))) for t in tables)
         if narrowest > budget_bytes:
@@ -79,6 +79,22 @@ def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
         world = _ranks_needed(search)
         raise PlacementError(f"{e}; {world} ranks of {format_bytes(budget_bytes)} would hold them "
                              f"(or raise parallel.memory_per_rank)") from None
+    _check_made(plan)
+    return plan
+
+
+def _check_made(plan: Plan) -> None:
+    """Refuse, in one line, a plan that leaves a table out or a rank over its budget: a search
+    that returned one once wrote tables on no rank into `plan --out` and into training."""
+    problem = plan.unplaced()
+    over = int(plan.loads[0].argmax())
+    if problem is None and plan.loads[0, over] > plan.budget_bytes:
+        problem = (f"rank {over} holds {format_bytes(plan.loads[0, over])} of tables, over its "
+                   f"{format_bytes(plan.budget_bytes)} budget")
+    if problem is not None:
+        raise PlacementError(f"the {plan.strategy} placement failed its check ({problem}); this is "
+                             f"a planner bug: report it with the config, and meanwhile try "
+                             f"parallel.strategy={'nvidia' if plan.strategy == 'greedy' else 'greedy'}")
 
 
 def _ranks_needed(search: "_Search") -> int:
@@ -127,7 +143,8 @@ class _Search:
                                            self.world, self.budget))
         replicated = self.worth_replicating(counts)
         baseline = self.a2a_total(counts)  # memory-forced splits, nothing replicated: nvidia's
-        state, error, tried = None, None, []
+        state, error = None, None
+        tried: List[Tuple[List[_Piece], FrozenSet[str]]] = []
         for _ in range(MAX_PACKINGS):
             sharded = [t for t in self.ordered if t.name not in replicated]
             pieces = _split(sharded, counts, self.world, made)
@@ -136,13 +153,14 @@ class _Search:
                 break
             except PlacementError as e:
                 error, state = error or e, None
-                tried.append(pieces)
+                tried.append((pieces, replicated))
                 if replicated:  # their memory on every rank first
                     replicated = frozenset()
                 elif not _split_largest(self.ordered, counts, self.world):
                     break
         if state is None:
-            return self.make(_place_by_memory(tried, self.world, self.budget, error))
+            return self.make(*_place_by_memory(tried, self.by_name, self.world, self.budget,
+                                               error))
         state.polish(POLISH_MOVES)
         state = self.improve(state, counts, max(baseline, state.a2a_total))
         return self.replicate_smallest(state, counts).plan()
@@ -262,13 +280,16 @@ class _Search:
         return state
 
 
-def _place_by_memory(tried: List[List[_Piece]], world: int, budget: int,
-                     error: PlacementError) -> List[Shard]:
+def _place_by_memory(tried: List[Tuple[List[_Piece], FrozenSet[str]]],
+                     tables: Dict[str, TableSpec], world: int, budget: int,
+                     error: PlacementError) -> Tuple[List[Shard], FrozenSet[str]]:
     """Where balancing traffic too strands a table, memory alone may still fit them: each
-    split tried, largest table first to the most free memory (no cap); else the first error."""
-    for pieces in tried:
+    split tried, with the tables it replicated (their copies take memory on every rank),
+    largest table first to the most free memory (no cap); else the first error."""
+    for pieces, replicated in tried:
+        room = budget - sum(tables[name].bytes for name in replicated)
         try:
-            return _place_nvidia(pieces, world, budget, capped=False)
+            return _place_nvidia(pieces, world, room, capped=False), replicated
         except PlacementError:
             pass
     raise error

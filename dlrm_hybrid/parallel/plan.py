@@ -82,6 +82,32 @@ class Plan:
             self._index = (self.shards, len(self.shards), by_table, by_rank)
         return by_table, by_rank
 
+    def unplaced(self) -> Optional[str]:
+        """What keeps this plan from training every table whole, or None. A sharded table's
+        shards cover its columns once, from column 0, on distinct ranks (whole rows:
+        there is no row-wise split); a replicated one has none. The planner, a plan file and the sharding all check it: a job never trains
+        without a table."""
+        by_table = self._indexed()[0]  # a shard of an unknown table fails in __post_init__
+        for name in sorted(self.tables):
+            shards = sorted(by_table.get(name, ()), key=lambda s: s.col_offset)
+            if name in self.replicated:
+                if shards:
+                    return f"table {name} is both replicated and sharded"
+                continue
+            if not shards:
+                return f"table {name} is on no rank and not replicated"
+            ranks = [s.rank for s in shards]  # ranks outside 0..world-1 fail in __post_init__
+            if len(set(ranks)) < len(ranks):
+                return f"table {name} has shards on ranks {ranks}, not distinct ranks"
+            ends = [s.col_offset + s.cols for s in shards]
+            starts = [s.col_offset for s in shards]
+            if starts != [0] + ends[:-1] or ends[-1] != self.tables[name].dim or \
+                    min(s.cols for s in shards) < 1:
+                spans = ", ".join(f"[{s.col_offset}:{s.col_offset + s.cols}]" for s in shards)
+                return (f"table {name} has shards {spans}, not its {self.tables[name].dim} "
+                        f"columns once each")
+        return None
+
     def host_of(self, rank: int) -> int:
         return rank // self.gpus_per_node if self.gpus_per_node else 0
 

@@ -83,6 +83,10 @@ def check_plan(plan: Plan, path: str, model_tables: List[TableSpec], world_size:
     if plan.world_size != world_size:
         raise ConfigError(f"parallel.plan: {path} is for {plan.world_size} ranks, this job has "
                           f"{world_size}; make one with `plan --world-size {world_size}`")
+    problem = plan.unplaced()
+    if problem is not None:
+        raise ConfigError(f"parallel.plan: {path}: {problem}; make the plan with `python -m "
+                          f"dlrm_hybrid plan --out`")
     expected: Dict[str, TableSpec] = {t.name: t for t in model_tables}
     for name in sorted(set(expected) | set(plan.tables)):
         mine, theirs = expected.get(name), plan.tables.get(name)

@@ -28,13 +28,18 @@ from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
 from dlrm_hybrid.parallel.dense_memory import dense_layout
 from dlrm_hybrid.parallel.dense_sharding import dense_param_names, shard_dense
 from dlrm_hybrid.parallel.exchange import install_exchange
-from dlrm_hybrid.parallel.plan import Plan
+from dlrm_hybrid.parallel.plan import PlacementError, Plan
 
 INIT_ROW_BLOCK = 65536  # rows generated per seeded block
 
 
 def sharding_plan(model: DLRM, plan: Plan, local_world_size: int,
                   device_type: str) -> ShardingPlan:
+    """torchrec's plan for `plan`; PlacementError for a plan that leaves a table out (torchrec
+    would build the module without it, or fail deep inside)."""
+    problem = plan.unplaced()
+    if problem is not None:
+        raise PlacementError(f"cannot shard the model: {problem}")
     per_table = {}
     for name in plan.tables:
         ranks = [s.rank for s in sorted(plan.shards_of(name), key=lambda s: s.col_offset)]
