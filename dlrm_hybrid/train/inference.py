@@ -38,7 +38,8 @@ def evaluate_checkpoint(checkpoint: str, config: Optional[str], overrides: List[
     check_checkpoint(path, log.say)  # its files are those it was written with
     dataset = open_dataset(cfg.data, cfg.model)
     require_samples(dataset, (split,), "eval")
-    dmp, _ = build_sharded_model(cfg, dataset.spec, env, log.say)
+    # eval prints its result alone: the placement is for train and plan to show
+    dmp, _ = build_sharded_model(cfg, dataset.spec, env, say=lambda line: None)
     step = load_checkpoint(path, dmp)["step"]
     metrics = model_kind(cfg).evaluate(dmp, dataset, env, split)
     if metrics is not None:
