@@ -66,7 +66,8 @@ def plan_tables(tables: Sequence[TableSpec], world_size: int, budget_bytes: int,
     `world_size` ranks) exceeds the budget or the tables' bytes exceed all ranks' budgets. Packing
     is NP-hard: `nvidia` fails wherever its rule does; `greedy` (falling back to memory alone)
     may miss a packing that exists only where the tables need over 3/4 of all ranks' memory
-    (random cases it missed needed 80-99%; tests/test_placement.py checks this contract)."""
+    (random cases it missed needed 80-99%; tests/test_placement.py checks this contract).
+    A plan returned places every table (`_check_made`)."""
     search = _Search(tables, world_size, budget_bytes, batch_size, strategy, gpus_per_node,
                      device or DEVICES["h100"], split_rowwise, replicate)
     try:
