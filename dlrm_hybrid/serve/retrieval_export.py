@@ -221,7 +221,8 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
                          {"encoder": cfg.model.user_tower.encoder, "length": histories.length,
                           "input": "[B, length] dense item ids, oldest first, -1 past the end"}),
         "index": params.stated(),
-        "seen": "each user's items in the training split",
+        "seen": "each user's training engagements (of a first stage's dataset: its users' "
+                "engagements, not the labels)",
         "raw_ids": bool(raw),
         "source": {"checkpoint": str(path.resolve()), "step": read_meta(path)["step"],
                    "data": cfg.data.path or "planted", "split_rule": dataset.meta.split_rule,

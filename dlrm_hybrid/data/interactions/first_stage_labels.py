@@ -17,10 +17,18 @@ whose training engagements are the heavy ranker's choices (Instagram Explore's d
   lacks (an item never engaged with positively) is left out, counted in interactions.yaml's
   `extra.first_stage`, which also records every input and the counts (rows = labelled 1 kept
   + left out + labelled 0). A pair labelled 1 in several requests stays once per label.
+- Evaluation pairs among the labels: a train request's negatives are drawn from every item the
+  user did not engage with in train (ranking_log.never_negative), its validation and test
+  items among them, so the heavy ranker may put one in its top K. Such a row stays (counted:
+  `evaluation_pairs`): its label is the ranker's choice, which never read that engagement, and
+  leaving it out would teach the first stage to score the user's evaluation item below what
+  the ranker does. The users' engagements are kept apart (`engaged_user.npy`/`_item.npy`:
+  RETRIEVAL's training pairs), and the evaluation and the export's seen items exclude those,
+  not the labels, so such a pair is still asked for, as in RETRIEVAL's own evaluation.
 - `--engagements`: RETRIEVAL's own training engagements stay as well, the two sets shuffled
   together (seeded by `--seed`): the model learns the users' tastes from the engagements and the
   heavy ranker's choices from the labels (on ml-100k, HR@10 of the first stage alone 0.062 ->
-  0.109, docs/recommend.md). No evaluation pair is among either.
+  0.109, docs/recommend.md).
 - The output folder appears whole or not at all and never replaces an input.
 
 Trained with the two-tower model's global in-batch softmax and logQ correction (the defaults),
@@ -96,7 +104,8 @@ def run(args) -> None:
                        _names(args.retrieval, "items.txt"))
     print(f"wrote {args.output} in {time.perf_counter() - start:.1f} s\n"
           f"done: rows={counts['rows']} labelled={counts['labelled']} kept={counts['kept']} "
-          f"left_out={counts['left_out']} engagements={counts['engagements']} "
+          f"left_out={counts['left_out']} evaluation_pairs={counts['evaluation_pairs']} "
+          f"engagements={counts['engagements']} "
           f"users={data.users} items={data.items} "
           + " ".join(f"{s}={data.num_samples(s)}" for s in data.pairs))
 
@@ -165,10 +174,16 @@ def first_stage_data(retrieval: "InteractionData", retrieval_path: str, ranking:
     old = retrieval.meta
     meta = InteractionMeta(old.users, old.items, dict(old.user_side), dict(old.item_side), {},
                            old.split_rule, POSITIVE, list(old.source), dict(old.extra))
+    history = tuple(np.asarray(a, np.int64) for a in retrieval.pairs["train"])
     data = InteractionData(meta, pairs, np.asarray(retrieval.user_side),
-                           np.asarray(retrieval.item_side), "", None)
+                           np.asarray(retrieval.item_side), "", None, history)
+    evaluation = np.concatenate([np.asarray(retrieval.pairs[s][0], np.int64) * old.items
+                                 + retrieval.pairs[s][1] for s in ("val", "test")
+                                 if s in retrieval.pairs] or [np.zeros(0, np.int64)])
     counts = {"rows": int(len(labels)), "labelled": int(len(chosen)),
               "kept": int(known.sum()), "left_out": int((~known).sum()),
+              "evaluation_pairs": int(np.isin(user[known] * old.items + item[known],
+                                              evaluation).sum()),
               "engagements": int(engaged)}
     return data, counts
 

@@ -9,6 +9,9 @@ A dataset folder (written by `preprocess interactions` or the planted generator)
     users.txt / items.txt        the raw ids of the log, one per line in dense-id order
     train_position.npy           each training row's place in its user's timeline (histories.py;
                                  older folders lack it: only a history user tower needs it)
+    engaged_user.npy / _item.npy where the training pairs are not the users' engagements (a first
+                                 stage's labels, first_stage_labels.py): the engagements, what
+                                 evaluation and serving exclude as seen (absent: the train pairs)
 
 A training sample is one engagement: the user tower's features (user_id and user_<name> side
 features) and the item tower's (item_id, item_<name>), as categorical features of one batch, so
@@ -34,17 +37,23 @@ from dlrm_hybrid.data.interactions.interaction_meta import (META_FILE, SPLITS, I
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.partial_folder import finish_partial, start_partial
 
+ENGAGED = "engaged"  # engaged_user.npy / engaged_item.npy
+
+
 class InteractionData(ClickDataset):
     """Engagement pairs per split and the side features of every user and item, in memory
     (`open_interactions` memory-maps a folder's arrays)."""
 
     def __init__(self, meta: InteractionMeta, pairs: Dict[str, Tuple[np.ndarray, np.ndarray]],
                  user_side: np.ndarray, item_side: np.ndarray, root: str = "",
-                 train_position: Optional[np.ndarray] = None) -> None:
+                 train_position: Optional[np.ndarray] = None,
+                 engaged_train: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> None:
         """`train_position`: each training row's place in its user's timeline (None: not
-        recorded, as in folders written before history towers)."""
+        recorded, as in folders written before history towers). `engaged_train`: the users'
+        training engagements where the train pairs are other targets (None: the train
+        pairs), what `engaged` and `findable` read for the train split."""
         self.meta, self.pairs, self.root = meta, pairs, root
-        self.train_position = train_position
+        self.train_position, self.engaged_train = train_position, engaged_train
         self.histories: Optional[Histories] = None  # set by for_model for a history tower
         self.user_side, self.item_side = user_side, item_side  # [users, Fu], [items, Fi]
         self.spec = meta.spec()
@@ -62,7 +71,8 @@ class InteractionData(ClickDataset):
         user_cols = [list(self.meta.user_side).index(n) for n in meta.user_side]
         item_cols = [list(self.meta.item_side).index(n) for n in meta.item_side]
         data = InteractionData(meta, self.pairs, self.user_side[:, user_cols],
-                               self.item_side[:, item_cols], self.root, self.train_position)
+                               self.item_side[:, item_cols], self.root, self.train_position,
+                               self.engaged_train)
         if meta.history:
             data.histories = self.histories_of(history_length(model_cfg))
         return data
@@ -171,9 +181,13 @@ class InteractionData(ClickDataset):
         return self._engaged[name]
 
     def _keys(self, splits: Tuple[str, ...]) -> np.ndarray:
-        """Sorted distinct user * items + item of the engagements of `splits`."""
-        users = np.concatenate([self.pairs[s][0] for s in splits if s in self.pairs] or [[]])
-        items = np.concatenate([self.pairs[s][1] for s in splits if s in self.pairs] or [[]])
+        """Sorted distinct user * items + item of the engagements of `splits` (train's:
+        `engaged_train` where given)."""
+        pairs = dict(self.pairs)
+        if self.engaged_train is not None:
+            pairs["train"] = self.engaged_train
+        users = np.concatenate([pairs[s][0] for s in splits if s in pairs] or [[]])
+        items = np.concatenate([pairs[s][1] for s in splits if s in pairs] or [[]])
         return np.unique(users.astype(np.int64) * self.items + items.astype(np.int64))
 
     def _csr(self, splits: Tuple[str, ...], without: np.ndarray = np.zeros(0, np.int64)
@@ -205,12 +219,18 @@ def open_interactions(path: str) -> InteractionData:
             raise DataError(f"{root}/{split}_item.npy: {len(items)} rows, its users file has "
                             f"{len(users)}; preprocess the log again")
         pairs[split] = (users, items)
+    engaged = None
+    if (root / f"{ENGAGED}_user.npy").exists():
+        engaged = (load(f"{ENGAGED}_user.npy"), load(f"{ENGAGED}_item.npy"))
+        if len(engaged[0]) != len(engaged[1]):
+            raise DataError(f"{root}/{ENGAGED}_item.npy: {len(engaged[1])} rows, its users file "
+                            f"has {len(engaged[0])}; preprocess first-stage again")
     position = load(POSITION_FILE) if (root / POSITION_FILE).exists() else None
     if position is not None and len(position) != len(pairs["train"][0]):
         raise DataError(f"{root / POSITION_FILE}: {len(position)} rows, the training split has "
                         f"{len(pairs['train'][0])}; preprocess the log again")
     data = InteractionData(meta, pairs, load("user_side.npy"), load("item_side.npy"), str(root),
-                           position)
+                           position, engaged)
     _check_ranges(data, root)
     return data
 
@@ -226,7 +246,10 @@ def _check_ranges(data: InteractionData, root: Path) -> None:
             if rows and (table[:, j].min() < 0 or table[:, j].max() >= card):
                 raise DataError(f"{root / name}: column {j} has ids outside [0, {card}); "
                                 f"preprocess the log again")
-    for split, (users, items) in data.pairs.items():
+    named = dict(data.pairs)
+    if data.engaged_train is not None:
+        named[ENGAGED] = data.engaged_train
+    for split, (users, items) in named.items():
         for what, ids, rows in (("user", users, data.users), ("item", items, data.items)):
             if len(ids) and (ids.min() < 0 or ids.max() >= rows):
                 raise DataError(f"{root}/{split}_{what}.npy: ids outside [0, {rows}); "
@@ -247,6 +270,9 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
             np.save(partial / f"{split}_item.npy", np.asarray(items, np.int32))
         np.save(partial / "user_side.npy", np.asarray(data.user_side, np.int32))
         np.save(partial / "item_side.npy", np.asarray(data.item_side, np.int32))
+        if data.engaged_train is not None:
+            for what, ids in zip(("user", "item"), data.engaged_train):
+                np.save(partial / f"{ENGAGED}_{what}.npy", np.asarray(ids, np.int32))
         if data.train_position is not None:
             np.save(partial / POSITION_FILE, np.asarray(data.train_position, np.int32))
         for name, raw in (("users.txt", raw_users), ("items.txt", raw_items)):
