@@ -223,7 +223,7 @@ def test_recommend_tune_writes_the_settings_recommend_reads(funnel):
     funnel_flags = ["--per-source", "15", "--first-stage-keep", "7", "--steps", "2000"]
     said = cli("recommend-tune", *served, "--ranker", str(root / "M.pt"), "--first-stage",
                str(root / "F"), *funnel_flags, "--value", "liked=1,disliked=-1",
-               "--value", "disliked=1", "--k", "5", "--out", str(out)).stdout
+               "--value", "disliked=1", "--k", "5", "--users", "100", "--out", str(out)).stdout
     tuned = yaml.safe_load(out.read_text())
     chosen = tuned["settings"]
     assert said.startswith(f"recommend-tune: wrote {out} users=") and "hr@5_ranked=" in said
@@ -231,7 +231,7 @@ def test_recommend_tune_writes_the_settings_recommend_reads(funnel):
     assert tuned["first_stage"] == str((root / "F").resolve())
     assert chosen["per_source"] == 15 and chosen["first_stage_keep"] == 7
     assert chosen["value"] in ({"liked": 1.0, "disliked": -1.0}, {"disliked": 1.0})
-    assert chosen["first_stage_prior"] is not None and tuned["validation"]["users"] > 200
+    assert chosen["first_stage_prior"] is not None and tuned["validation"]["users"] == 100
     assert set(chosen["fusion"]) == {"two_tower", "history", "pixie"}
 
     def answer(*args: str) -> dict:
