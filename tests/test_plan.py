@@ -106,7 +106,7 @@ def test_explain_prints_every_sharding_with_its_modeled_step_and_marks_the_choic
                       "--explain", "t_cat_0"])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("t_cat_0: 1,000 rows x 16, rowwise_adagrad")
+    assert lines[0].startswith("t_cat_0: 2,000 rows x 16, rowwise_adagrad")
     options = [re.match(r"([* ]) (\w+(?: x\d+)?) +([\d.]+) ", line) for line in lines[2:-1]]
     assert [m[2] for m in options] == ["table_wise", "column_wise x2", "column_wise x4",
                                        "data_parallel"]  # 16 columns split in 2 or 4
