@@ -64,6 +64,18 @@ def test_fl15_on_64_ranks_replicates_tiny_tables_and_beats_nvidia_in_fewer_bytes
     assert "replicated on every rank (data_parallel, in each rank's figures): " in stdout
 
 
+def test_the_demo_on_2_cpu_ranks_shards_tables_beside_replicated_ones(tmp_path):
+    """`make demo` (2 gloo ranks where there is no GPU) must run what the product is about:
+    sharded tables whose ids and pooled vectors cross the all-to-all, beside replicated ones."""
+    out = tmp_path / "plan.json"
+    result = run_cli(["plan", "--config", "configs/demo.yaml", "--world-size", "2", "--device",
+                      "cpu_gloo", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    shardings = {name: t["sharding"] for name, t in json.loads(out.read_text())["tables"].items()}
+    assert "table_wise" in shardings.values() and "data_parallel" in shardings.values(), shardings
+    assert shardings["t_cat_0"] == "table_wise"  # the largest table
+
+
 def test_demo_on_4_ranks_splits_no_table_and_prints_the_modeled_step(tmp_path):
     """Row-wise Adagrad (the demo's) keeps a statistic per row of each shard: the 4-rank plan
     splits nothing, so it trains as the 1-rank run does."""
