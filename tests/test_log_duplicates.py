@@ -1,8 +1,10 @@
-"""A real log's habits: a row written twice and timestamps that tie. A row equal to an earlier one
-in every column is one engagement, kept once by every dataset of the log (retrieval, early,
-ranking; interaction_split.duplicate_rows), ties broken by file order everywhere, so the funnel's
-commands go through a MovieLens ratings.csv with a hand-added user whose rows all read time 0,
-one of them twice; and every row read is counted once (--holdout-recent's rows too)."""
+"""A real log's habits: a row written twice, a re-rating and timestamps that tie. A row equal to
+an earlier one in every column is one engagement, kept once by every dataset of the log
+(retrieval, early, ranking; interaction_split.duplicate_rows); a pair's row that differs is
+another engagement (a re-watch, which the candidate models may know from the earlier one); ties
+are broken by file order everywhere. So the funnel's commands go through a MovieLens ratings.csv
+with a hand-added user whose rows all read time 0, one of them twice; and every row read is
+counted once (--holdout-recent's rows too)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ from test_candidate_negatives import TOWER
 
 HAND = "999"  # the hand-added user: every timestamp 0, its first row written again at the end
 DOUBLED = (HAND, "7", "5.0", "0")
+RERATED = (HAND, "13", "4.0", "0")  # its second row (4.5) rated again, last of all
 
 
 def ratings_csv(path: Path, users: int = 40, movies: int = 48) -> list:
     """A ratings.csv shaped as MovieLens' generator writes it (header userId,movieId,rating,
     timestamp; rows by user, then movie; half-star ratings; Unix times), each user rating 16
     movies, mostly of its quarter of the catalogue; then the hand-added user, whose 16 rows
-    read time 0 and whose first row is written again after every other row. The rows."""
+    read time 0, whose first row is written again after every other row, and whose second
+    is rated again after that. The rows."""
     rng = np.random.default_rng(3)
     rows = []
     for user in range(1, users + 1):
@@ -38,7 +42,7 @@ def ratings_csv(path: Path, users: int = 40, movies: int = 48) -> list:
     rows.sort(key=lambda r: (int(r[0]), int(r[1])))
     hand = [DOUBLED] + [(HAND, str(m), "4.5" if m % 3 else "2.0", "0")
                         for m in range(13, 28)]
-    rows += hand + [DOUBLED]
+    rows += hand + [DOUBLED, RERATED]
     path.write_text("userId,movieId,rating,timestamp\n" + "".join(",".join(r) + "\n"
                                                                    for r in rows))
     return rows
@@ -78,23 +82,27 @@ def funnel(tmp_path_factory):
     return root, rows, made
 
 
-def test_the_funnel_goes_through_a_row_written_twice_and_tied_timestamps(funnel):
+def test_the_funnel_goes_through_a_row_written_twice_a_re_rating_and_tied_timestamps(funnel):
     """Without the rule the early tower trains on the first copy while the second is the
-    retrieval test pair, and the ranking dataset is refused as a leak."""
+    retrieval test pair, and the ranking dataset is refused as a leak; a re-rating is an
+    engagement of its own, the early tower knowing its pair from the first rating is no leak."""
     root, rows, made = funnel
     assert made["rank"].returncode == 0, failure(made["rank"])
     for name in ("ret", "early"):
         assert done_fields(made[name].stdout)["duplicate"] == 1
     assert done_fields(made["rank"].stdout)["duplicate"] == 1
     # the hand-added user: file order breaks the ties, the second copy is no engagement
-    liked = [m for u, m, r, _ in rows[:-1] if u == HAND and float(r) >= 4]
-    assert split_pairs(root / "ret", "test").count((HAND, liked[-1])) == 1
+    rows = rows[:-2] + rows[-1:]
+    liked = [m for u, m, r, _ in rows if u == HAND and float(r) >= 4]
+    assert liked[-1] == RERATED[1] and liked.count(RERATED[1]) == 2
+    assert (HAND, liked[-1]) in split_pairs(root / "ret", "test")
     assert (HAND, liked[-2]) in split_pairs(root / "ret", "val")
     early = split_pairs(root / "early", "train")
     assert sorted(m for u, m in early if u == HAND) == sorted(liked[:-5])
-    trained = {p for p in early}
     evaluation = {p for s in ("val", "test") for p in split_pairs(root / "ret", s)}
-    assert not trained & evaluation
+    # what the early tower knows of the evaluation pairs: re-watches only, known from training
+    assert set(early) & evaluation == {(HAND, RERATED[1])}
+    assert (HAND, RERATED[1]) in split_pairs(root / "ret", "train")
 
 
 def test_a_duplicate_is_a_row_equal_in_every_column(tmp_path):

@@ -183,9 +183,11 @@ def candidate_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], n
     return out
 
 
-def holdout_keys(folder: str, prepared: Prepared) -> np.ndarray:
-    """user * items + item, in `prepared`'s ids, of the validation and test pairs of `folder`,
-    a retrieval dataset of the same log, matched by the raw ids of its users.txt/items.txt."""
+def holdout_keys(folder: str, prepared: Prepared, splits: Tuple[str, ...] = ("val", "test")
+                 ) -> np.ndarray:
+    """user * items + item, in `prepared`'s ids, of the pairs of `splits` (default validation
+    and test) of `folder`, a retrieval dataset of the same log, matched by the raw ids of its
+    users.txt/items.txt."""
     from dlrm_hybrid.data.interactions.interaction_meta import is_interaction_folder
 
     root = Path(folder)
@@ -197,7 +199,7 @@ def holdout_keys(folder: str, prepared: Prepared) -> np.ndarray:
     for side, known in (("user", prepared.raw_users), ("item", prepared.raw_items)):
         try:
             raw = (root / f"{side}s.txt").read_text(encoding="utf-8").splitlines()
-            dense = np.concatenate([np.load(root / f"{s}_{side}.npy") for s in ("val", "test")])
+            dense = np.concatenate([np.load(root / f"{s}_{side}.npy") for s in splits])
         except (OSError, ValueError) as e:
             raise DataError(f"--holdout {folder}: cannot read its {side}s ({e}); {hint}")
         if len(dense) and (dense.min() < 0 or dense.max() >= len(raw)):
@@ -207,8 +209,9 @@ def holdout_keys(folder: str, prepared: Prepared) -> np.ndarray:
         at = order[np.minimum(np.searchsorted(known[order], names), len(known) - 1)]
         if not (known[at] == names).all():
             first = names[known[at] != names][0].decode("utf-8", "replace")
-            raise UserError(f"--holdout {folder}: {side} {first!r} of its validation/test pairs "
-                            f"is not in this log; {hint}")
+            raise UserError(f"--holdout {folder}: {side} {first!r} of its "
+                            f"{'/'.join(SPLIT_FOLDERS[s] for s in splits)} pairs is not in this "
+                            f"log; {hint}")
         ids.append(at.astype(np.int64))
     return np.unique(ids[0] * prepared.data.items + ids[1])
 
@@ -347,9 +350,7 @@ def run(args) -> None:
         prepared = hold_out(prepared, log, held, args.holdout, args.seed)
     if args.candidates:
         positions, users, items = chronology_of(prepared, log)
-        data = prepared.data
-        evaluation = np.concatenate([held] + [u.astype(np.int64) * data.items + i for split, (u, i)
-                                              in data.pairs.items() if split != "train"])
+        evaluation = fresh_evaluation(prepared, held, args.holdout)
         pool = candidate_pool(args.candidates, prepared.raw_users, prepared.raw_items, users,
                               items, np.argsort(positions), evaluation)
         splits = candidate_splits(prepared, log, rules, args.ranking_negatives,
@@ -360,6 +361,20 @@ def run(args) -> None:
                   args.candidates or "", args.candidate_ratio)
     print(summary(prepared, splits, rules, args.ranking_negatives, args.output,
                   time.perf_counter() - start))
+
+
+def fresh_evaluation(prepared: Prepared, held: np.ndarray, holdout: Optional[str]) -> np.ndarray:
+    """Keys user * items + item the candidate models must not have trained on: --holdout's
+    validation and test pairs (`held`) but those also in its train split, and this dataset's
+    validation and test pairs but those also in its own train split. Those are re-watches: the
+    models may know them from the earlier training row (a split's training rows come before its
+    validation and test rows), and the evaluation never asks for them."""
+    data = prepared.data
+    keys = {s: u.astype(np.int64) * data.items + i for s, (u, i) in data.pairs.items()}
+    own = np.concatenate([k for s, k in keys.items() if s != "train"])
+    if holdout:
+        held = np.setdiff1d(held, holdout_keys(holdout, prepared, ("train",)))
+    return np.union1d(held, np.setdiff1d(own, keys["train"]))
 
 
 def chronology_of(prepared: Prepared, log: Log) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -98,7 +98,8 @@ def candidate_pool(text: str, raw_users: np.ndarray, raw_items: np.ndarray, log_
     `raw_users`/`raw_items`: the ranking dataset's raw ids by id; `log_users`/`log_items`: each
     log row's ranking ids (-1: not kept); `chronology`: the log's rows, oldest first;
     `evaluation`: keys user * items + item the models must not have trained on (--holdout's
-    pairs, the ranking dataset's validation and test), refused in one line if they did."""
+    pairs, the ranking dataset's validation and test, re-watches aside:
+    ranking_log.fresh_evaluation), refused in one line if they did."""
     from dlrm_hybrid.graph.bipartite import read_graph
     from dlrm_hybrid.graph.pixie import PixieParams, PixieWalker
     from dlrm_hybrid.serve.candidate_sources import (CandidateSources, candidate_features,
@@ -122,8 +123,9 @@ def candidate_pool(text: str, raw_users: np.ndarray, raw_items: np.ndarray, log_
         user, item = divmod(int(leaked[0]), len(raw_items))
         raise UserError(f"--candidates: {tower} trained on {len(leaked)} evaluation pairs (e.g. "
                         f"user {raw_users[user].decode()}, item {raw_items[item].decode()}: "
-                        f"--holdout's or this dataset's validation/test), so its features would "
-                        f"leak them; make the early dataset with --holdout-recent K (K >= 1)")
+                        f"first engaged in --holdout's or this dataset's validation/test), so "
+                        f"its features would leak them; make the early dataset with "
+                        f"--holdout-recent K (K >= 1)")
     graph = read_graph(graph_folder)
     check_graph(graph.description, retriever, graph_folder)
     sources = CandidateSources(retriever, PixieWalker(graph, "cpu"), per_source, PixieParams())
