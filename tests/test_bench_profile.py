@@ -51,6 +51,7 @@ def test_bench_profile_prints_top_ops_and_writes_a_trace(tmp_path):
     folder = tmp_path / "profile"
     result = run_cli([*BENCH, "--profile", str(folder)], timeout=120)
     assert result.returncode == 0, failure(result)
+    assert "USDT:" not in result.stderr  # kineto's profiler_start/stop lines: not the user's
     lines = result.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip().startswith("top "))
     step_ms = float(lines[start].split("per step of ")[1].split()[0])

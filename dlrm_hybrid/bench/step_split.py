@@ -3,12 +3,18 @@ charged to the first part its name, or the name of an op it runs inside, points 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+# Kineto, the profiler's engine, writes `USDT:<time> <pid>:<tid> ...] profiler_start` (and
+# `profiler_stop`) to stderr at every profile: USDT is its highest log level, above the errors
+# torch quiets it down to, so only a level past every one (6) drops the lines. Kineto reads
+# KINETO_LOG_LEVEL once, at the process's first profile; a level the user set is kept.
+KINETO_SILENT = "6"
 PARTS = ("embedding_fwd", "embedding_bwd", "exchange", "dense", "optimizer")
 # (part, name fragments), first match wins; names are torchrec's record_function labels,
 # fbgemm's ops and autograd's backward nodes (a CUDA kernel's time counts for the op that
@@ -35,6 +41,7 @@ def step_split(step: Callable[[], object], steps: int, device: torch.device,
                detailed: bool = False) -> Tuple[Dict[str, float], profile]:
     """Milliseconds per step of each part, profiling `steps` calls of `step`, and the profile
     (`detailed`: with each op's input shapes and FLOPs, for `bench --profile`)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_SILENT)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=detailed, with_flops=detailed) as prof:
         for _ in range(steps):
