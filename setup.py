@@ -6,7 +6,9 @@ setup(
     description="Hybrid-parallel DLRM training: model-parallel embeddings, data-parallel MLPs",
     packages=find_packages(include=["dlrm_hybrid", "dlrm_hybrid.*"]),
     python_requires=">=3.10",
-    # None here: `make install` (install/setup_env.py) installs them, since fbgemm-gpu and
+    # None here: `make install` (install/setup_env.py) installs them, a run's from
+    # requirements.txt (requirements-gpu.txt with the CUDA build; requirements-dev.txt for
+    # `make test`), since fbgemm-gpu and
     # torchrec must be the pair built for the torch found (install/torch_versions.txt), fbgemm in
     # the build the machine loads (CPU or CUDA), and torchrec with --no-deps, as it declares the
     # CUDA build, which fails to load on a CPU machine and overwrites the CPU build's files.
