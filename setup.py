@@ -8,10 +8,10 @@ setup(
     python_requires=">=3.10",
     # None here: `make install` (install/setup_env.py) installs them, a run's from
     # requirements.txt (requirements-gpu.txt with the CUDA build; requirements-dev.txt for
-    # `make test`), since fbgemm-gpu and
-    # torchrec must be the pair built for the torch found (install/torch_versions.txt), fbgemm in
-    # the build the machine loads (CPU or CUDA), and torchrec with --no-deps, as it declares the
-    # CUDA build, which fails to load on a CPU machine and overwrites the CPU build's files.
+    # `make test`), since fbgemm-gpu and torchrec must be the pair built for the torch found
+    # (install/torch_versions.txt), fbgemm in the build the machine loads (CPU or CUDA), and
+    # torchrec with --no-deps, as it declares the CUDA build, which fails to load on a CPU
+    # machine and overwrites the CPU build's files.
     install_requires=[],
     # A plain C library loaded with ctypes (no Python API inside): the CPU embedding id check and
     # SGD update, see dlrm_hybrid/parallel/cpu_lookup.py. Without it those run in fbgemm.
