@@ -24,6 +24,8 @@ from dlrm_hybrid.preflight import check_launch
 # What torchrun's agent logs when a rank fails: the failure (said again at the end, or the
 # rank's own output says it) and its stopping the other ranks.
 AGENT_NOTICES = ("failed (exitcode: ", "Sending process ")
+# torchrun's 4-line banner where it sets OMP_NUM_THREADS=1 for the ranks (it was unset): noise.
+OMP_BANNER = "Setting OMP_NUM_THREADS environment variable"
 
 
 def run(argv: Optional[List[str]] = None) -> None:
@@ -41,6 +43,8 @@ def run(argv: Optional[List[str]] = None) -> None:
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         lambda record: not str(record.msg).startswith(AGENT_NOTICES))
+    logging.getLogger("torch.distributed.run").addFilter(
+        lambda record: OMP_BANNER not in str(record.msg))
     try:
         torchrun(parse_args(argv))  # torchrun's main() less its @record, which logs the failure
     except SignalException as stopped:

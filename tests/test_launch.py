@@ -207,3 +207,17 @@ def test_failed_ranks_end_with_the_first_cause_and_its_exit_code(tmp_path, monke
                                               2)  # said again below the crash's traceback
     assert summary({1: crashed, 0: stopped}) == ("error: rank 1 exited with code 1", 1)
     assert summary({1: killed, 0: stopped}) == ("error: rank 1 was killed by SIGKILL", 137)
+
+
+def test_the_launcher_drops_torchruns_omp_num_threads_banner(tmp_path):
+    """torchrun logs four lines of asterisks where OMP_NUM_THREADS is unset and it sets it for
+    the ranks; the launcher keeps them out of the user's output."""
+    (tmp_path / "tmp").mkdir()
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    result = subprocess.run(
+        [sys.executable, "-m", "dlrm_hybrid.torchrun", "--standalone", "--nproc_per_node=2",
+         "--no-python", "true"], cwd=ROOT, env={**environment, "TMPDIR": str(tmp_path / "tmp")},
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "OMP_NUM_THREADS" not in result.stderr and "*****" not in result.stderr
