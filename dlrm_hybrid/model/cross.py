@@ -7,11 +7,9 @@ flattened (width N = (F + 1) * d), stacked under the top MLP or parallel to its 
 
 from __future__ import annotations
 
-import warnings
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.models.dlrm import InteractionDCNArch, OverArch
 from torchrec.modules.crossnet import LowRankCrossNet, LowRankMixtureCrossNet
@@ -28,7 +26,6 @@ def dcn_interaction(num_sparse: int, embedding_dim: int, dcn: DcnConfig
         crossnet: nn.Module = LowRankMixtureCrossNet(width, dcn.layers, num_experts=dcn.experts,
                                                      low_rank=dcn.rank)
     else:
-        _note_rank_above_width(dcn.rank, width)
         crossnet = LowRankCrossNet(in_features=width, num_layers=dcn.layers, low_rank=dcn.rank)
     if dcn.structure == "parallel":
         return InteractionDCNArch(num_sparse, WithInput(crossnet)), 2 * width
@@ -42,14 +39,18 @@ def dcn_over_arch(width: int, top_mlp: List[int], dcn: DcnConfig) -> nn.Module:
     return OverArch(width, top_mlp)
 
 
-def _note_rank_above_width(rank: int, width: int) -> None:
-    """W = U V of a linear cross layer has rank <= N whatever `rank` is: above N the factors
+def rank_above_width(dcn: DcnConfig, num_sparse: int, embedding_dim: int) -> Optional[str]:
+    """The line a run prints (rank 0, under its plan) where a linear cross layer's rank is above
+    its width: W = U V has rank <= N = (F + 1) * d whatever `rank` is, so above N the factors
     only add 2 N (rank - N) parameters and their multiplies per layer. Not refused: checkpoints
-    written with the default rank (512) on narrower models must still resume and export."""
-    if rank > width and (not dist.is_initialized() or dist.get_rank() == 0):
-        warnings.warn(f"model.dcn.rank: {rank} is above the cross network's width (F + 1) * d "
-                      f"= {width}, the most rank its layers can have: the extra factors only "
-                      f"cost time and memory; train with model.dcn.rank={width} or less")
+    written with the default rank (512) on narrower models must still resume and export. None
+    where the rank fits, or with experts (their relu makes the rank a hidden width)."""
+    width = (num_sparse + 1) * embedding_dim
+    if dcn.experts > 1 or dcn.rank <= width:
+        return None
+    return (f"warning: model.dcn.rank: {dcn.rank} is above the cross network's width (F + 1) * d "
+            f"= {width}, the most rank its layers can have: the extra factors only cost time "
+            f"and memory; train with model.dcn.rank={width} or less")
 
 
 class WithInput(nn.Module):

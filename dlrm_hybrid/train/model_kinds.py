@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Union
 
 from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import make_loader
+from dlrm_hybrid.model.cross import rank_above_width
 from dlrm_hybrid.model.dlrm import DLRM, build_model
 from dlrm_hybrid.model.two_tower import TwoTower, build_two_tower
 from dlrm_hybrid.parallel.plan_report import describe_towers
@@ -47,7 +48,10 @@ class RankerKind(ModelKind):
         return build_model(self.cfg.model, spec)
 
     def plan_lines(self, plan, model: Model) -> List[str]:
-        return [describe_tasks(self.cfg.model)] if self.cfg.model.tasks else []
+        m = self.cfg.model
+        dcn = (rank_above_width(m.dcn, len(model.lookups), model.embedding_dim)
+               if m.interaction == "dcn" else None)
+        return ([describe_tasks(m)] if m.tasks else []) + ([dcn] if dcn else [])
 
     def evaluate(self, dmp, dataset, env, split: str = "val") -> Optional[Dict[str, float]]:
         batches = make_loader(self.cfg.data, dataset, split, env)
