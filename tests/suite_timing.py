@@ -1,5 +1,7 @@
 """Which test file grew: after a full run, the files that took much longer than tests/durations.json
-records are named in the terminal summary. A notice, not a failure (timings are not tests).
+records are counted in one line of the terminal summary, and named with --slower-files (a
+developer's question: someone running the suite wants its result). A notice, not a failure
+(timings are not tests).
 
 Refresh the table after a deliberate change, with a full run on an otherwise idle machine:
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests --record-durations
@@ -33,6 +35,9 @@ def grown(recorded: Dict[str, float], measured: Dict[str, float], ratio: float =
 def pytest_addoption(parser):
     parser.addoption("--record-durations", action="store_true",
                      help=f"after a full run, write each test file's seconds to {TABLE}")
+    parser.addoption("--slower-files", action="store_true",
+                     help=f"after a full run, name each test file much slower than {TABLE.name} "
+                          f"records (default: one line counting them)")
 
 
 def pytest_runtest_logreport(report):
@@ -65,8 +70,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"per-file seconds written to {TABLE}")
         return
     slower = grown(_recorded(), measured)
-    if slower:
-        terminalreporter.section(f"test files slower than tests/{TABLE.name} records")
-        for name, before, took in slower:
-            terminalreporter.write_line(f"{name}: {took:.0f} s (recorded {before:.0f} s)")
-        terminalreporter.write_line(f"a deliberate change? refresh the table: {REFRESH}")
+    if not slower:
+        return
+    if not config.getoption("--slower-files"):
+        name, before, took = max(slower, key=lambda row: row[2] - row[1])
+        terminalreporter.write_line(
+            f"timing: {len(slower)} test file{'s' * (len(slower) > 1)} slower than tests/"
+            f"{TABLE.name} records (the most: {name} {took:.0f} s, recorded {before:.0f} s); "
+            f"--slower-files names them")
+        return
+    terminalreporter.section(f"test files slower than tests/{TABLE.name} records")
+    for name, before, took in slower:
+        terminalreporter.write_line(f"{name}: {took:.0f} s (recorded {before:.0f} s)")
+    terminalreporter.write_line(f"a deliberate change? refresh the table: {REFRESH}")

@@ -6,7 +6,9 @@ anyway: test_checkpoint.py's killed rank, whose first attempt is torchrun's."""
 import os
 import subprocess
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -106,3 +108,25 @@ def test_the_timing_notice_names_files_well_over_their_recorded_time():
     recorded = {"tests/a.py": 10.0, "tests/b.py": 20.0, "tests/c.py": 2.0}
     measured = {"tests/a.py": 16.0, "tests/b.py": 29.0, "tests/c.py": 6.0, "tests/new.py": 5.5}
     assert grown(recorded, measured) == [("tests/a.py", 10.0, 16.0), ("tests/new.py", 0.0, 5.5)]
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_the_timing_notice_is_one_line_unless_the_files_are_asked_for(monkeypatch, listed):
+    """A full run with 26 files over their time: `make test` ends in one line counting them;
+    --slower-files names each (a developer's question, not the user's)."""
+    import suite_timing
+
+    recorded = {f"tests/test_{i:02}.py": 10.0 for i in range(26)}
+    monkeypatch.setattr(suite_timing, "_recorded", lambda: recorded)
+    monkeypatch.setattr(suite_timing, "_full_run", lambda config: True)
+    monkeypatch.setattr(suite_timing, "_seconds", defaultdict(float, {  # this test's own reports
+        name: 20.0 + i for i, name in enumerate(recorded)}))  # (the live plugin) add to it
+    said = []
+    reporter = SimpleNamespace(write_line=said.append, section=lambda title: said.append(title))
+    options = {"--record-durations": False, "--slower-files": listed}
+    suite_timing.pytest_terminal_summary(reporter, 0, SimpleNamespace(getoption=options.get))
+    if listed:
+        assert len(said) == 28 and said[1] == "tests/test_00.py: 20 s (recorded 10 s)"
+    else:
+        assert said == ["timing: 26 test files slower than tests/durations.json records (the "
+                        "most: tests/test_25.py 45 s, recorded 10 s); --slower-files names them"]
