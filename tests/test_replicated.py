@@ -218,3 +218,84 @@ def test_the_demo_trains_the_same_model_on_one_two_and_four_ranks(tmp_path):
     for nproc in (2, 4):
         assert "column_wise" not in placements[nproc].values(), placements[nproc]
         assert_same_losses(losses[nproc], losses[1], range(1, 41))
+
+
+def _dense_table(weights, precision: str):
+    """fbgemm's dense table batch (a replicated table's lookup) holding `weights` [rows, dim],
+    and its one table as the TableBatchedEmbeddingSlice the replicated optimizer trains."""
+    import torch
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        DenseTableBatchedEmbeddingBagsCodegen)
+    from torchrec.distributed.composable.table_batched_embedding_slice import (
+        TableBatchedEmbeddingSlice)
+
+    rows, dim = weights.shape
+    tbe = DenseTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim)], weights_precision=SparseType.FP16 if precision == "fp16" else
+        SparseType.FP32, use_cpu=True)
+    with torch.no_grad():
+        tbe.weights.copy_(weights.reshape(-1))
+    return tbe, TableBatchedEmbeddingSlice(tbe.weights, 0, rows * dim, rows, dim)
+
+
+def _batches(rows: int, dim: int, steps: int):
+    """Zipf-like ids (most rows untouched) and pooled gradients of a global batch's size."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = (torch.rand(512, generator=gen) ** 3 * rows).long()
+        yield ids, torch.arange(513), torch.randn(512, dim, generator=gen) * 1e-4
+
+
+@pytest.mark.filterwarnings("ignore:fbgemm::dense_embedding_codegen_lookup_function")
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adagrad", "sgd"])
+def test_an_fp16_replicated_table_steps_as_its_fp32_twin_rounded(optimizer):
+    """A replicated fp16 table's step is its fp32 twin's (fp32 gradient, state and arithmetic),
+    rounded to fp16. In fp16, torch's Adagrads turned every untouched row to NaN (eps 1e-8 is 0
+    there: 0 / 0), and the gradient autograd rounds to fp16 moved thousands of weights a unit in
+    the last place. Row-wise Adagrad's step is fbgemm's fused update of the table sharded."""
+    import torch
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
+
+    from dlrm_hybrid.parallel.narrow_replicas import keep_fp32_grads
+    from dlrm_hybrid.train.optim import EMBEDDING_OPTIMIZERS, _fp32_update, _kwargs
+
+    rows, dim, lr = 1000, 16, 0.05
+    start = (torch.rand(rows, dim, generator=torch.Generator().manual_seed(1)) * 0.06
+             - 0.03).half()
+    narrow, narrow_slice = _dense_table(start, "fp16")
+    collection = torch.nn.Module()
+    collection._lookups = [torch.nn.ModuleList([narrow])]  # as torchrec keeps its lookups
+    assert keep_fp32_grads(collection) == 1
+    twin, twin_slice = _dense_table(start.float(), "fp32")
+    optimizers = [_fp32_update(EMBEDDING_OPTIMIZERS[optimizer])([narrow_slice],
+                                                               **_kwargs(optimizer, lr, 1e-8)),
+                  EMBEDDING_OPTIMIZERS[optimizer]([twin_slice], **_kwargs(optimizer, lr, 1e-8))]
+    fused = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=lr, eps=1e-8,
+        weights_precision=SparseType.FP16)
+    with torch.no_grad():
+        fused.weights_host.copy_(start.reshape(-1))
+    touched = torch.zeros(rows, dtype=torch.bool)
+    for ids, offsets, grad in _batches(rows, dim, steps=3):
+        touched[ids] = True
+        for table, optim in zip((narrow, twin), optimizers):
+            optim.zero_grad()
+            table(ids, offsets).backward(grad)
+            optim.step()
+        with torch.no_grad():
+            twin.weights.copy_(twin.weights.half().float())  # the twin, rounded each step
+        fused(ids, offsets).backward(grad)
+    got = narrow_slice.detach()
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    assert not touched.all() and torch.equal(got[~touched], start[~touched])
+    assert torch.equal(got, twin_slice.detach().half())
+    assert [s["sum"].dtype for s in optimizers[0].state.values()] == (
+        [] if optimizer == "sgd" else [torch.float32])
+    if optimizer == "rowwise_adagrad":
+        assert torch.equal(got.reshape(-1), fused.weights_host)

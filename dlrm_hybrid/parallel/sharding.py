@@ -28,6 +28,7 @@ from dlrm_hybrid.parallel.cpu_lookup import speed_up_cpu_tables
 from dlrm_hybrid.parallel.dense_memory import dense_layout
 from dlrm_hybrid.parallel.dense_sharding import dense_param_names, shard_dense
 from dlrm_hybrid.parallel.exchange import install_exchange
+from dlrm_hybrid.parallel.narrow_replicas import keep_fp32_grads
 from dlrm_hybrid.parallel.plan import PlacementError, Plan
 
 INIT_ROW_BLOCK = 65536  # rows generated per seeded block
@@ -59,7 +60,8 @@ def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size:
     fsdp/hsdp the dense modules are sharded by FSDP2 (dense_sharding.py; `hsdp_shard_size` 0:
     one host's ranks) and DDP keeps the replicated tables. A job of one rank has nothing to
     all-reduce and skips DDP (1-2 ms per step of its hooks and copies on CPU).
-    On CPU the tables go onto huge pages, and SGD ones use every core (cpu_lookup.py).
+    On CPU the tables go onto huge pages, and SGD ones use every core (cpu_lookup.py); fp16
+    replicated tables keep their gradient in fp32 (narrow_replicas.py).
     `exchange` (pooled | des) is what the owners send back (exchange.py); with des and `cat`,
     the first top layer's weight stays out of DDP."""
     env = sharding_env(dist.group.WORLD)
@@ -84,6 +86,7 @@ def shard_model(model: DLRM, plan: Plan, device: torch.device, local_world_size:
         init_data_parallel=plan.world_size > 1,
         data_parallel_wrapper=DefaultDataParallelWrapper(params_to_ignore=not_ddp))
     dmp.module.to(device)  # what the DDP wrapper does first
+    keep_fp32_grads(dmp)  # fp16 replicated tables: their gradient averaged in fp32
     if dense != "ddp":
         shard_dense(dmp.module, dense, device,
                     dense_layout(dense, hsdp_shard_size, plan.world_size, local_world_size))

@@ -9,6 +9,10 @@ what fbgemm's CPU/GPU kernels do to a row (`fbgemm_gpu/codegen/genscript/optimiz
 SGD w -= lr g; Adagrad m += g^2, w -= lr g / (sqrt(m) + eps); row-wise Adagrad m += mean(g^2)
 over the row, w -= lr g / (sqrt(m) + eps), and a row no sample touched (g = 0) keeps its value
 and state. Adam would decay every row's moments: tables.REPLICABLE_OPTIMIZERS leaves it out.
+fbgemm keeps that state in fp32 and computes each update in fp32 whatever the weights' precision;
+a torch optimizer keeps it in the parameter's dtype and computes in it. On fp16 tables that is
+NaN from the first step: eps 1e-8 is 0 in fp16, so an untouched row's update is 0 / 0, and a
+small gradient's square underflows to 0 (`_Fp32Update` does fbgemm's arithmetic instead).
 
 Checkpoints hold a replicated table's optimizer state in fbgemm's layout (`checkpoint_state`),
 so that it loads into a run where the table is sharded, and back (`from_checkpoint_state`).
@@ -29,6 +33,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.parallel.narrow_replicas import clear_fp32_grads, take_fp32_grads
 
 EMBEDDING_OPTIMIZERS = {
     "sgd": torch.optim.SGD,
@@ -76,10 +81,64 @@ def build_optimizer(dmp, optim_cfg) -> Tuple[CombinedOptimizer, LambdaLR]:
     optimizers = [dmp.fused_optimizer]
     if replicated:
         optimizers.append(KeyedOptimizerWrapper(
-            replicated, lambda params: embedding_cls(params, **embedding_kwargs)))
+            replicated, lambda params: _fp32_update(embedding_cls)(params, **embedding_kwargs)))
     optimizers.append(KeyedOptimizerWrapper(dense, lambda params: dense_cls(params, **dense_kwargs)))
     optimizer = CombinedOptimizer(optimizers)
     return optimizer, LambdaLR(optimizer, lambda step: lr_factor(step, optim_cfg))
+
+
+def _fp32_update(optimizer_cls: type) -> type:
+    """`optimizer_cls` with fbgemm's arithmetic for tables below fp32 (its class and state names
+    unchanged, so checkpoints keep their layout)."""
+    return _FP32_UPDATES.setdefault(optimizer_cls, type(
+        f"Fp32{optimizer_cls.__name__}", (_Fp32Update, optimizer_cls), {}))
+
+
+class _Fp32Update(torch.optim.Optimizer):
+    """A torch optimizer whose state is fp32 and whose step runs on fp32 copies of the weights
+    and gradients of a table kept in fp16, rounded back once (round to nearest), as fbgemm's
+    CPU kernels update an fp16 table: fp32 momentum, fp32 arithmetic, one rounding per step.
+    The gradient is the fp32 one averaged over the ranks (parallel/narrow_replicas.py)."""
+
+    def __init__(self, params, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        for state in self.state.values():  # Adagrad's sums are made here, in the weights' dtype
+            for name, value in state.items():
+                if name != "step" and value.is_floating_point():
+                    state[name] = value.float()
+
+    def _params(self) -> list:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        clear_fp32_grads(self._params())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        fp32_grads = take_fp32_grads(self._params())
+        narrow = [(group, i, p) for group in self.param_groups
+                  for i, p in enumerate(group["params"]) if p.dtype != torch.float32
+                  and (id(p) in fp32_grads or p.grad is not None)]
+        wide = []
+        for group, i, p in narrow:  # the base step sees fp32 tensors in the fp16 ones' places
+            copy = p.detach().float()
+            copy.grad = fp32_grads[id(p)] if id(p) in fp32_grads else p.grad.float()
+            group["params"][i] = copy
+            if p in self.state:
+                self.state[copy] = self.state.pop(p)
+            wide.append(copy)
+        try:
+            return super().step(closure)
+        finally:
+            for (group, i, p), copy in zip(narrow, wide):
+                p.copy_(copy)
+                group["params"][i] = p
+                if copy in self.state:
+                    self.state[p] = self.state.pop(copy)
+
+
+_FP32_UPDATES: dict = {}
 
 
 def advance_schedule(schedule: LambdaLR, step: int) -> None:
