@@ -177,8 +177,7 @@ def requirement_files(fbgemm: str, dev: bool) -> list[str]:
 
 def requirements(files: list[str], keep_dali: bool) -> str:
     """The files' lines together, less any nvidia-dali line where a DALI is kept."""
-    lines = [line for name in files
-             for line in (ROOT / name).read_text().splitlines(keepends=True)]
+    lines = [line + "\n" for name in files for line in (ROOT / name).read_text().splitlines()]
     return "".join(line for line in lines if not (keep_dali and line.startswith("nvidia-dali")))
 
 
