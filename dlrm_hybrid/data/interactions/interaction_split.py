@@ -92,11 +92,12 @@ def duplicate_rows(log: Log, users: Optional[Numbering] = None,
                    items: Optional[Numbering] = None) -> np.ndarray:
     """Whether each row equals an earlier row (file order) in every column: the later copies
     of one engagement written twice. Only rows of a (user, item) pair with several rows are
-    compared column by column (sorting every row by every column is ~4x slower)."""
+    compared column by column: on 1M rows (2% such), 0.07 s on a 2-core EPYC, where np.unique
+    of every row as a record took 6.5 s."""
     users = users if users is not None else numbered(log.columns["user"])
     items = items if items is not None else numbered(log.columns["item"])
     pair = users.codes.astype(np.int64) * len(items.raw) + items.codes
-    order = np.argsort(pair, kind="stable")
+    order = np.argsort(pair)
     again = pair[order][1:] == pair[order][:-1]
     rows = np.unique(np.concatenate([order[1:][again], order[:-1][again]]))  # file order
     duplicate = np.zeros(len(pair), bool)
