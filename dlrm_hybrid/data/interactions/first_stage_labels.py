@@ -174,7 +174,8 @@ def first_stage_data(retrieval: "InteractionData", retrieval_path: str, ranking:
     old = retrieval.meta
     meta = InteractionMeta(old.users, old.items, dict(old.user_side), dict(old.item_side), {},
                            old.split_rule, POSITIVE, list(old.source), dict(old.extra))
-    history = tuple(np.asarray(a, np.int64) for a in retrieval.pairs["train"])
+    engaged_users, engaged_items = retrieval.pairs["train"]
+    history = (np.asarray(engaged_users, np.int64), np.asarray(engaged_items, np.int64))
     data = InteractionData(meta, pairs, np.asarray(retrieval.user_side),
                            np.asarray(retrieval.item_side), "", None, history)
     evaluation = np.concatenate([np.asarray(retrieval.pairs[s][0], np.int64) * old.items

@@ -271,8 +271,10 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
 
 def _counts(kept: np.ndarray, users: Numbering, items: Numbering) -> Tuple[int, int]:
     """(users, items) with a `kept` row."""
-    return tuple(int((np.bincount(n.codes[kept], minlength=len(n.raw)) > 0).sum())
-                 for n in (users, items))
+    def having(n: Numbering) -> int:
+        return int((np.bincount(n.codes[kept], minlength=len(n.raw)) > 0).sum())
+
+    return having(users), having(items)
 
 
 def train_timeline(chronology: np.ndarray, rows: np.ndarray, users: np.ndarray) -> np.ndarray:
