@@ -90,7 +90,10 @@ def test_the_funnel_goes_through_a_row_written_twice_a_re_rating_and_tied_timest
     assert made["rank"].returncode == 0, failure(made["rank"])
     for name in ("ret", "early"):
         assert done_fields(made[name].stdout)["duplicate"] == 1
-    assert done_fields(made["rank"].stdout)["duplicate"] == 1
+    done = done_fields(made["rank"].stdout)
+    assert done["duplicate"] == 1 and done["rows"] == len(rows) == sum(
+        done[k] for k in ("kept", "skipped", "duplicate", "below_min_count", "held_out",
+                          "not_candidates"))  # every row counted once
     # the hand-added user: file order breaks the ties, the second copy is no engagement
     rows = rows[:-2] + rows[-1:]
     liked = [m for u, m, r, _ in rows if u == HAND and float(r) >= 4]

@@ -419,7 +419,8 @@ def summary(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelR
                      f"engagements + {len(s.users) - s.engagements:,} negatives); rates {rates}")
     train = splits["train"]
     lines.append(f"done: rows={e['rows']} kept={kept} skipped={bad} "
-                 f"duplicate={e['duplicate']} below_min_count={e['below_min_count']} held_out={e['held_out']} "
+                 f"duplicate={e['duplicate']} below_min_count={e['below_min_count']} "
+                 f"held_out={e['held_out']} not_candidates={sum(left.values())} "
                  + " ".join(f"{SPLIT_FOLDERS[s]}={len(v.users)}" for s, v in splits.items()) + " "
                  + " ".join(f"rate_{r.name}={train.labels[:, t].mean():.4f}"
                             for t, r in enumerate(rules)) + f" seconds={seconds:.2f}")
