@@ -29,14 +29,15 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    rankers stop before it exactly as the test world's stop before the test item (issue 44: the
    test world's rankers train on rows after the validation item, which made validation
    optimistic). Each of its test users asks as a test request asks (history = training and
-   validation items, excluded). benchmarks/recommend_choice.py: the merge's source weights
-   (FUSION_GRID each, the largest 1) by the one-standard-error rule (the fewest weighted
-   sources within one standard error of the best: a source earns weight only where validation
-   shows more than noise); each ranker orders the same RANK_TOP merged candidates with each
-   value model of VALUES and each weight of the merged order beside its own (PRIORS,
+   validation items, excluded). benchmarks/recommend_choice.py, with the package's choice
+   (dlrm_hybrid/serve/funnel_tuning.py, behind `recommend-tune`): the merge's source weights
+   (funnel_tuning.FUSION_GRID each, the largest 1) by the one-standard-error rule (the fewest
+   weighted sources within one standard error of the best: a source earns weight only where
+   validation shows more than noise); each ranker orders the same RANK_TOP merged candidates
+   with each value model of VALUES and each weight of the merged order beside its own (PRIORS,
    `recommend --rank-prior`, inf: keep the merged order); per loss the steps and value model of
    the best HR@10 on half the validation users are kept (ties: fewer steps), with the largest
-   prior within one standard error of the best on the other half (recommend_choice.halves: a
+   prior within one standard error of the best on the other half (funnel_tuning.halves: a
    stage reorders only where users its setting was not picked on show more than noise), and
    the loss best on the picking half is the ranked line and the heavy ranker of the
    three-stage funnel; the test world's ranker of those settings serves.
@@ -47,8 +48,11 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    `--first-stage-labels-only`: without), a two-tower model of it as the retrieval one
    (TOWER, EPOCHS), `export --retrieval`; each part named by the ranker, value model, K and
    labels-only or engaged it depends on, so --work keeps and reuses it too. The validation
-   world builds its own of its chosen ranker, which chooses the first stage's weight of the
-   merged order (PRIORS, `recommend --first-stage-prior`) by the same rule, on the judging half.
+   world builds its own of its chosen ranker, which chooses, each by the same rule on the
+   judging half and on what it delivers in the three-stage funnel, the first stage's weight of
+   the merged order (PRIORS, `recommend --first-stage-prior`) by the held-out item among the
+   `--first-stage-keep` it hands on, then the heavy ranker's weight of the first stage's list
+   by HR@10 of the funnel's ranked list.
 5. Requests, only now asking the test users, with the chosen rankers: for each, one
    `Recommender.recommend_dense` (dlrm_hybrid/serve/recommend.py) with history = the user's
    training items and validation item, every one of them excluded; sources PER_SOURCE
@@ -58,10 +62,10 @@ three-stage funnel with a first-stage ranker; and what a request costs.
    the ranked list. Then the three-stage funnel (the chosen heavy ranker of the best loss and
    its value model): sources THREE_PER_SOURCE each (645 merged on ml-100k), the first stage
    scoring them all (with its chosen prior), the heavy ranker its best `--first-stage-keep`
-   (FIRST_STAGE_KEEP) with the loss's prior. Latency: one request at a time, 1 thread, after
-   WARMUP requests; p50/p99 of each stage and of the whole request in CPU milliseconds (the
-   thread's own time, `time.thread_time`: the machine may be shared), and of the whole request
-   in wall milliseconds.
+   (FIRST_STAGE_KEEP) with the prior chosen for it in that funnel. Latency: one request at a
+   time, 1 thread, after WARMUP requests; p50/p99 of each stage and of the whole request in CPU
+   milliseconds (the thread's own time, `time.thread_time`: the machine may be shared), and of
+   the whole request in wall milliseconds.
 6. Peers (benchmarks/retrieval.py's): popularity, `implicit` ALS and BPR on the retrieval
    training split, each setting chosen on validation, scored by retrieval/evaluate.py with the
    same exclusions (training and validation items).
@@ -95,7 +99,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np  # noqa: E402
 
 import recommend_build  # noqa: E402  (build, build_first_stage)
-import recommend_choice  # noqa: E402  (validation_hr, first_stage_prior)
+import recommend_choice  # noqa: E402  (validation_hr, three_stage)
 import retrieval as retrieval_bench  # noqa: E402  (cli, peers' grids)
 from recommend_build import asked_history  # noqa: E402
 from recommend_choice import (PER_SOURCE, PRIORS, RANK_TOP, THREE_PER_SOURCE,  # noqa: E402
@@ -229,11 +233,12 @@ def weights_text(weights: Dict[str, float]) -> str:
     return ", ".join(f"{source} {w:g}" for source, w in weights.items())
 
 
-def validation_tables(on_val, args, choices: Dict[str, Tuple[int, int, float]],
-                      first_val: Dict[float, np.ndarray], first_prior: float) -> None:
+def validation_tables(on_val, args, choices: Dict[str, Tuple[int, int, float]], three,
+                      best: str) -> None:
     """What the validation world chose from: the merge weights (the best five, equal weights,
     the choice), each ranker's and value model's best prior (the chosen settings' prior
-    marked), the first stage's priors."""
+    marked), the three-stage funnel's priors (`three`, funnel_tuning.Evaluation: the first
+    stage's, by the held-out item among its kept; the heavy ranker's `best`, against them)."""
     from dlrm_hybrid.serve.candidate_sources import SOURCES
 
     print("\nvalidation HR@10 (the validation world's test items: each user's validation item, "
@@ -258,10 +263,16 @@ def validation_tables(on_val, args, choices: Dict[str, Tuple[int, int, float]],
                 cells.append(f"{hr[prior]:.4f} (prior {prior_text(prior)}; 0: {hr[0.0]:.4f}"
                              f"{mark})")
             print(f"| {loss} | {steps} | " + " | ".join(cells) + " |")
-    print("\n| first stage: the merged order's weight | " + " | ".join(
-        prior_text(p) + (" *" if p == first_prior else "") for p in PRIORS)
-        + " |\n|---|" + "---:|" * len(PRIORS))
-    print("| HR@10 | " + " | ".join(f"{first_val[p].mean():.4f}" for p in PRIORS) + " |")
+    three_prior = choose(three.found)[best][2]
+    print("\n| three stages: the handed order's weight | " + " | ".join(
+        prior_text(p) for p in PRIORS) + " |\n|---|" + "---:|" * len(PRIORS))
+    for name, found, chosen in (
+            (f"first stage (the merged order's): held-out item among its {args.first_stage_keep}",
+             three.first_found, three.first_stage_prior),
+            ("heavy ranker (the first stage's): HR@10",
+             {p: three.found[best, choices[best][0], 0, p] for p in PRIORS}, three_prior)):
+        print(f"| {name} | " + " | ".join(f"{found[p].mean():.4f}" + (" *" if p == chosen else "")
+                                          for p in PRIORS) + " |")
 
 
 def percentile(values: List[float], q: float) -> float:
@@ -346,10 +357,12 @@ def main() -> None:
             paths[f"ranker_{loss}"] = paths[f"ranker_{loss}_{chosen[loss][0]}"]
         best, value = args.losses[0], VALUES[chosen[args.losses[0]][1]]
         world_ranker = world_paths[f"ranker_{best}_{chosen[best][0]}"]
-        first_val = recommend_choice.first_stage_prior(
-            world_paths, world_ranker, recommend_build.build_first_stage(
-                args, world, world_paths, world_ranker, value), args, on_val.fusion)
-        first_prior = recommend_choice.judged(first_val)
+        three_val = recommend_choice.three_stage(
+            world_paths, (best, chosen[best][0]), world_ranker,
+            recommend_build.build_first_stage(args, world, world_paths, world_ranker, value),
+            args, on_val.fusion, value)
+        first_prior = three_val.first_stage_prior
+        three_prior = choose(three_val.found)[best][2]
         paths["first_stage"] = recommend_build.build_first_stage(
             args, work, paths, paths[f"ranker_{best}"], value)
         ranked = {}
@@ -362,7 +375,7 @@ def main() -> None:
                 stages, total, per_stage = asked, took, took_per_stage
         three_asked, three_total, three_per_stage = requests(
             paths, users, val, args, best, value,
-            {"fusion": on_val.fusion, "rank_prior": chosen[best][2],
+            {"fusion": on_val.fusion, "rank_prior": three_prior,
              "first_stage_prior": first_prior}, three=True)
         found = peers(paths["retrieval"], args.quick)
     hr = hit_rates(stages, wanted)
@@ -401,7 +414,8 @@ def main() -> None:
           f"sources {THREE_PER_SOURCE} each, the first stage (two-tower of the heavy ranker's "
           f"top {args.top_k_label}) on every merged candidate, its order fused with the "
           f"merged order of weight {prior_text(first_prior)}, the heavy ranker on its best "
-          f"{args.first_stage_keep}")
+          f"{args.first_stage_keep}, its order fused with theirs of weight "
+          f"{prior_text(three_prior)}")
     print("| stage | HR@10 | recall@50 | items per request | CPU ms p50 | CPU ms p99 |")
     print("|---|---:|---:|---:|---:|---:|")
     three_mean = {stage: np.mean([len(s[stage]) for s in three_asked]) for stage in SOURCES_MS}
@@ -414,7 +428,7 @@ def main() -> None:
     for what_ms, times in (("", three_per_stage["request"]), (", wall ms", three_total)):
         print(f"| whole request{what_ms} | | | | {percentile(times, 50):.2f} | "
               f"{percentile(times, 99):.2f} |")
-    validation_tables(on_val, args, chosen, first_val, first_prior)
+    validation_tables(on_val, args, chosen, three_val, best)
     print(summary_line(name, hr, total, ranked,
                        (three_hr, three_total, three_per_stage["request"]), per_stage["request"]))
 

@@ -203,11 +203,8 @@ def asked_history(rec, user: int, val: Dict[int, int]
     """(history, timeline) a test request asks with: the validation item then the training
     items most recent first (`Recommender.stored_latest_first`: what the ranker's similarity
     features read), every one of them excluded; a history tower's timeline (the training items
-    in time order, then validation's; None without one)."""
-    later = [val[user]] if user in val else []
-    latest = rec.stored_latest_first(user)
-    history = np.concatenate([later, latest]).astype(np.int64)
-    timeline = None
-    if rec.retriever.history_length:
-        timeline = np.concatenate([latest[::-1], later]).astype(np.int64)
-    return history, timeline
+    in time order, then validation's; None without one or without a validation item: the
+    stored one). The package's (funnel_tuning.request_history), as validation asks."""
+    from dlrm_hybrid.serve.funnel_tuning import request_history
+
+    return request_history(rec, user, [val[user]] if user in val else [])

@@ -203,69 +203,6 @@ def test_the_first_stage_learns_the_chosen_ranker_and_value_model(bench, tmp_pat
     assert "--engagements" not in made[0]
 
 
-def test_the_ranker_is_picked_on_half_the_users_and_its_prior_judged_on_the_other(bench):
-    """Per loss the steps and value model of the best HR@10 at any prior on the even users,
-    the loss best there first; the prior by the one-standard-error rule (the largest within
-    it) on the odd users, so a setting that led only where it was picked keeps the merged
-    order."""
-    def hits(picking, judging):  # 1,000 users: the first rate of each half hit
-        found = np.zeros(1000)
-        found[0::2][:round(picking * 500)] = 1
-        found[1::2][:round(judging * 500)] = 1
-        return found
-
-    keep = float("inf")
-    on_val = {("listwise", 150, 0, 0.0): hits(0.20, 0.30),  # best where not picked
-              ("listwise", 150, 0, keep): hits(0.18, 0.18),
-              ("listwise", 300, 0, 0.0): hits(0.30, 0.18),  # picked; no gain where judged
-              ("listwise", 300, 0, keep): hits(0.18, 0.18),
-              ("listwise", 300, 1, 0.0): hits(0.30, 0.25),  # as good, later in VALUES
-              ("listwise", 300, 1, keep): hits(0.18, 0.18),
-              ("pointwise", 150, 0, 0.0): hits(0.25, 0.25),  # 35 users over keeping: real
-              ("pointwise", 150, 0, keep): hits(0.18, 0.18),
-              ("pointwise", 600, 0, 0.0): hits(0.25, 0.10)}  # as good, more steps
-    chosen = bench.choose(on_val)
-    assert chosen == {"listwise": (300, 0, keep), "pointwise": (150, 0, 0.0)}
-    assert list(chosen) == ["listwise", "pointwise"]
-
-
-def test_a_stage_defers_to_its_incoming_order_unless_validation_shows_more_than_noise(bench):
-    """`defer`: the largest prior within one standard error of the best (inf: the stage keeps
-    the order it was handed); a gain of a few users of 900 is noise, one of 40 is not."""
-    rng = np.random.default_rng(0)
-    keep = (rng.random(900) < 0.24).astype(float)
-    own = keep.copy()
-    own[np.flatnonzero(keep == 0)[:5]] = 1  # five hits gained, three lost: noise
-    own[np.flatnonzero(keep == 1)[:3]] = 0
-    found = {0.0: own, 2.0: own, float("inf"): keep}
-    assert bench.recommend_choice.defer(found) == float("inf")
-    better = keep.copy()
-    better[np.flatnonzero(keep == 0)[:40]] = 1  # 40 more of 900: more than noise
-    found = {0.0: better * 0, 1.0: better, 4.0: own, float("inf"): keep}
-    assert bench.recommend_choice.defer(found) == 1.0
-    found[2.0] = better.copy()
-    found[2.0][np.flatnonzero(better == 1)[:1]] = 0  # 1 user fewer than prior 1: within noise
-    assert bench.recommend_choice.defer(found) == 2.0
-
-
-def test_merge_weights_are_chosen_by_the_one_standard_error_rule(bench):
-    """The fewest weighted sources within one standard error (of the paired per-user
-    difference) of the best weighting; a weighting clearly better than a single source wins."""
-    rng = np.random.default_rng(0)
-    alone = (rng.random(900) < 0.24).astype(float)
-    noisy = alone.copy()
-    noisy[np.flatnonzero(alone == 0)[:5]] = 1  # five hits gained, three lost: noise
-    noisy[np.flatnonzero(alone == 1)[:3]] = 0
-    found = {(1.0, 0.0, 0.0): alone, (1.0, 0.25, 0.0): noisy, (1.0, 1.0, 1.0): alone * 0.5}
-    assert bench.recommend_choice.choose_fusion(found) == (1.0, 0.0, 0.0)
-    better = alone.copy()
-    better[np.flatnonzero(alone == 0)[:40]] = 1  # 40 more of 900: more than noise
-    found[(1.0, 0.25, 0.0)] = better
-    assert bench.recommend_choice.choose_fusion(found) == (1.0, 0.25, 0.0)
-    found[(0.5, 0.25, 0.0)] = better  # as good, as many sources: the grid's order
-    assert bench.recommend_choice.choose_fusion(found) == (1.0, 0.25, 0.0)
-
-
 def test_the_validation_world_stops_before_each_users_test_item(bench, tmp_path):
     """Its log is the log without each user's last positive (rating >= 4, by time then file
     order: the test item) and that user's later rows, so its test item is the validation item;
