@@ -108,8 +108,8 @@ def summary(meta: InteractionMeta, output: str, seconds: float) -> str:
         f"  read       {e['rows']:,} rows from {len(meta.source)} file(s), columns {e['columns']}",
         f"  bad rows   {sum(bad.values()):,} skipped"
         + (" (" + ", ".join(f"{k} {v:,}" for k, v in bad.items()) + ")" if bad else ""),
-        *([f"  duplicate  {e['duplicate']:,} rows repeat an earlier row in every column: "
-           f"one engagement each, kept once"] if e.get("duplicate") else []),
+        *([f"  duplicate  {e['duplicate']:,} left out: rows equal to an earlier row in every "
+           f"column (an engagement written twice is kept once)"] if e.get("duplicate") else []),
         f"  positive   {meta.positive}: {e['not_positive']:,} rows are not",
         f"  min-count  {e['min_count']}: {e['below_min_count']:,} positives left out with "
         f"{e['dropped_users']:,} users and {e['dropped_items']:,} items",
