@@ -115,12 +115,12 @@ def test_replicated_tables_on_two_ranks_train_as_one_rank(runs, optimizer):
         planned.forward[0], planned.backward[0])
 
 
-FP16 = ("model.embedding_precision=fp16", "train.max_steps=16")
-# fp16 tables round every update to 11 bits: once a last-bit difference of the dense all-reduce
-# flips one of those roundings, 1 and 2 ranks part (by up to 1e-4 at step 40 on an AMD EPYC,
-# as much with every table sharded): from step 18 with row-wise Adagrad, from step 6 with
-# Adagrad, whose first steps move a weight by +-lr whatever its gradient's size. Before that
-# the steps are the same: the steps compared.
+FP16 = ("model.embedding_precision=fp16", "train.max_steps=16", "checkpoint.every=8")
+# fp16 tables round every update to 11 bits: once a last-bit difference of a sum taken in
+# another order flips one of those roundings, 1 and 2 ranks part (by up to 1e-4 at step 40 on
+# an AMD EPYC, as much with every table sharded): from step ~20 with row-wise Adagrad, from step
+# ~8 with Adagrad, whose first steps move a weight by +-lr whatever its gradient's size. Before
+# that the steps are the same: the steps compared.
 FP16_SAME_STEPS = {"rowwise_adagrad": 15, "adagrad": 5, "sgd": 16}
 
 
@@ -140,21 +140,25 @@ def test_fp16_replicated_tables_on_two_ranks_train_as_one_rank(runs, optimizer):
     assert {n for n, a in applied.items() if a["sharding"] == "data_parallel"} == set(REPLICATED)
 
 
-def test_checkpoints_reshard_between_table_wise_and_replicated(runs, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_checkpoints_reshard_between_table_wise_and_replicated(runs, tmp_path, precision):
     """Weights and row-wise Adagrad's per-row sums move between a table-wise table on one rank
     and a replicated one on two, both ways: the resumed run's losses go on as the
-    uninterrupted run's."""
-    one, _ = runs("rowwise_adagrad", 1)
-    two, _ = runs("rowwise_adagrad", 2)
+    uninterrupted run's. fp16 tables too: a replicated table's sums are fp32, as fbgemm keeps a
+    sharded one's."""
+    overrides, resume, last = ((), 20, 40) if precision == "fp32" else (FP16, 8, 16)
+    one, _ = runs("rowwise_adagrad", 1, *overrides)
+    two, _ = runs("rowwise_adagrad", 2, *overrides)
     want = losses_of(one)
-    into_two, _ = runs("rowwise_adagrad", 2, f"checkpoint.resume={one / 'checkpoints/step_20'}")
-    assert_same_losses(losses_of(into_two), want, range(21, 41))
+    into_two, _ = runs("rowwise_adagrad", 2, *overrides,
+                       f"checkpoint.resume={one / f'checkpoints/step_{resume}'}")
+    assert_same_losses(losses_of(into_two), want, range(resume + 1, last + 1))
     into_one = tmp_path / "into_one"
     result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
-        *RUN, *OPTIMIZERS["rowwise_adagrad"], f"parallel.plan={runs.plans[1]}",
-        f"train.run_dir={into_one}", f"checkpoint.resume={two / 'checkpoints/step_20'}")])
+        *RUN, *OPTIMIZERS["rowwise_adagrad"], *overrides, f"parallel.plan={runs.plans[1]}",
+        f"train.run_dir={into_one}", f"checkpoint.resume={two / f'checkpoints/step_{resume}'}")])
     assert result.returncode == 0, failure(result)
-    assert_same_losses(losses_of(into_one), want, range(21, 41))
+    assert_same_losses(losses_of(into_one), want, range(resume + 1, last + 1))
 
 
 def test_a_replicated_checkpoint_evaluates_and_exports(runs, tmp_path):
