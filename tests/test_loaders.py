@@ -3,6 +3,7 @@
 import itertools
 import math
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import yaml
 from conftest import ROOT, read_metrics, train_with_each_loader
 from dlrm_hybrid.config import ConfigError, DataConfig
 from dlrm_hybrid.config_loading import load_config
-from dlrm_hybrid.data.batch import ClickDataset, Columns
+from dlrm_hybrid.data.batch import Batch, ClickDataset, Columns
 from dlrm_hybrid.data.dali_loader import DaliLoader
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
@@ -200,10 +201,16 @@ def test_loader_errors_reach_the_training_loop():
 
 
 class RowNumbers(ClickDataset):
-    """A split of `n` rows whose one dense value is the row's number."""
+    """A split of `n` rows whose one dense value is the row's number. It makes a one-run slice
+    on a device itself, as the planted synthetic data does (`device_batches`): a loader given a
+    device asks it for each such slice and makes a slice of several runs on the host."""
+
+    device_batches = True
+    spec = SimpleNamespace(feature_names=["row"])
 
     def __init__(self, n: int) -> None:
         self.n = n
+        self.made_on_device = 0  # batches `batch` made
 
     def num_samples(self, split: str) -> int:
         return self.n
@@ -213,20 +220,38 @@ class RowNumbers(ClickDataset):
         return Columns(index[:, None].astype(np.float32), np.zeros(count, np.float32),
                        index < self.n, [np.minimum(index, self.n - 1)[:, None]])
 
+    def batch(self, split: str, first: int, count: int, device=None) -> Batch:
+        self.made_on_device += 1
+        return Batch.from_columns(self.columns(split, first, count),
+                                  self.spec.feature_names).to(device or CPU)
 
+
+def rows_read(data: RowNumbers, batch: int, rank: int, ranks: int, shuffle: bool, steps: int,
+              path: str, start_step: int = 0):
+    """The rows of each of a rank's first `steps` slices, read as columns ("host") or as batches
+    made on a device ("device", here the CPU: `rank_batches(..., device=)`)."""
+    args = (data, "train", batch, rank, ranks, shuffle, 5, start_step)
+    if path == "host":
+        parts = (c.dense[:, 0] for c in rank_columns(*args))
+    else:
+        parts = (b.dense[:, 0].numpy() for b in rank_batches(*args, device=CPU))
+    return [part.astype(int).tolist() for part in itertools.islice(parts, steps)]
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("rows, batch, ranks, shuffle", [
     (10, 4, 1, False), (10, 4, 2, True), (23, 6, 3, True), (24, 6, 2, True)])
-def test_every_training_row_is_read_once_an_epoch(rows, batch, ranks, shuffle):
+def test_every_training_row_is_read_once_an_epoch(rows, batch, ranks, shuffle, path):
     """The rows the batches of 3 epochs touch, global batch after global batch: each run of
     `rows` consecutive ones holds every row once (a partial last batch carries over into the
-    next epoch); shuffled epochs differ; a resumed reader goes on where the run was."""
+    next epoch); shuffled epochs differ; a resumed reader goes on where the run was. The same
+    on the device path, whose slices across an epoch's end are runs of rows made on the host."""
     data, steps = RowNumbers(rows), -(-3 * rows // batch)
-    per_rank = [[c.dense[:, 0].astype(int).tolist() for c in
-                 itertools.islice(rank_columns(data, "train", batch, r, ranks, shuffle, 5), steps)]
-                for r in range(ranks)]
+    per_rank = [rows_read(data, batch, r, ranks, shuffle, steps, path) for r in range(ranks)]
     read = [row for step in zip(*per_rank) for part in step for row in part]
     epochs = [read[e * rows:(e + 1) * rows] for e in range(3)]
     assert all(sorted(epoch) == list(range(rows)) for epoch in epochs), epochs
     assert (epochs[0] != epochs[1]) == shuffle
-    resumed = rank_columns(data, "train", batch, ranks - 1, ranks, shuffle, 5, start_step=steps - 1)
-    assert next(resumed).dense[:, 0].astype(int).tolist() == per_rank[-1][-1]
+    resumed = rows_read(data, batch, ranks - 1, ranks, shuffle, 1, path, start_step=steps - 1)
+    assert resumed == per_rank[-1][-1:]
+    assert (data.made_on_device > 0) == (path == "device")
