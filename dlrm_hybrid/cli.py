@@ -22,6 +22,7 @@ from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
 from dlrm_hybrid.serve import recommend, recommend_tune, retrieve
 from dlrm_hybrid.startup import collector_paused
+from dlrm_hybrid.threads import apply_thread_defaults
 from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
 
 FOLLOWER_ERROR_DELAY_S = 3.0
@@ -328,7 +329,9 @@ def run_bench(args) -> None:
 
 
 def run_distributed(job, backend: str = "auto") -> None:
-    """Run `job(env)` in the process group torchrun started (or a one-process group)."""
+    """Run `job(env)` in the process group torchrun started (or a one-process group), with
+    this rank's share of the host's cores unless OMP_NUM_THREADS says otherwise (threads.py)."""
+    apply_thread_defaults(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     with collector_paused():
         from dlrm_hybrid.parallel.host_memory import keep_freed_memory
         from dlrm_hybrid.parallel.process_group import init_distributed, shutdown

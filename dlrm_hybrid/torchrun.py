@@ -10,16 +10,22 @@ takes torchrun's own arguments. The differences, all about how a job that cannot
   (they stop at a step, write a checkpoint and say so in one line), and then raises
   `SignalException`, whose traceback would bury that line; here it exits with 128 + the
   signal's number instead, as the ranks do, and prints nothing more.
+
+And threads: without OMP_NUM_THREADS each rank gets its share of the host's cores less one for
+its loader thread (threads.py), where torchrun would give several ranks 1 thread each (with a
+notice) and one rank every core, which a busy host slows 7-50x.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import List, Optional
 
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.preflight import check_launch
+from dlrm_hybrid.threads import ENV, default_threads
 
 # What torchrun's agent logs when a rank fails: the failure (said again at the end, or the
 # rank's own output says it) and its stopping the other ranks.
@@ -46,7 +52,9 @@ def run(argv: Optional[List[str]] = None) -> None:
     logging.getLogger("torch.distributed.run").addFilter(
         lambda record: OMP_BANNER not in str(record.msg))
     try:
-        torchrun(parse_args(argv))  # torchrun's main() less its @record, which logs the failure
+        args = parse_args(argv)
+        set_rank_threads(args.nproc_per_node)
+        torchrun(args)  # torchrun's main() less its @record, which logs the failure
     except SignalException as stopped:
         sys.exit(128 + int(stopped.sigval))
     except ChildFailedError as failed:
@@ -54,6 +62,19 @@ def run(argv: Optional[List[str]] = None) -> None:
         if line:
             print(line, file=sys.stderr)
         sys.exit(code)
+
+
+def set_rank_threads(nproc_per_node: str) -> None:
+    """OMP_NUM_THREADS for the ranks torchrun starts on this host, unless the user set it."""
+    from torch.distributed.run import determine_local_world_size
+
+    if os.environ.get(ENV, "").strip():
+        return
+    try:
+        ranks = determine_local_world_size(nproc_per_node)
+    except ValueError:  # torchrun says what is wrong with it
+        return
+    os.environ[ENV] = str(default_threads(ranks))
 
 
 if __name__ == "__main__":
