@@ -54,7 +54,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from recommend_build import log_folder  # noqa: E402  (the folder recommend.py builds in)
 from dlrm_hybrid.config_loading import load_config  # noqa: E402
 from dlrm_hybrid.data.interactions.planted_interactions import (  # noqa: E402
     draws, ranking_metrics, teacher, teacher_scores)
@@ -252,7 +254,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   f"{data_cfg.interactions_per_user} draws, {data_cfg.items} items) -> {log}",
                   flush=True)
         hr, asked = run_funnel(log, work / "recommend", forwarded)
-        hr.update(ceilings(data_cfg, work / "recommend" / "retrieval", asked))
+        built = log_folder(work / "recommend", str(log))  # where recommend.py made them
+        hr.update(ceilings(data_cfg, built / "retrieval", asked))
     print(f"\nplanted log ({data_cfg.users} users, {data_cfg.items} items, "
           f"{data_cfg.interactions_per_user} draws each, seed {data_cfg.seed}): HR@10 of the "
           f"{asked} test users recommend.py asked")

@@ -196,8 +196,9 @@ def test_main_writes_the_log_and_prints_the_table_and_summary(bench, tmp_path, m
 
     def funnel(log, work, forwarded):
         asked["forwarded"] = forwarded
+        built = bench.log_folder(work, str(log))  # where recommend.py builds from this log
         result = run_cli(["preprocess", "interactions", "--input", str(log), "--output",
-                          str(work / "retrieval"), "--positive", "rating>=4"])
+                          str(built / "retrieval"), "--positive", "rating>=4"])
         assert result.returncode == 0, failure(result)
         return {stage: 0.2 for stage in bench.FUNNEL_KEYS}, 9
 
@@ -208,7 +209,8 @@ def test_main_writes_the_log_and_prints_the_table_and_summary(bench, tmp_path, m
     assert asked["forwarded"] == ["--losses", "pointwise", "--users", "9"]
     logs = list(tmp_path.glob("planted_*/u.data"))
     assert len(logs) == 1 and len(rows_of(logs[0])) == 480
-    ceiling = brute_ceiling(logs[0].parent / "recommend" / "retrieval", 9, True)
+    built = bench.log_folder(logs[0].parent / "recommend", str(logs[0]))
+    ceiling = brute_ceiling(built / "retrieval", 9, True)
     assert out[-1].startswith(f"recommend_planted: users=40 items=300 per_user=12 test_users=9 "
                               f"ceiling={ceiling:.4f} ")
     fields = dict(word.split("=") for word in out[-1].split()[1:])
