@@ -41,7 +41,7 @@ INSTALL_INPUTS := requirements.txt requirements-gpu.txt setup.py Makefile instal
 .PHONY: demo test install install-dev clean
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m dlrm_hybrid.torchrun --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
+	$(PY) -m dlrm_hybrid.torchrun --standalone --nproc_per_node=$(NPROC) -m dlrm_hybrid train --config configs/demo.yaml
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests

@@ -3,16 +3,17 @@
 the loader's thread, at least one.
 
 Why not torch's own default (every core): torch's CPU ops are OpenMP regions of one team, and
-libgomp's team threads spin (GOMP_SPINCOUNT, 300,000 turns) between regions. When every core
-is in the team and anything else wants a core (the loader thread, another job, a container's
-CPU limit), the spinning threads take its time slices and each small op waits for a
-descheduled team thread: one process training the demo from files at batch 256 on a 2-core
-AMD EPYC whose other helpers kept it busy made 1,065-1,446 samples/s with 2 threads,
-43,566-64,045 with 1, and 33,231-52,013 with 2 threads that spin briefly (GOMP_SPINCOUNT=1000
-or 0); benchmarks/train_throughput.py --threads measures it idle and with a busy core. The
-in-memory synthetic data hid it: its loader thread runs OpenMP regions too, and with more
-team threads than cores libgomp spins only briefly. An explicit OMP_NUM_THREADS (torchrun
-sets 1 for several ranks it starts) is kept as given.
+libgomp's team threads spin between regions (GOMP_SPINCOUNT: 300,000 turns). When every core is
+in the team and anything else wants one (another job, a container's CPU limit, the loader
+thread), the spinning threads take its time slices and each small op waits for a descheduled
+team thread. One process training the demo from split-binary files at batch 256 on a 2-core
+AMD EPYC (AVX2, 2026-12-07), one core kept busy by `yes`: 2 threads 16,885-23,978 samples/s,
+1 thread 70,033-79,891, 2 threads that do not spin (GOMP_SPINCOUNT=0) 58,517-64,091; idle,
+1 thread 68,383-76,221, 2 threads 68,621-82,429 (29,689-34,100 if they do not spin).
+benchmarks/train_throughput.py --threads measures it. In-memory synthetic data loses less
+(1.4-1.8x): its loader thread runs OpenMP regions too, and libgomp spins 100 turns when it
+manages more threads than there are CPUs. An explicit OMP_NUM_THREADS (torchrun sets 1 for the
+several ranks it starts) is kept as given.
 """
 
 from __future__ import annotations

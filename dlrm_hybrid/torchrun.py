@@ -13,7 +13,7 @@ takes torchrun's own arguments. The differences, all about how a job that cannot
 
 And threads: without OMP_NUM_THREADS each rank gets its share of the host's cores less one for
 its loader thread (threads.py), where torchrun would give several ranks 1 thread each (with a
-notice) and one rank every core, which a busy host slows 7-50x.
+notice) and one rank every core, which another process on one core slows 3-4x (threads.py).
 """
 
 from __future__ import annotations
