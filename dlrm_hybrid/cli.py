@@ -168,12 +168,13 @@ def _config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def run_train(args) -> None:
-    from dlrm_hybrid.data.dali_loader import check_dali
     from dlrm_hybrid.train.tensorboard_log import check_tensorboard
 
     cfg = load_config(args.config, args.overrides, world_size=world_size_from_env())
     check_tensorboard(cfg.train.tensorboard)  # `true` without the package: before any work
-    check_dali(cfg.data.loader)  # likewise `dali` without DALI
+    if cfg.data.loader == "dali":  # likewise `dali` without DALI (its module imports torch)
+        from dlrm_hybrid.data.dali_loader import check_dali
+        check_dali(cfg.data.loader)
 
     def job(env) -> None:
         # after the config check and the process group's own (nccl without GPUs):
