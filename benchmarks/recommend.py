@@ -102,8 +102,9 @@ import recommend_build  # noqa: E402  (build, build_first_stage)
 import recommend_choice  # noqa: E402  (validation_hr, three_stage)
 import retrieval as retrieval_bench  # noqa: E402  (cli, peers' grids)
 from recommend_build import asked_history  # noqa: E402
-from recommend_choice import (PER_SOURCE, PRIORS, RANK_TOP, THREE_PER_SOURCE,  # noqa: E402
-                              VALUES, choose)
+from recommend_choice import PER_SOURCE, RANK_TOP, THREE_PER_SOURCE, VALUES  # noqa: E402
+
+from dlrm_hybrid.serve.funnel_tuning import PRIORS, choose  # noqa: E402
 
 # Per engagement: 1 + 15 rows a request, a divisor of the ranker's batch. Chosen in ml-100k's
 # validation world (2026-11-28, train negatives no longer marking the evaluation items): its

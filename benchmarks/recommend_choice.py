@@ -18,7 +18,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 
-from dlrm_hybrid.serve.funnel_tuning import PRIORS, choose, judged  # noqa: E402,F401
 from recommend_build import VALUE  # noqa: E402
 
 VALUES = (VALUE, {"liked": 1.0}, {"watched": 1.0})  # the value models validation chooses from

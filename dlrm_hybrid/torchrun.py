@@ -13,7 +13,8 @@ takes torchrun's own arguments. The differences, all about how a job that cannot
 
 And threads: without OMP_NUM_THREADS each rank gets its share of the host's cores less one for
 its loader thread (threads.py), where torchrun would give several ranks 1 thread each (with a
-notice) and one rank every core, which another process on one core slows 3-4x (threads.py).
+4-line notice, which setting it first also spares) and one rank every core, which another
+process on one core slows 3-4x.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from dlrm_hybrid.threads import ENV, default_threads
 # What torchrun's agent logs when a rank fails: the failure (said again at the end, or the
 # rank's own output says it) and its stopping the other ranks.
 AGENT_NOTICES = ("failed (exitcode: ", "Sending process ")
-# torchrun's 4-line banner where it sets OMP_NUM_THREADS=1 for the ranks (it was unset): noise.
-OMP_BANNER = "Setting OMP_NUM_THREADS environment variable"
 
 
 def run(argv: Optional[List[str]] = None) -> None:
@@ -49,8 +48,6 @@ def run(argv: Optional[List[str]] = None) -> None:
 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         lambda record: not str(record.msg).startswith(AGENT_NOTICES))
-    logging.getLogger("torch.distributed.run").addFilter(
-        lambda record: OMP_BANNER not in str(record.msg))
     try:
         args = parse_args(argv)
         set_rank_threads(args.nproc_per_node)

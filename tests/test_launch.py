@@ -211,7 +211,7 @@ def test_failed_ranks_end_with_the_first_cause_and_its_exit_code(tmp_path, monke
 
 def test_the_launcher_drops_torchruns_omp_num_threads_banner(tmp_path):
     """torchrun logs four lines of asterisks where OMP_NUM_THREADS is unset and it sets it for
-    the ranks; the launcher keeps them out of the user's output."""
+    the ranks; the launcher sets it first (threads.py), so they never reach the user."""
     (tmp_path / "tmp").mkdir()
     environment = {k: v for k, v in os.environ.items()
                    if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}

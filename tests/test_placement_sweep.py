@@ -97,3 +97,21 @@ def test_a_plan_with_a_table_on_no_rank_is_refused_by_train_and_by_sharding(tmp_
 def test_unplaced_names_what_is_wrong(shards, problem):
     plan = Plan(2, "greedy", 10**9, 64, {"a": TableSpec("a", 100, 8)}, shards)
     assert plan.unplaced().startswith(problem)
+
+
+def test_the_planner_refuses_a_plan_of_its_own_that_leaves_a_table_out(monkeypatch):
+    """Whatever a search returns is checked before `plan_tables` hands it on: one line."""
+    from dlrm_hybrid.parallel import greedy_search
+
+    tables = [TableSpec("a", 100, 8), TableSpec("b", 100, 8)]
+    monkeypatch.setattr(greedy_search._Search, "plan", lambda search: search.make(
+        [Shard("a", 0, 0, 8)]))
+    with pytest.raises(PlacementError, match=r"^the greedy placement failed its check \(table b "
+                                             r"is on no rank and not replicated\); this is a "
+                                             r"planner bug") as e:
+        plan_tables(tables, 2, 10**9, BATCH, "greedy")
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(greedy_search._Search, "plan", lambda search: search.make(
+        [Shard("a", 0, 0, 8), Shard("b", 0, 0, 8)]))
+    with pytest.raises(PlacementError, match=r"rank 0 holds .* over its 4.0KiB budget"):
+        plan_tables(tables, 2, 4096, BATCH, "greedy")

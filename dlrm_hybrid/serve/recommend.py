@@ -14,14 +14,9 @@ from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph.commands import add_walk_arguments, walk_params
 from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_target,
                                       temporary_beside)
-from dlrm_hybrid.serve.funnel_settings import read_settings, tuned_inputs
+from dlrm_hybrid.serve.funnel_settings import TUNED, read_settings, tuned_inputs
 from dlrm_hybrid.serve.recommender import (SOURCES, STAGES, Recommendation, Recommender,
                                            RecommendSettings)
-
-# what a flag left out means without a settings file (RecommendSettings' defaults)
-DEFAULTS = {"sources": ",".join(SOURCES), "per_source": 200, "rank_top": 300,
-            "first_stage_keep": 100, "fusion": None, "value": None, "first_stage_prior": 0.0,
-            "rank_prior": 0.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -138,10 +133,12 @@ def settings_of(args: argparse.Namespace, tuned: Optional[dict] = None) -> Recom
              "fusion": parse_weights("--fusion", args.fusion, "pixie"),
              "value": parse_weights("--value", args.value, "liked"),
              "first_stage_prior": args.first_stage_prior, "rank_prior": args.rank_prior}
-    s = {key: flag if flag is not None else (tuned or {}).get(key, DEFAULTS[key])
+    plain = RecommendSettings()  # what a flag left out means without a settings file
+    defaults = {**{k: getattr(plain, k) for k in TUNED}, "sources": ",".join(plain.sources)}
+    s = {key: flag if flag is not None else (tuned or {}).get(key, defaults[key])
          for key, flag in given.items()}
     for key in ("first_stage_prior", "rank_prior"):  # a file's none: no first stage tuned
-        s[key] = DEFAULTS[key] if s[key] is None else s[key]
+        s[key] = defaults[key] if s[key] is None else s[key]
     settings = RecommendSettings(
         args.k, tuple(x.strip() for x in s["sources"].split(",") if x.strip()),
         s["per_source"], s["rank_top"], s["value"], not args.keep_seen,

@@ -219,7 +219,8 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
     rows = np.arange(len(log))
     users, items = numbered(log.columns["user"]), numbered(log.columns["item"])
     duplicate = duplicate_rows(log, users, items)
-    is_positive = positive.mask(log) & ~duplicate
+    marked = positive.mask(log)
+    is_positive = marked & ~duplicate
     user_counts = np.bincount(users.codes[is_positive], minlength=len(users.raw))
     item_counts = np.bincount(items.codes[is_positive], minlength=len(items.raw))
     kept = (is_positive & (user_counts >= min_count)[users.codes]
@@ -252,7 +253,7 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
         lambda name: f"the {name} split is empty ({rule}, {int(kept.sum())} positives kept); "
                      f"{_empty_hint(split)}")
     extra = {"rows": log.rows, **log.bad, "duplicate": int(duplicate.sum()),
-             "not_positive": int((~positive.mask(log) & ~duplicate).sum()),
+             "not_positive": int((~marked & ~duplicate).sum()),
              "below_min_count": below_min_count, "min_count": min_count,
              "dropped_users": int((user_counts > 0).sum()) - counted[0],
              "dropped_items": int((item_counts > 0).sum()) - counted[1],
