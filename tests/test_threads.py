@@ -40,7 +40,7 @@ def torch_threads():
 
 
 def test_unset_threads_get_the_default_in_torch_and_the_environment(monkeypatch, torch_threads):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # unset, as the code reads it; restored after
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)
     torch.set_num_threads(2)
     assert threads.apply_thread_defaults(local_world_size=1) == 3
@@ -60,7 +60,7 @@ def test_an_explicit_setting_stands(monkeypatch, torch_threads):
 def test_the_launcher_gives_each_rank_its_share(monkeypatch):
     """Set before torchrun starts the ranks (which would otherwise get 1 each, with a notice);
     a rank then keeps it as the user's."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # unset, as the code reads it; restored after
     monkeypatch.setattr(threads, "usable_cores", lambda: 16)
     set_rank_threads("2")
     assert os.environ["OMP_NUM_THREADS"] == "7"
