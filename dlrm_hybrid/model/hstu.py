@@ -1,0 +1,133 @@
+"""HSTU, the Hierarchical Sequential Transduction Unit (Zhai et al., ICML 2024, "Actions Speak
+Louder than Words"; meta-recsys/generative-recommenders, research/modeling/sequential/hstu.py).
+
+Each layer, over a user's items in order (x [n, D]):
+
+    U, V, Q, K = split(SiLU(LayerNorm(x) @ W_uvqk))           one matrix, no bias
+    A = SiLU(Q K^T + rab(position, time)) / N * causal        pointwise: no softmax
+    x = x + f2(Dropout(U * LayerNorm(A V)))                    the U gate, then a residual
+
+with N the configured maximum length (a constant, so a sequence's outputs do not depend on how
+much padding its batch carries), causal = 1 where key <= query, and rab a learned bias per
+relative position and per log2 bucket of the time gap, one per layer, as the reference's
+`RelativeBucketedTimeAndPositionBasedBias` (bucket = floor(ln(max(|dt|, 1)) / 0.301)). The input
+is the item vectors scaled by sqrt(D) plus a learned absolute position (0: the oldest item),
+dropout; the output at each position is L2-normalised (the reference's `l2_norm` user vector).
+
+One deliberate difference: the reference's time bias for query i uses the time of the item
+after i (the request's time); here it uses i's own time, so training, evaluation and serving
+need no time beyond the history's own.
+
+Sequences are left-aligned in [B, n, D] with each one's count (slots from count on are padding):
+the layout fbgemm's `jagged_to_padded_dense` gives from (values, offsets), and the attention
+never reads padding (a valid query's keys are all earlier, so valid). No `from __future__
+import annotations`: TorchScript compiles it for export.
+"""
+
+import math
+from typing import List, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+EPS = 1e-6  # the reference's layer-norm and L2-norm epsilon
+BUCKET_BASE = 0.301  # log(2) to 3 digits, as the reference writes it
+
+
+class RelativeBias(nn.Module):
+    """rab(i, j): a learned weight per relative position i - j (0 .. N-1) plus, with times, one
+    per bucket of |t_i - t_j|."""
+
+    def __init__(self, length: int, time_buckets: int) -> None:
+        super().__init__()
+        self.position = nn.Parameter(torch.empty(length).normal_(0.0, 0.02))
+        self.time = nn.Parameter(torch.empty(time_buckets + 1).normal_(0.0, 0.02))
+        self.buckets = time_buckets
+
+    def forward(self, n: int, times: Optional[torch.Tensor]) -> torch.Tensor:
+        """[1 or B, n, n]; `times` [B, n] seconds (any origin) or None (positions only)."""
+        slots = torch.arange(n, device=self.position.device)
+        relative = (slots[:, None] - slots[None, :]).clamp(min=0)  # above the diagonal: masked
+        bias = self.position[relative][None]
+        if times is not None:
+            gap = (times[:, :, None] - times[:, None, :]).abs().clamp(min=1.0)
+            bucket = (torch.log(gap) / BUCKET_BASE).long().clamp(0, self.buckets)
+            bias = bias + self.time[bucket]
+        return bias
+
+
+class HSTULayer(nn.Module):
+    """One HSTU layer (module docstring)."""
+
+    def __init__(self, dim: int, length: int, heads: int, attention_dim: int, linear_dim: int,
+                 dropout: float, time_buckets: int) -> None:
+        super().__init__()
+        self.dim, self.length, self.heads = dim, length, heads
+        self.attention_dim, self.linear_dim = attention_dim, linear_dim
+        width = heads * (2 * linear_dim + 2 * attention_dim)
+        self.uvqk = nn.Parameter(torch.empty(dim, width).normal_(0.0, 0.02))  # the reference's
+        self.out = nn.Linear(heads * linear_dim, dim)
+        nn.init.xavier_uniform_(self.out.weight)
+        self.rab = RelativeBias(length, time_buckets)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, causal: torch.Tensor,
+                times: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [B, n, D]; causal [B, n, n] 1.0 where the query may read the key; -> [B, n, D]."""
+        b, n, _ = x.shape
+        h, dqk, dv = self.heads, self.attention_dim, self.linear_dim
+        normed = F.layer_norm(x, [self.dim], eps=EPS)
+        u, v, q, k = torch.split(F.silu(normed @ self.uvqk), [h * dv, h * dv, h * dqk, h * dqk],
+                                 dim=-1)
+        scores = torch.einsum("bnhd,bmhd->bhnm", q.reshape(b, n, h, dqk),
+                              k.reshape(b, n, h, dqk))
+        weights = F.silu(scores + self.rab(n, times)[:, None]) / self.length
+        weights = weights * causal[:, None]
+        attended = torch.einsum("bhnm,bmhd->bnhd", weights, v.reshape(b, n, h, dv))
+        gated = u * F.layer_norm(attended.reshape(b, n, h * dv), [h * dv], eps=EPS)
+        return x + self.out(self.dropout(gated))
+
+
+class HSTU(nn.Module):
+    """The stacked, causal HSTU encoder over a user's item vectors."""
+
+    def __init__(self, dim: int, length: int, layers: int, heads: int, attention_dim: int,
+                 linear_dim: int, dropout: float, time_buckets: int) -> None:
+        super().__init__()
+        self.dim, self.length = dim, length
+        self.position = nn.Embedding(length, dim)
+        nn.init.trunc_normal_(self.position.weight, std=math.sqrt(1.0 / dim))
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList([
+            HSTULayer(dim, length, heads, attention_dim, linear_dim, dropout, time_buckets)
+            for _ in range(layers)])
+
+    def forward(self, items: torch.Tensor, counts: torch.Tensor,
+                times: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """items [B, n, D] (n <= length; slots from counts[b] on are padding), counts [B],
+        times [B, n] or None -> [B, n, D], L2-normalised at each sequence's positions, 0 past
+        its end. Position t reads positions <= t only."""
+        b, n, _ = items.shape
+        slots = torch.arange(n, device=items.device)
+        used = (slots[None, :] < counts[:, None]).to(items.dtype)  # [B, n]
+        causal = (slots[:, None] >= slots[None, :]).to(items.dtype)[None] * used[:, None, :]
+        x = items * math.sqrt(self.dim) + self.position.weight[:n][None].to(items.dtype)
+        x = self.dropout(x) * used[:, :, None]
+        for layer in self.layers:
+            x = layer(x, causal, times) * used[:, :, None]
+        return F.normalize(x, dim=-1, eps=EPS)
+
+
+def last_positions(outputs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[B, D]: each sequence's output at its last item (zeros for an empty one): the user's
+    vector for the next item."""
+    last = outputs[torch.arange(outputs.shape[0], device=outputs.device),
+                   (counts - 1).clamp(min=0)]
+    return last * (counts > 0)[:, None].to(outputs.dtype)
+
+
+def head_widths(dim: int, heads: int, attention_dim: int, linear_dim: int) -> List[int]:
+    """(attention_dim, linear_dim) per head: 0 means dim / heads (the reference's ML settings:
+    dqk = dv = 50 with one head at width 50; 25 with two)."""
+    return [attention_dim or dim // heads, linear_dim or dim // heads]
