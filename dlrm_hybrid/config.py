@@ -90,6 +90,25 @@ class UserTowerConfig(TowerConfig):
 
 
 @dataclass
+class HstuConfig:
+    """`model.kind: hstu`, the generative sequence model (model/hstu.py, model/hstu_retrieval.py).
+    The defaults are the reference's MovieLens settings (meta-recsys/generative-recommenders,
+    configs/ml-1m/hstu-sampled-softmax-n128-final.gin: 2 blocks, 1 head, dqk = dv = the item
+    width, dropout 0.2, 128 uniform negatives, temperature 0.05 as `model.temperature`)."""
+
+    max_length: int = 200  # the most recent training items a sequence holds (and N of A / N)
+    layers: int = 2
+    heads: int = 1
+    attention_dim: int = 0  # per head, Q and K; 0: model.embedding_dim / heads
+    linear_dim: int = 0  # per head, U and V; 0: model.embedding_dim / heads
+    dropout: float = 0.2  # on the input and on each layer's gated output, in training
+    time_buckets: int = 128  # the time bias's log2 buckets, where the dataset has timestamps
+    # the softmax's candidates: every position's next item in the global batch (besides the
+    # retrieval.uniform_negatives draws)
+    in_batch_negatives: bool = True
+
+
+@dataclass
 class TaskConfig:
     """One engagement a multi-task ranker predicts (model/task_heads.py): the dataset's label of
     this name, its weight in the loss, and its head's hidden widths (a last layer of width 1,
@@ -123,7 +142,9 @@ class RankingLossConfig:
 @dataclass
 class ModelConfig:
     # dlrm: the ranker (one click logit) | two_tower: a user and an item tower trained for
-    # retrieval (model/two_tower.py; the `retrieval` section sets its loss and evaluation)
+    # retrieval (model/two_tower.py; the `retrieval` section sets its loss and evaluation) |
+    # hstu: the generative sequence model, next-item prediction at every position of each
+    # user's history (model/hstu_retrieval.py; `model.hstu`, and `retrieval` as two_tower)
     kind: str = "dlrm"
     embedding_dim: int = 16
     embedding_precision: str = "fp32"  # fp32 | fp16
@@ -135,6 +156,7 @@ class ModelConfig:
     dhen: DhenConfig = field(default_factory=DhenConfig)
     compositional: List[CompositionalRule] = field(default_factory=list)  # hashing trick, QR
     user_tower: UserTowerConfig = field(default_factory=UserTowerConfig)  # two_tower
+    hstu: HstuConfig = field(default_factory=HstuConfig)  # hstu
     item_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower
     temperature: float = 0.05  # two_tower: score = <user, item> / temperature
     # Multi-task ranking: one head per task replaces the top MLP's last layer (the layers
@@ -302,7 +324,7 @@ class Config:
 
 
 CHOICES = {
-    "model.kind": ("dlrm", "two_tower"),
+    "model.kind": ("dlrm", "two_tower", "hstu"),
     "model.user_tower.encoder": ("ids", "history_mean", "history_attention"),
     "model.embedding_precision": ("fp32", "fp16"),
     "model.interaction": ("dot", "cat", "dcn", "fm", "dhen"),
@@ -325,6 +347,7 @@ CHOICES = {
     "optim.embedding": ("sgd", "rowwise_adagrad", "adagrad", "adam"),
     "optim.dense": ("sgd", "adagrad", "adam"),
 }
+RETRIEVAL_KINDS = ("two_tower", "hstu")  # trained on interaction logs, scored over the corpus
 TECHNIQUES = ("full", "hash", "qr")
 QR_OPERATIONS = ("mult", "add", "concat")
 POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.num_dense", "data.train_samples", "data.val_samples",
@@ -333,7 +356,8 @@ POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.
             "model.dhen.heads", "model.temperature", "data.users", "data.items",
             "data.interactions_per_user", "retrieval.eval_items_per_chunk",
             "model.user_tower.history_length", "model.user_tower.attention_layers",
-            "model.user_tower.attention_heads")
+            "model.user_tower.attention_heads", "model.hstu.max_length", "model.hstu.layers",
+            "model.hstu.heads")
 
 DHEN_MODULES = ("linear", "self_attention", "conv", "dot", "dcn")  # model/dhen.py's MODULES
 

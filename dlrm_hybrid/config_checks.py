@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dlrm_hybrid.config import (CHOICES, DHEN_MODULES, POSITIVE, QR_OPERATIONS, TASK_NAME,
-                                TECHNIQUES, CompositionalRule, Config, ConfigError, parse_bytes,
-                                task_names)
+from dlrm_hybrid.config import (CHOICES, DHEN_MODULES, POSITIVE, QR_OPERATIONS,
+                                RETRIEVAL_KINDS, TASK_NAME, TECHNIQUES, CompositionalRule, Config,
+                                ConfigError, parse_bytes, task_names)
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -219,13 +219,22 @@ def _validate_tasks(cfg: Config, world_size: int = 1) -> None:
 
 
 def _validate_two_tower(cfg: Config, world_size: int) -> None:
+    """The retrieval kinds (two_tower, hstu): their models and the `retrieval` section."""
     m, r = cfg.model, cfg.retrieval
-    if m.kind != "two_tower":
+    if m.kind not in RETRIEVAL_KINDS:
         return
     if m.tasks or cfg.value_model:
         key = "model.tasks" if m.tasks else "value_model"
-        raise ConfigError(f"{key}: is for the ranker (model.kind dlrm); a two_tower model has "
+        raise ConfigError(f"{key}: is for the ranker (model.kind dlrm); a {m.kind} model has "
                           f"one retrieval score, leave {key} empty")
+    if m.kind == "two_tower":
+        _validate_towers(m)
+    else:
+        _validate_hstu(m)
+    _validate_retrieval(cfg, world_size)
+
+
+def _validate_towers(m) -> None:
     for side in ("user_tower", "item_tower"):
         tower = getattr(m, side)
         if not tower.mlp or min(tower.mlp) <= 0:
@@ -239,6 +248,30 @@ def _validate_two_tower(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"model.item_tower.mlp: its output width {m.item_tower.mlp[-1]} must "
                           f"equal model.user_tower.mlp's {m.user_tower.mlp[-1]} (their dot product "
                           f"is the score); make the last widths equal")
+
+
+def _validate_hstu(m) -> None:
+    h = m.hstu
+    if m.embedding_dim % 4:
+        raise ConfigError(f"model.embedding_dim: {m.embedding_dim} is not a multiple of 4, which "
+                          f"fbgemm's embedding tables need; use e.g. 48 or 64")
+    for key in ("attention_dim", "linear_dim"):
+        if getattr(h, key) < 0:
+            raise ConfigError(f"model.hstu.{key}: must be >= 0 (0: model.embedding_dim / heads)")
+        if not getattr(h, key) and m.embedding_dim % h.heads:
+            raise ConfigError(f"model.hstu.heads: {h.heads} does not divide model.embedding_dim "
+                              f"{m.embedding_dim}; set model.hstu.{key}, or use e.g. 1 or 2 heads")
+    if not 0 <= h.dropout < 1:
+        raise ConfigError(f"model.hstu.dropout: {h.dropout} is not in [0, 1); use e.g. 0.2")
+    if h.time_buckets < 1:
+        raise ConfigError(f"model.hstu.time_buckets: {h.time_buckets}; use e.g. 128")
+    if m.compositional:
+        raise ConfigError("model.compositional: hstu reads whole item vectors from one table; "
+                          "leave it empty")
+
+
+def _validate_retrieval(cfg: Config, world_size: int) -> None:
+    m, r = cfg.model, cfg.retrieval
     if not 0 < r.logq_decay <= 1:
         raise ConfigError(f"retrieval.logq_decay: {r.logq_decay} is not in (0, 1]; use e.g. 0.01")
     for key in ("retrieval.uniform_negatives", "retrieval.cross_batch_memory"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dlrm_hybrid.config import RETRIEVAL_KINDS
 from dlrm_hybrid.data.interactions.interaction_data import InteractionData, open_interactions
 from dlrm_hybrid.data.interactions.interaction_meta import META_FILE, is_interaction_folder
 from dlrm_hybrid.data.loader import PrefetchLoader, rank_batches, rank_columns
@@ -19,7 +20,7 @@ def open_dataset(data_cfg, model_cfg=None, retrieval_cfg=None):
     `model_cfg.kind` two_tower reads interaction logs (data/interactions/interaction_data.py), with the
     side features its towers read, and for training (`retrieval_cfg` given) its training
     batches carry `retrieval.uniform_negatives`."""
-    if model_cfg is not None and model_cfg.kind == "two_tower":
+    if model_cfg is not None and model_cfg.kind in RETRIEVAL_KINDS:
         dataset = open_interaction_dataset(data_cfg).for_model(model_cfg)
         if retrieval_cfg is not None:
             dataset.set_uniform_negatives(retrieval_cfg.uniform_negatives,

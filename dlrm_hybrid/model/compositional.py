@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
-from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.config import RETRIEVAL_KINDS, ConfigError
 from dlrm_hybrid.data.interactions.interaction_meta import HISTORY, ITEM_ID
 
 
@@ -175,7 +175,7 @@ def lookups_of(model_cfg, spec) -> List[FeatureLookup]:
     tower's embedding width. A history user tower (`model.user_tower.encoder`) has no table of
     its own: its history slots are more keys of the item table (`item_id`'s part), so they are
     looked up, sharded and trained as that table."""
-    if model_cfg.kind != "two_tower":
+    if model_cfg.kind not in RETRIEVAL_KINDS:
         return feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
                                model_cfg.embedding_dim, model_cfg.compositional,
                                first_order=model_cfg.interaction == "fm")

@@ -131,6 +131,8 @@ def _dhen_layers(cfg, features: int, d: int) -> List[Unit]:
 
 def model_dense_units(model_cfg, spec) -> List[Unit]:
     """The dense units of the configured model over a dataset's features (`spec`)."""
+    if model_cfg.kind == "hstu":
+        return hstu_units(model_cfg)
     if model_cfg.kind != "two_tower":
         return dense_units(model_cfg, spec.num_dense, len(spec.cardinalities))
     units = []
@@ -139,6 +141,19 @@ def model_dense_units(model_cfg, spec) -> List[Unit]:
         width = (tower.embedding_dim or model_cfg.embedding_dim) * sum(
             name.startswith(f"{side}_") for name in spec.feature_names)
         units.append(Unit(f"{side} tower", {"mlp": _mlp(width, tower.mlp)}))
+    return units
+
+
+def hstu_units(model_cfg) -> List[Unit]:
+    """HSTU (model/hstu.py): the position table, then per layer W_uvqk, the output linear and
+    the relative bias (positions and time buckets)."""
+    h, d = model_cfg.hstu, model_cfg.embedding_dim
+    dqk, dv = h.attention_dim or d // h.heads, h.linear_dim or d // h.heads
+    units = [Unit("hstu positions", {"position": [(h.max_length, d)]})]
+    for i in range(h.layers):
+        units.append(Unit(f"hstu layer {i + 1}", {
+            "uvqk": [(d, h.heads * (2 * dv + 2 * dqk))], "out": _linear(h.heads * dv, d),
+            "rab": [(h.max_length,), (h.time_buckets + 1,)]}))
     return units
 
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from dlrm_hybrid.config import ConfigError, parse_bytes
+from dlrm_hybrid.config import RETRIEVAL_KINDS, ConfigError, parse_bytes
 
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.configured_spec import data_spec
@@ -82,7 +82,7 @@ def run(args) -> None:
     if args.explain:
         print(explain_table(plans[0], args.explain, **search_rules(cfg)))
         return
-    towers = lookups if cfg.model.kind == "two_tower" else []
+    towers = lookups if cfg.model.kind in RETRIEVAL_KINDS else []
     for plan in plans:
         print(describe(plan) + "\n")
         if towers:

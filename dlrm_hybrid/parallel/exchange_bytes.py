@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from dlrm_hybrid.config import ConfigError
+from dlrm_hybrid.config import RETRIEVAL_KINDS, ConfigError
 from dlrm_hybrid.parallel.plan import Plan, format_bytes
 
 
@@ -46,7 +46,7 @@ def partial_width(model_cfg) -> Optional[int]:
     """Values per sample a des owner sends: H for cat, D + 2 for fm; None where des does not
     apply (dot and dcn multiply vectors of different tables first; a two-tower model's towers
     read the pooled vectors)."""
-    if model_cfg.kind == "two_tower":
+    if model_cfg.kind in RETRIEVAL_KINDS:
         return None
     if model_cfg.interaction == "cat":
         return model_cfg.top_mlp[0]
@@ -80,7 +80,7 @@ def choose_exchange(cfg, plan: Plan) -> Tuple[str, str]:
         return asked, f"parallel.exchange={asked}"
     m = cfg.model
     if partial_width(m) is None:
-        return "pooled", ("the towers need the pooled vectors" if m.kind == "two_tower"
+        return "pooled", (f"the {m.kind} model needs the pooled vectors" if m.kind in RETRIEVAL_KINDS
                           else f"interaction {m.interaction} needs the pooled vectors")
     if any(r.technique == "qr" and r.operation != "concat" for r in m.compositional):
         return "pooled", "qr mult and add features need their parts' pooled vectors"

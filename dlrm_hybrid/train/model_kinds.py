@@ -1,5 +1,5 @@
 """What differs between the model kinds that `model.kind` names: the ranker (`dlrm`, one task or
-several) and the two-tower retrieval model (`two_tower`). `model_kind(cfg)` picks one; the
+several), the two-tower retrieval model (`two_tower`) and the sequence model (`hstu`). `model_kind(cfg)` picks one; the
 training loop and `eval` call it and never ask `model.kind` themselves. Everything else (placing,
 sharding, the step, checkpoints) is the same for both: each model computes its own loss in its
 forward."""
@@ -13,12 +13,13 @@ from dlrm_hybrid.config import Config
 from dlrm_hybrid.data.source import make_loader
 from dlrm_hybrid.model.cross import rank_above_width
 from dlrm_hybrid.model.dlrm import DLRM, build_model
+from dlrm_hybrid.model.hstu_retrieval import HSTURetrieval, build_hstu
 from dlrm_hybrid.model.two_tower import TwoTower, build_two_tower
 from dlrm_hybrid.parallel.plan_report import describe_towers
 from dlrm_hybrid.retrieval.evaluate import evaluate_retrieval
 from dlrm_hybrid.train.evaluate import evaluate
 
-Model = Union[DLRM, TwoTower]
+Model = Union[DLRM, TwoTower, HSTURetrieval]
 
 
 class ModelKind(ABC):
@@ -76,9 +77,30 @@ class TwoTowerKind(ModelKind):
                                   self.cfg.data.global_batch_size // env.world_size, split)
 
 
+class HstuKind(TwoTowerKind):
+    """The sequence model: where its item table went and what its HSTU layers are; evaluated
+    as the two-tower model (its user vector against every item's)."""
+
+    def build(self, spec) -> Model:
+        return build_hstu(self.cfg, spec)
+
+    def plan_lines(self, plan, model: Model) -> List[str]:
+        h = self.cfg.model.hstu
+        dense = sum(p.numel() for p in model.hstu.parameters())
+        layer = model.hstu.layers[0]
+        return [describe_towers(plan, model.lookups),
+                f"hstu: {h.layers} layers, {h.heads} head{'s' if h.heads > 1 else ''} "
+                f"(Q, K {layer.attention_dim} and U, V {layer.linear_dim} wide each), sequences of "
+                f"up to {h.max_length} items, {dense:,} dense parameters, data-parallel; every "
+                f"position trained, candidates: "
+                f"{'the batch next items and ' if h.in_batch_negatives else ''}"
+                f"{self.cfg.retrieval.uniform_negatives} uniform draws"]
+
+
 def model_kind(cfg: Config) -> ModelKind:
     """The kind `model.kind` names (the config's validation allows only these)."""
-    return TwoTowerKind(cfg) if cfg.model.kind == "two_tower" else RankerKind(cfg)
+    kinds = {"two_tower": TwoTowerKind, "hstu": HstuKind}
+    return kinds.get(cfg.model.kind, RankerKind)(cfg)
 
 
 def describe_tasks(model_cfg) -> str:

@@ -38,6 +38,18 @@ def timeline_positions(users: np.ndarray, chronology: np.ndarray) -> np.ndarray:
     return position
 
 
+def window_rows(users: np.ndarray, position: np.ndarray, length: int) -> np.ndarray:
+    """The training rows the sequence model (model.kind hstu) trains on: per user, the rows at
+    timeline positions last, last - length, last - 2 length, ... down to 1. Each row's history
+    is the `length` items before it and predicts every next item up to the row's own, so every
+    training item but a user's first is predicted exactly once, and no window repeats another."""
+    users, position = np.asarray(users, np.int64), np.asarray(position, np.int64)
+    last = np.zeros(int(users.max(initial=-1)) + 1, np.int64)
+    np.maximum.at(last, users, position)
+    back = last[users] - position
+    return np.flatnonzero((position >= 1) & (back % length == 0))
+
+
 def last_items(indptr: np.ndarray, items: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                length: int) -> History:
     """The last `length` items of `items[starts:ends]` per row (left-aligned, oldest first)."""

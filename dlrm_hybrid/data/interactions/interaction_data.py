@@ -30,7 +30,8 @@ import yaml
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.batch import ClickDataset, Columns, stacked
-from dlrm_hybrid.data.interactions.histories import POSITION_FILE, Histories, History
+from dlrm_hybrid.data.interactions.histories import (POSITION_FILE, Histories, History,
+                                                     window_rows)
 from dlrm_hybrid.data.interactions.interaction_meta import (META_FILE, SPLITS, InteractionMeta,
                                                             history_length, read_meta,
                                                             tower_features)
@@ -55,6 +56,8 @@ class InteractionData(ClickDataset):
         self.meta, self.pairs, self.root = meta, pairs, root
         self.train_position, self.engaged_train = train_position, engaged_train
         self.histories: Optional[Histories] = None  # set by for_model for a history tower
+        # set by for_model for the sequence model: the training rows it reads (window_rows)
+        self.train_rows: Optional[np.ndarray] = None
         self.user_side, self.item_side = user_side, item_side  # [users, Fu], [items, Fi]
         self.spec = meta.spec()
         self.users, self.items = meta.users, meta.items
@@ -62,6 +65,8 @@ class InteractionData(ClickDataset):
         self._engaged: Dict[Tuple[str, ...], Tuple[np.ndarray, np.ndarray]] = {}
 
     def num_samples(self, split: str) -> int:
+        if split == "train" and self.train_rows is not None:
+            return len(self.train_rows)
         return len(self.pairs[split][0]) if split in self.pairs else 0
 
     def for_model(self, model_cfg) -> "InteractionData":
@@ -75,6 +80,9 @@ class InteractionData(ClickDataset):
                                self.engaged_train)
         if meta.history:
             data.histories = self.histories_of(history_length(model_cfg))
+        if model_cfg.kind == "hstu":
+            data.train_rows = window_rows(self.pairs["train"][0], self.train_position,
+                                          meta.history)
         return data
 
     def histories_of(self, length: int) -> Histories:
@@ -91,8 +99,10 @@ class InteractionData(ClickDataset):
         False) that repeat its last sample."""
         users, items = self.pairs[split]
         index = np.arange(first, first + count)
-        valid = index < len(users)
-        index = np.minimum(index, len(users) - 1)
+        valid = index < self.num_samples(split)
+        index = np.minimum(index, self.num_samples(split) - 1)
+        if split == "train" and self.train_rows is not None:
+            index = self.train_rows[index]
         users = users[index].astype(np.int64)
         history = None
         if self.histories is not None:

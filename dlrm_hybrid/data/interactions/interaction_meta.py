@@ -27,7 +27,10 @@ def history_keys(length: int) -> List[str]:
 
 
 def history_length(model_cfg) -> int:
-    """How many items the user tower reads: 0 for one of ids (model.user_tower.encoder)."""
+    """How many items the user tower reads: 0 for one of ids (model.user_tower.encoder); the
+    sequence model (model.kind hstu), `model.hstu.max_length`."""
+    if model_cfg.kind == "hstu":
+        return model_cfg.hstu.max_length
     user = model_cfg.user_tower
     return 0 if user.encoder == "ids" else user.history_length
 
@@ -91,6 +94,8 @@ def tower_features(meta: InteractionMeta, model_cfg) -> InteractionMeta:
                             f"dataset, whose {side} features are {', '.join(offered)}")
         kept[side] = {n: c for n, c in sides.items() if not wanted or f"{side}_{n}" in wanted}
     history = history_length(model_cfg)
+    if model_cfg.kind == "hstu":  # the sequence model reads item ids only
+        kept["item"] = {}
     return InteractionMeta(meta.users, meta.items, {} if history else kept["user"], kept["item"],
                            dict(meta.samples), meta.split_rule, meta.positive, list(meta.source),
                            dict(meta.extra), history)
