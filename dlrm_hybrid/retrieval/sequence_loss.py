@@ -50,7 +50,8 @@ class SequenceSoftmax(nn.Module):
         keep = distinct >= 0  # padding rows carry id -1
         candidates, candidate_ids = vectors[first[keep]], distinct[keep]
         positive_logits = (outputs * positives).sum(-1, keepdim=True)
-        logits = torch.cat([positive_logits, outputs @ candidates.T], 1).float() / self.temperature
+        logits = torch.cat([positive_logits, outputs @ candidates.T], 1)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / self.temperature
         hits = positive_ids.long()[:, None] == candidate_ids[None, :]
         logits[:, 1:] = logits[:, 1:].masked_fill(hits, MASKED)
         total = -log_softmax(logits, 1)[:, 0].sum()

@@ -84,6 +84,7 @@ def build_optimizer(dmp, optim_cfg) -> Tuple[CombinedOptimizer, LambdaLR]:
             replicated, lambda params: _fp32_update(embedding_cls)(params, **embedding_kwargs)))
     optimizers.append(KeyedOptimizerWrapper(dense, lambda params: dense_cls(params, **dense_kwargs)))
     optimizer = CombinedOptimizer(optimizers)
+    init_lazy_state(optimizer)
     return optimizer, LambdaLR(optimizer, lambda step: lr_factor(step, optim_cfg))
 
 
@@ -171,6 +172,24 @@ def lr_factor(step: int, optim_cfg) -> float:
         return 1.0
     progress = min(1.0, (step - c.decay_start_step) / c.decay_steps)
     return c.decay_end_factor + (1.0 - c.decay_end_factor) * (1.0 - progress) ** c.decay_power
+
+
+def init_lazy_state(optimizer: CombinedOptimizer) -> None:
+    """Create now the state torch's Adam makes only at a parameter's first step (its moments
+    and step count), as that first step would (zeros), so every checkpoint holds it and a
+    resumed run loads into it: without it a resumed run restarted Adam from zero moments, and
+    a parameter no step had reached yet (HSTU's time bias on a log without times) left a
+    checkpoint that could not be resumed. One step on zero gradients (a no-op on the weights:
+    the dense optimizers take no weight decay), then every state tensor zeroed."""
+    for _, wrapper in optimizer.optimizers:
+        if isinstance(wrapper, KeyedOptimizerWrapper):
+            wrapper.init_state()
+            for param in wrapper.params.values():
+                param.grad = None
+            for state in wrapper.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
 
 
 def checkpoint_state(optimizer: CombinedOptimizer) -> dict:
