@@ -31,8 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-EPS = 1e-6  # the reference's layer-norm and L2-norm epsilon
-BUCKET_BASE = 0.301  # log(2) to 3 digits, as the reference writes it
+EPS = 1e-6  # the reference's layer-norm and L2-norm epsilon (written out where TorchScript reads)
 
 
 class RelativeBias(nn.Module):
@@ -52,7 +51,7 @@ class RelativeBias(nn.Module):
         bias = self.position[relative][None]
         if times is not None:
             gap = (times[:, :, None] - times[:, None, :]).abs().clamp(min=1.0)
-            bucket = (torch.log(gap) / BUCKET_BASE).long().clamp(0, self.buckets)
+            bucket = (torch.log(gap) / 0.301).long().clamp(0, self.buckets)  # ln 2, as written
             bias = bias + self.time[bucket]
         return bias
 
@@ -77,7 +76,7 @@ class HSTULayer(nn.Module):
         """x [B, n, D]; causal [B, n, n] 1.0 where the query may read the key; -> [B, n, D]."""
         b, n, _ = x.shape
         h, dqk, dv = self.heads, self.attention_dim, self.linear_dim
-        normed = F.layer_norm(x, [self.dim], eps=EPS)
+        normed = F.layer_norm(x, [self.dim], eps=1e-6)
         u, v, q, k = torch.split(F.silu(normed @ self.uvqk), [h * dv, h * dv, h * dqk, h * dqk],
                                  dim=-1)
         scores = torch.einsum("bnhd,bmhd->bhnm", q.reshape(b, n, h, dqk),
@@ -85,7 +84,7 @@ class HSTULayer(nn.Module):
         weights = F.silu(scores + self.rab(n, times)[:, None]) / self.length
         weights = weights * causal[:, None]
         attended = torch.einsum("bhnm,bmhd->bnhd", weights, v.reshape(b, n, h, dv))
-        gated = u * F.layer_norm(attended.reshape(b, n, h * dv), [h * dv], eps=EPS)
+        gated = u * F.layer_norm(attended.reshape(b, n, h * dv), [h * dv], eps=1e-6)
         return x + self.out(self.dropout(gated))
 
 
@@ -116,7 +115,7 @@ class HSTU(nn.Module):
         x = self.dropout(x) * used[:, :, None]
         for layer in self.layers:
             x = layer(x, causal, times) * used[:, :, None]
-        return F.normalize(x, dim=-1, eps=EPS)
+        return F.normalize(x, dim=-1, eps=1e-6)
 
 
 def last_positions(outputs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

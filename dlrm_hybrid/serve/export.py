@@ -21,7 +21,7 @@ from torchrec.models.dlrm import InteractionDCNArch
 from torchrec.modules.crossnet import LowRankMixtureCrossNet
 
 from dlrm_hybrid.compat import jit_save, jit_script
-from dlrm_hybrid.config import task_names
+from dlrm_hybrid.config import RETRIEVAL_KINDS, task_names
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.configured_spec import data_spec
 from dlrm_hybrid.errors import UserError
@@ -103,11 +103,11 @@ def read_checkpoint(path: Path, overrides: Sequence[str] = (), retrieval: bool =
     its config."""
     check_checkpoint(path, print)
     cfg = load_config(str(checkpoint_config_path(path)), list(overrides))
-    if retrieval and cfg.model.kind != "two_tower":
-        raise UserError(f"export: --retrieval is for two_tower checkpoints; {path} is a "
+    if retrieval and cfg.model.kind not in RETRIEVAL_KINDS:
+        raise UserError(f"export: --retrieval is for two_tower and hstu checkpoints; {path} is a "
                         f"{cfg.model.kind} ranker: export it without --retrieval")
-    if not retrieval and cfg.model.kind == "two_tower":
-        raise UserError(f"export: {path} is a two_tower (retrieval) model; add --retrieval "
+    if not retrieval and cfg.model.kind in RETRIEVAL_KINDS:
+        raise UserError(f"export: {path} is a {cfg.model.kind} (retrieval) model; add --retrieval "
                         f"and give --out a new folder")
     return cfg, data_spec(cfg.data, cfg.model), read_model_state(path)
 

@@ -1,9 +1,10 @@
-"""`export --retrieval`: a two_tower checkpoint -> a folder `retrieve` serves from:
+"""`export --retrieval`: a two_tower or hstu checkpoint -> a folder `retrieve` serves from:
 
     user_tower.pt       the user tower, TorchScript: plain embedding tables and its MLP, so
                         torch.jit.load reads it without this package (or torchrec, fbgemm);
                         a history tower (model.user_tower.encoder history_*) takes the
-                        user's last items instead of the user's ids (HistoryTower)
+                        user's last items instead of the user's ids (HistoryTower), and so
+                        does the sequence model (hstu: its HSTU output at the last item)
     item_vectors.npy    [items, E] float32: the item tower over the whole corpus
     index.faiss         those vectors in a FAISS inner-product index (retrieval/index.py)
     user_side.npy       [users, F] the side features the user tower reads, by dense user id
@@ -21,7 +22,7 @@ annotations`: TorchScript compiles the tower classes below from their annotation
 
 import shutil
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -35,6 +36,8 @@ from dlrm_hybrid.data.source import open_dataset
 from dlrm_hybrid.data.interactions.interaction_meta import ITEM_ID
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.model.compositional import FeatureLookup
+from dlrm_hybrid.model.hstu import EPS, last_positions
+from dlrm_hybrid.model.hstu_retrieval import HSTURetrieval, build_hstu
 from dlrm_hybrid.model.two_tower import SIDES, TwoTower, build_two_tower
 from dlrm_hybrid.partial_folder import finish_partial, start_partial
 from dlrm_hybrid.retrieval.index import INDEX_FILE, IndexParams, build_index, write_index
@@ -143,6 +146,33 @@ class HistoryTower(nn.Module):
         return normalize(out, dim=1) if self.normalized else out
 
 
+class SequenceUser(nn.Module):
+    """The sequence model's user vector as a history encoder: HSTU over the history, its
+    output at the last item. An empty history has no such output: refused."""
+
+    def __init__(self, hstu: nn.Module) -> None:
+        super().__init__()
+        self.hstu = hstu
+        self.length = int(hstu.length)
+
+    def forward(self, items: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if bool((counts == 0).any()):
+            raise ValueError("history: a row has no items; the sequence model (hstu) needs at "
+                             "least one item the user engaged with")
+        return last_positions(self.hstu(items, counts), counts)
+
+
+def sequence_towers(model: HSTURetrieval, weights: Dict[str, torch.Tensor]
+                    ) -> Tuple[HistoryTower, np.ndarray]:
+    """The sequence model's user tower (a history in, its HSTU vector out) and the corpus
+    vectors: the item table's rows, L2-normalised as training scores them."""
+    (part,) = [lookup for lookup in model.lookups if lookup.feature == ITEM_ID][0].parts
+    table = weights[f"{TABLE_PREFIX}{part.table}.weight"].float()
+    user = HistoryTower(table, SequenceUser(model.hstu.eval()), nn.Identity(), False)
+    vectors = normalize(table, dim=1, eps=EPS).numpy().astype(np.float32)
+    return user.eval().requires_grad_(False), vectors
+
+
 def history_tower(model: TwoTower, weights: Dict[str, torch.Tensor]) -> HistoryTower:
     """A history user tower of `model` (its encoder and MLP loaded) over the item table."""
     (part,) = [lookup for lookup in model.lookups if lookup.feature == ITEM_ID][0].parts
@@ -192,17 +222,22 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
     cfg, spec, weights = read_checkpoint(path, overrides, retrieval=True)
     dataset = open_dataset(cfg.data, cfg.model)
     params = params.resolved(dataset.items)
-    model = build_two_tower(cfg, spec)
+    sequence = cfg.model.kind == "hstu"
+    model = build_hstu(cfg, spec) if sequence else build_two_tower(cfg, spec)
     del model.loss  # and its state (e.g. logQ's item frequencies): training's, not served
     load_dense_weights(model, {k: v for k, v in weights.items() if not k.startswith("loss.")})
-    item_tower = tower(model, "item", weights)
     histories = dataset.histories
     # the users' timelines, for any tower: what `recommend --user` reads as the latest items
     timelines = (histories if histories is not None or dataset.train_position is None
                  else dataset.histories_of(1))
-    user_tower = (tower(model, "user", weights) if histories is None
-                  else history_tower(model, weights))
-    vectors = corpus_vectors(item_tower, np.asarray(dataset.item_side))
+    if sequence:
+        user_tower, vectors = sequence_towers(model, weights)
+        normalized = {side: True for side in SIDES}
+    else:
+        user_tower = (tower(model, "user", weights) if histories is None
+                      else history_tower(model, weights))
+        vectors = corpus_vectors(tower(model, "item", weights), np.asarray(dataset.item_side))
+        normalized = {side: bool(model.normalize[side]) for side in SIDES}
     seen_indptr, seen_items = dataset.engaged(("train",))
     raw = [name for name in (USERS, ITEMS) if dataset.root and (Path(dataset.root) / name).is_file()]
     description = {
@@ -213,12 +248,13 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
         "score": "inner product of user and item vectors (the training logit times "
                  f"model.temperature = {cfg.model.temperature})",
         "users": int(dataset.users), "items": int(dataset.items), "dim": int(vectors.shape[1]),
-        "normalized": {side: bool(model.normalize[side]) for side in SIDES},
+        "normalized": normalized,
         "user_features": ([] if histories is not None else
                           [{"name": name, "cardinality": int(rows)}
                            for name, rows in zip(user_tower.names, user_tower.cardinalities)]),
         "user_history": (None if histories is None else
-                         {"encoder": cfg.model.user_tower.encoder, "length": histories.length,
+                         {"encoder": "hstu" if sequence else cfg.model.user_tower.encoder,
+                          "length": histories.length,
                           "input": "[B, length] dense item ids, oldest first, -1 past the end"}),
         "index": params.stated(),
         "seen": "each user's training engagements (of a first stage's dataset: its users' "

@@ -1,0 +1,136 @@
+"""The sequence model (model.kind hstu) on an interaction log a user preprocessed: its training
+windows never read the future, the exported user tower gives the trained model's vectors from a
+history given at request time, `retrieve` serves it, and bad histories are one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.functional import normalize
+
+from conftest import failure, run_cli
+from dlrm_hybrid.config_loading import load_config
+from dlrm_hybrid.data.batch import Batch
+from dlrm_hybrid.data.interactions.interaction_data import open_interactions
+from dlrm_hybrid.model.hstu_retrieval import build_hstu
+from dlrm_hybrid.model.two_tower import split_towers
+from dlrm_hybrid.serve.retrieval_export import sequence_towers
+from test_history_tower import slot_histories, timelines, write_log
+
+LENGTH = 5
+CONFIG = f"""
+model:
+  kind: hstu
+  embedding_dim: 8
+  hstu: {{max_length: {LENGTH}, layers: 2, heads: 2, dropout: 0.0}}
+retrieval: {{uniform_negatives: 8}}
+data: {{global_batch_size: 16}}
+optim: {{embedding: rowwise_adagrad, embedding_lr: 0.05, dense: adam, dense_lr: 0.01}}
+train: {{max_steps: 4, log_every: 4, progress_bar: false, tensorboard: false}}
+"""
+
+
+@pytest.fixture(scope="module")
+def log(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hstu_log")
+    write_log(root / "u.data")
+    result = run_cli(["preprocess", "interactions", "--input", str(root / "u.data"),
+                      "--output", str(root / "data")])
+    assert result.returncode == 0, failure(result)
+    (root / "hstu.yaml").write_text(CONFIG)
+    return root
+
+
+def sequence_data(root):
+    cfg = load_config(str(root / "hstu.yaml"), [f"data.path={root / 'data'}"])
+    return cfg, open_interactions(cfg.data.path).for_model(cfg.model)
+
+
+def test_each_window_reads_only_earlier_items_and_targets_the_next(log):
+    cfg, data = sequence_data(log)
+    timeline = timelines(log / "u.data", data)
+    count = data.num_samples("train")
+    columns = data.columns("train", 0, count)
+    targets = columns.ids[LENGTH][:, 0]
+    users = data.pairs["train"][0][data.train_rows]
+    predicted = {}
+    for user, history, target in zip(users, slot_histories(columns, LENGTH), targets):
+        mine = timeline[int(user)]
+        at = mine.index(int(target))
+        assert history == mine[max(0, at - LENGTH):at]  # the items just before, in order
+        predicted.setdefault(int(user), []).extend([*history[1:], int(target)])
+    for user, items in predicted.items():  # all but the user's first, once each
+        assert sorted(items) == sorted(timeline[user][1:len(items) + 1])
+    assert count < len(data.pairs["train"][0])  # windows, not every row
+
+
+def test_the_served_tower_gives_the_trained_models_vectors(log):
+    cfg, data = sequence_data(log)
+    torch.manual_seed(0)
+    model = build_hstu(cfg, data.spec, embedding_device=torch.device("cpu")).eval()
+    for table in model.embedding_bags.parameters():
+        torch.nn.init.uniform_(table, -0.5, 0.5)
+    users = np.arange(data.users)
+    columns = data.user_columns(users, np.ones(len(users), bool), "test")
+    batch = Batch.from_columns(columns, data.spec.feature_names)
+    with torch.no_grad():
+        trained, _ = split_towers(model(batch.dense, batch.sparse))
+    slots, counts = data.histories.before("test", users)
+    given = np.where(np.arange(LENGTH)[None, :] < counts[:, None], slots, -1)
+    tower, items = sequence_towers(model, model.state_dict())
+    served_tower = torch.jit.script(tower)
+    with torch.no_grad():
+        served = served_tower(torch.from_numpy(given))
+    assert (counts < LENGTH).any() and (counts == LENGTH).any()
+    torch.testing.assert_close(served, trained, atol=1e-5, rtol=0)
+    table = model.embedding_bags.embedding_bags["t_item_id"].weight.detach()
+    np.testing.assert_allclose(items, normalize(table, dim=1).numpy(), atol=1e-6)
+    for bad, says in (([[-1, -1, -1, -1, -1]], "no items"),
+                      ([[3, data.items, -1, -1, -1]], f"item ids are 0..{data.items - 1}"),
+                      ([[1, 2, 3, 4, 5, 6]], f"expected [B, {LENGTH}]")):
+        with pytest.raises(torch.jit.Error, match=says.replace("[", r"\[")):
+            served_tower(torch.tensor(bad))
+
+
+def test_trained_exported_and_served_through_the_commands(log, tmp_path):
+    result = run_cli(["train", "--config", str(log / "hstu.yaml"), "--set",
+                      f"data.path={log / 'data'}", "--set", f"train.run_dir={tmp_path / 'run'}"])
+    assert result.returncode == 0, failure(result)
+    assert "val_hr@10=" in result.stdout and "hstu: 2 layers, 2 heads" in result.stdout
+    folder = tmp_path / "served"
+    result = run_cli(["export", "--checkpoint", str(tmp_path / "run/checkpoints/step_4"),
+                      "--out", str(folder), "--retrieval", "--index", "flat"])
+    assert result.returncode == 0, failure(result)
+    from dlrm_hybrid.serve.retrieve import Retriever
+
+    retriever = Retriever(str(folder))
+    history = retriever.item_names[:LENGTH + 3]  # longer than the model reads: its last LENGTH
+    result = run_cli(["retrieve", "--model", str(folder), "--history", ",".join(history),
+                      "--k", "4", "--exact", "--json"])
+    assert result.returncode == 0, failure(result)
+    answer = json.loads(result.stdout)
+    dense = np.array([retriever.item(h) for h in history])
+    vector = retriever.history_vectors([dense[-LENGTH:]])[0]
+    scores = retriever.item_vectors @ vector
+    scores[dense] = -np.inf
+    assert answer["items"] == [retriever.item_name(int(i))
+                               for i in np.argsort(-scores, kind="stable")[:4]]
+    result = run_cli(["export", "--checkpoint", str(tmp_path / "run/checkpoints/step_4"),
+                      "--out", str(tmp_path / "ranker")])
+    assert result.returncode == 2 and "is a hstu (retrieval) model; add --retrieval" in result.stderr
+
+
+@pytest.mark.parametrize("setting, says", [
+    ("model.hstu.heads=3", "does not divide model.embedding_dim 8"),
+    ("model.hstu.dropout=1", "model.hstu.dropout: 1.0 is not in [0, 1)"),
+    ("model.embedding_dim=10", "not a multiple of 4"),
+    ("model.hstu.max_length=0", "model.hstu.max_length"),
+])
+def test_settings_that_cannot_work_are_one_line_errors(log, setting, says):
+    result = run_cli(["plan", "--config", str(log / "hstu.yaml"), "--set",
+                      f"data.path={log / 'data'}", "--set", setting])
+    assert result.returncode == 2 and says in result.stderr, (setting, result.stderr)
+    assert len(result.stderr.strip().splitlines()) == 1
