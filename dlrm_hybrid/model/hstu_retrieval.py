@@ -56,16 +56,18 @@ class HSTURetrieval(nn.Module):
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Given `labels` (training; 0: a uniform negative's row): the batch's loss. Else
-        [B, 2D]: each sample's user vector and item vector side by side. `dense` is not read."""
+        [B, 2D]: each sample's user vector and item vector side by side. `dense`: each history
+        slot's time where the dataset has them ([B, max_length]), else [B, 0]."""
         if is_fx_symbolic_tracing():  # torchrec's train pipeline: it looks for the lookup's input
             return self.embedding_bags(sparse)
         pooled = self.embedding_bags(sparse)
         items, target, counts = self.sequences(pooled, sparse, labels is not None)
+        times = dense[:, :items.shape[1]].double() if dense.shape[1] else None
         if labels is None:
-            user = last_positions(self.hstu(items, counts), counts)
+            user = last_positions(self.hstu(items, counts, times), counts)
             return torch.cat([user, normalize(target, dim=1, eps=EPS)], 1)
         history_ids, target_ids = self.ids(sparse)
-        outputs = self.hstu(items, counts)
+        outputs = self.hstu(items, counts, times)
         n = items.shape[1]
         slots = torch.arange(n, device=items.device)
         engaged = labels > 0.5

@@ -9,6 +9,8 @@ A dataset folder (written by `preprocess interactions` or the planted generator)
     users.txt / items.txt        the raw ids of the log, one per line in dense-id order
     train_position.npy           each training row's place in its user's timeline (histories.py;
                                  older folders lack it: only a history user tower needs it)
+    <split>_time.npy             each engagement's timestamp (float64), where the log had them
+                                 (interactions.yaml `timestamps: true`): hstu's time bias
     engaged_user.npy / _item.npy where the training pairs are not the users' engagements (a first
                                  stage's labels, first_stage_labels.py): the engagements, what
                                  evaluation and serving exclude as seen (absent: the train pairs)
@@ -39,6 +41,7 @@ from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.partial_folder import finish_partial, start_partial
 
 ENGAGED = "engaged"  # engaged_user.npy / engaged_item.npy
+TIME = "time"  # <split>_time.npy
 
 
 class InteractionData(ClickDataset):
@@ -48,12 +51,14 @@ class InteractionData(ClickDataset):
     def __init__(self, meta: InteractionMeta, pairs: Dict[str, Tuple[np.ndarray, np.ndarray]],
                  user_side: np.ndarray, item_side: np.ndarray, root: str = "",
                  train_position: Optional[np.ndarray] = None,
-                 engaged_train: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> None:
+                 engaged_train: Optional[Tuple[np.ndarray, np.ndarray]] = None,
+                 times: Optional[Dict[str, np.ndarray]] = None) -> None:
         """`train_position`: each training row's place in its user's timeline (None: not
         recorded, as in folders written before history towers). `engaged_train`: the users'
         training engagements where the train pairs are other targets (None: the train
-        pairs), what `engaged` and `findable` read for the train split."""
-        self.meta, self.pairs, self.root = meta, pairs, root
+        pairs), what `engaged` and `findable` read for the train split. `times`: each split's
+        engagement times, aligned with its pairs (None: the log had none)."""
+        self.meta, self.pairs, self.root, self.times = meta, pairs, root, times
         self.train_position, self.engaged_train = train_position, engaged_train
         self.histories: Optional[Histories] = None  # set by for_model for a history tower
         # set by for_model for the sequence model: the training rows it reads (window_rows)
@@ -77,7 +82,7 @@ class InteractionData(ClickDataset):
         item_cols = [list(self.meta.item_side).index(n) for n in meta.item_side]
         data = InteractionData(meta, self.pairs, self.user_side[:, user_cols],
                                self.item_side[:, item_cols], self.root, self.train_position,
-                               self.engaged_train)
+                               self.engaged_train, self.times)
         if meta.history:
             data.histories = self.histories_of(history_length(model_cfg))
         if model_cfg.kind == "hstu":
@@ -92,7 +97,8 @@ class InteractionData(ClickDataset):
                             f"before history towers), which model.user_tower.encoder history_* "
                             f"needs; preprocess the log again")
         later = {s: p for s, p in self.pairs.items() if s != "train"}
-        return Histories(self.users, self.pairs["train"], self.train_position, later, length)
+        return Histories(self.users, self.pairs["train"], self.train_position, later, length,
+                         self.times)
 
     def columns(self, split: str, first: int, count: int) -> Columns:
         """Samples [first, first + count) of `split`; rows past its end are padding (valid
@@ -104,17 +110,27 @@ class InteractionData(ClickDataset):
         if split == "train" and self.train_rows is not None:
             index = self.train_rows[index]
         users = users[index].astype(np.int64)
-        history = None
+        history, times = None, None
         if self.histories is not None:
-            history = (self.histories.of_rows(index) if split == "train"
+            train = split == "train"
+            history = (self.histories.of_rows(index) if train
                        else self.histories.before(split, users))
-        return self.tower_columns(users, items[index].astype(np.int64), valid, history=history)
+            if self.meta.history_times:
+                times = (self.histories.times_of_rows(index) if train
+                         else self.histories.times_before(split, users))
+        return self.tower_columns(users, items[index].astype(np.int64), valid, history=history,
+                                  times=times)
 
     def user_columns(self, users: np.ndarray, valid: np.ndarray, split: str) -> Columns:
         """The user tower's input for `users` when evaluating `split` (the item features are
         item 0's, unread): their features, or their history before `split`."""
-        history = None if self.histories is None else self.histories.before(split, users)
-        return self.tower_columns(users, np.zeros_like(users), valid, history=history)
+        history, times = None, None
+        if self.histories is not None:
+            history = self.histories.before(split, users)
+            if self.meta.history_times:
+                times = self.histories.times_before(split, users)
+        return self.tower_columns(users, np.zeros_like(users), valid, history=history,
+                                  times=times)
 
     def slice_columns(self, split: str, piece) -> Columns:
         """A rank's slice of a global batch; in training, followed by its uniform negatives."""
@@ -147,11 +163,21 @@ class InteractionData(ClickDataset):
         return negatives
 
     def tower_columns(self, users: np.ndarray, items: np.ndarray, valid: np.ndarray,
-                      with_users: bool = True, history: Optional[History] = None) -> Columns:
+                      with_users: bool = True, history: Optional[History] = None,
+                      times: Optional[np.ndarray] = None) -> Columns:
         """Both towers' ids for these (user, item) pairs; `with_users` False gives the user
         features empty bags (an item-only batch: the corpus). A history tower's user features
-        are the `history` slots (slot j: an empty bag past the row's count)."""
+        are the `history` slots (slot j: an empty bag past the row's count). Where the model
+        reads the slots' times (meta.history_times), they are the dense values: seconds after
+        the history's latest item (<= 0; 0 past the end), which float32 holds exactly enough
+        for the log2 buckets they go into."""
         n = len(items)
+        dense = np.zeros((n, self.meta.history if self.meta.history_times else 0), np.float32)
+        if times is not None and with_users:
+            counts = history[1]
+            latest = times[np.arange(n), np.maximum(counts - 1, 0)]
+            used = np.arange(dense.shape[1])[None, :] < counts[:, None]
+            dense[:] = np.where(used, times - latest[:, None], 0.0)
         user_ids = [users, *self.user_side[users].T] if len(self.user_side.T) else [users]
         user_len = [np.full(n, int(with_users), np.int32)] * len(user_ids)
         if self.histories is not None:
@@ -163,8 +189,7 @@ class InteractionData(ClickDataset):
         item_ids = [items, *self.item_side[items].T] if len(self.item_side.T) else [items]
         ids = [np.ascontiguousarray(c, dtype=np.int64).reshape(n, 1) for c in (*user_ids, *item_ids)]
         lengths = user_len + [np.ones(n, np.int32)] * len(item_ids)
-        return Columns(np.zeros((n, 0), np.float32), np.ones(n, np.float32), valid, ids,
-                       lengths=lengths)
+        return Columns(dense, np.ones(n, np.float32), valid, ids, lengths=lengths)
 
     def corpus_columns(self, first: int, count: int) -> Columns:
         """Items [first, first + count) for the item tower alone (past the end: padding)."""
@@ -236,11 +261,17 @@ def open_interactions(path: str) -> InteractionData:
             raise DataError(f"{root}/{ENGAGED}_item.npy: {len(engaged[1])} rows, its users file "
                             f"has {len(engaged[0])}; preprocess first-stage again")
     position = load(POSITION_FILE) if (root / POSITION_FILE).exists() else None
+    times = ({split: load(f"{split}_{TIME}.npy") for split in pairs} if meta.timestamps
+             else None)
+    for split, stamps in (times or {}).items():
+        if len(stamps) != len(pairs[split][0]):
+            raise DataError(f"{root}/{split}_{TIME}.npy: {len(stamps)} rows, the {split} split "
+                            f"has {len(pairs[split][0])}; preprocess the log again")
     if position is not None and len(position) != len(pairs["train"][0]):
         raise DataError(f"{root / POSITION_FILE}: {len(position)} rows, the training split has "
                         f"{len(pairs['train'][0])}; preprocess the log again")
     data = InteractionData(meta, pairs, load("user_side.npy"), load("item_side.npy"), str(root),
-                           position, engaged)
+                           position, engaged, times)
     _check_ranges(data, root)
     return data
 
@@ -285,11 +316,14 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
                 np.save(partial / f"{ENGAGED}_{what}.npy", np.asarray(ids, np.int32))
         if data.train_position is not None:
             np.save(partial / POSITION_FILE, np.asarray(data.train_position, np.int32))
+        for split, stamps in (data.times or {}).items():
+            np.save(partial / f"{split}_{TIME}.npy", np.asarray(stamps, np.float64))
         for name, raw in (("users.txt", raw_users), ("items.txt", raw_items)):
             if len(raw):
                 (partial / name).write_text("".join(f"{r}\n" for r in raw), encoding="utf-8")
         meta = data.meta
         meta.samples = {s: int(len(p[0])) for s, p in data.pairs.items()}
+        meta.timestamps = data.times is not None
         (partial / META_FILE).write_text(yaml.safe_dump(meta.to_yaml(), sort_keys=False))
         finish_partial(partial, target)
     except BaseException:

@@ -49,6 +49,8 @@ class InteractionMeta:
     source: List[str] = field(default_factory=list)  # the log files it was made from
     extra: Dict[str, object] = field(default_factory=dict)  # counts of skips, thresholds, ...
     history: int = 0  # > 0: the user tower reads this many history slots, not the user's ids
+    timestamps: bool = False  # <split>_time.npy hold each engagement's time (the log had them)
+    history_times: bool = False  # the model reads its history slots' times (hstu's time bias)
 
     def spec(self) -> DataSpec:
         """The model's view: user tower features first, then the item tower's. A history
@@ -57,13 +59,15 @@ class InteractionMeta:
                 else [(USER_ID, self.users), *[(f"user_{n}", c) for n, c in self.user_side.items()]])
         names = (*[name for name, _ in user], ITEM_ID, *[f"item_{n}" for n in self.item_side])
         cards = [*[c for _, c in user], self.items, *self.item_side.values()]
-        return DataSpec(0, cards, [1] * len(cards), names=names)
+        dense = self.history if self.history_times else 0  # each slot's time, as dense values
+        return DataSpec(dense, cards, [1] * len(cards), names=names)
 
     def to_yaml(self) -> dict:
         return {"format": FORMAT, "users": self.users, "items": self.items,
                 "user_side": dict(self.user_side), "item_side": dict(self.item_side),
                 "samples": dict(self.samples), "split_rule": self.split_rule,
-                "positive": self.positive, "source": list(self.source), "extra": dict(self.extra)}
+                "positive": self.positive, "source": list(self.source), "extra": dict(self.extra),
+                "timestamps": self.timestamps}
 
     @staticmethod
     def from_yaml(raw: dict, where: str) -> "InteractionMeta":
@@ -75,7 +79,8 @@ class InteractionMeta:
                                    dict(raw.get("user_side") or {}), dict(raw.get("item_side") or {}),
                                    dict(raw.get("samples") or {}), str(raw.get("split_rule", "")),
                                    str(raw.get("positive", "")), list(raw.get("source") or []),
-                                   dict(raw.get("extra") or {}))
+                                   dict(raw.get("extra") or {}),
+                                   timestamps=bool(raw.get("timestamps", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{where}: field {e} missing or malformed; preprocess the log again")
 
@@ -98,7 +103,8 @@ def tower_features(meta: InteractionMeta, model_cfg) -> InteractionMeta:
         kept["item"] = {}
     return InteractionMeta(meta.users, meta.items, {} if history else kept["user"], kept["item"],
                            dict(meta.samples), meta.split_rule, meta.positive, list(meta.source),
-                           dict(meta.extra), history)
+                           dict(meta.extra), history, meta.timestamps,
+                           history_times=model_cfg.kind == "hstu" and meta.timestamps)
 
 
 def is_interaction_folder(path: str) -> bool:

@@ -264,9 +264,12 @@ def prepare(log: Log, positive: Positive, min_count: int = 1, split: str = "leav
     meta = InteractionMeta(len(users.raw), len(items.raw), user_cards, item_cards,
                            split_rule=rule, positive=str(positive), source=list(log.sources),
                            extra=extra)
+    stamps = (None if times is None else
+              {name: np.asarray(times[r], np.float64) for name, r in split_rows.items()})
     return Prepared(InteractionData(meta, pairs, user_side, item_side,
                                     train_position=train_timeline(chronology, split_rows["train"],
-                                                                  pairs["train"][0])),
+                                                                  pairs["train"][0]),
+                                    times=stamps),
                     users.raw, items.raw, split_rows)
 
 
