@@ -80,12 +80,16 @@ def test_the_served_tower_gives_the_trained_models_vectors(log):
         trained, _ = split_towers(model(batch.dense, batch.sparse))
     slots, counts = data.histories.before("test", users)
     given = np.where(np.arange(LENGTH)[None, :] < counts[:, None], slots, -1)
-    tower, items = sequence_towers(model, model.state_dict())
+    times = data.histories.times_before("test", users) + 7e8  # any origin: only gaps count
+    assert data.meta.history_times and batch.dense.shape == (len(users), LENGTH)
+    tower, items = sequence_towers(model, model.state_dict(), reads_times=True)
     served_tower = torch.jit.script(tower)
     with torch.no_grad():
-        served = served_tower(torch.from_numpy(given))
+        served = served_tower(torch.from_numpy(given), torch.from_numpy(times))
+        untimed = served_tower(torch.from_numpy(given))
     assert (counts < LENGTH).any() and (counts == LENGTH).any()
     torch.testing.assert_close(served, trained, atol=1e-5, rtol=0)
+    assert not torch.allclose(untimed, served, atol=1e-6)  # the time bias is read
     table = model.embedding_bags.embedding_bags["t_item_id"].weight.detach()
     np.testing.assert_allclose(items, normalize(table, dim=1).numpy(), atol=1e-6)
     for bad, says in (([[-1, -1, -1, -1, -1]], "no items"),
@@ -113,11 +117,21 @@ def test_trained_exported_and_served_through_the_commands(log, tmp_path):
     assert result.returncode == 0, failure(result)
     answer = json.loads(result.stdout)
     dense = np.array([retriever.item(h) for h in history])
-    vector = retriever.history_vectors([dense[-LENGTH:]])[0]
+    vector = retriever.history_vectors([dense[-LENGTH:]])[0]  # no times given: gaps of 0 s
     scores = retriever.item_vectors @ vector
     scores[dense] = -np.inf
     assert answer["items"] == [retriever.item_name(int(i))
                                for i in np.argsort(-scores, kind="stable")[:4]]
+    # a known user: the tower reads that user's training items with their times
+    cfg, data = sequence_data(log)
+    user = int(data.pairs["test"][0][0])
+    seen, when = data.histories.timeline("val", user), data.histories.timeline_times("val")
+    assert np.allclose(retriever.user_vectors(np.array([user])),
+                       retriever.history_vectors([seen], [when[data.histories.indptr[user]:
+                                                               data.histories.indptr[user + 1]]]),
+                       atol=1e-6)
+    assert not np.allclose(retriever.user_vectors(np.array([user])),
+                           retriever.history_vectors([seen]), atol=1e-7)
     result = run_cli(["export", "--checkpoint", str(tmp_path / "run/checkpoints/step_4"),
                       "--out", str(tmp_path / "ranker")])
     assert result.returncode == 2 and "is a hstu (retrieval) model; add --retrieval" in result.stderr

@@ -9,6 +9,7 @@
     index.faiss         those vectors in a FAISS inner-product index (retrieval/index.py)
     user_side.npy       [users, F] the side features the user tower reads, by dense user id
     seen_indptr.npy, seen_items.npy   each user's training items (CSR), left out of answers
+    history_times.npy   those items' times, where the sequence model reads them (hstu)
     history_indptr.npy, history_items.npy   each user's training items in time order (CSR),
                                             where the dataset records it (train_position.npy):
                                             a history tower's history of `--user`, and the
@@ -22,7 +23,7 @@ annotations`: TorchScript compiles the tower classes below from their annotation
 
 import shutil
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ from dlrm_hybrid.partial_folder import finish_partial, start_partial
 from dlrm_hybrid.retrieval.index import INDEX_FILE, IndexParams, build_index, write_index
 from dlrm_hybrid.serve.export import TABLE_PREFIX, load_dense_weights, read_checkpoint
 from dlrm_hybrid.serve.retrieve import (DESCRIPTION, FORMAT, HISTORY_INDPTR, HISTORY_ITEMS,
+                                        HISTORY_TIMES,
                                         ITEM_VECTORS, ITEMS, SEEN_INDPTR, SEEN_ITEMS, USER_SIDE,
                                         USER_TOWER, USERS)
 from dlrm_hybrid.train.checkpoint import read_meta
@@ -146,29 +148,52 @@ class HistoryTower(nn.Module):
         return normalize(out, dim=1) if self.normalized else out
 
 
-class SequenceUser(nn.Module):
-    """The sequence model's user vector as a history encoder: HSTU over the history, its
-    output at the last item. An empty history has no such output: refused."""
+class SequenceTower(nn.Module):
+    """The sequence model's user tower: forward(history [B, L] int64 as HistoryTower's, times
+    [B, L] float64 seconds of those items (any origin) or None) -> [B, D]: HSTU (model/hstu.py)
+    over the item table's vectors of the history, its output at the last item. Without times,
+    a model trained with them reads every gap as 0 s. An empty history has no output: refused."""
 
-    def __init__(self, hstu: nn.Module) -> None:
+    def __init__(self, table: torch.Tensor, hstu: nn.Module, reads_times: bool) -> None:
         super().__init__()
+        self.table = nn.Embedding.from_pretrained(table.float().clone(), freeze=True)
         self.hstu = hstu
         self.length = int(hstu.length)
+        self.reads_times = reads_times
 
-    def forward(self, items: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, history: torch.Tensor, times: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        if history.dim() != 2 or history.shape[1] != self.length:
+            raise ValueError(f"history: expected [B, {self.length}] item ids (-1 past a "
+                             f"history's end), got {list(history.shape)}")
+        items = self.table.weight.shape[0]
+        if bool(((history < -1) | (history >= items)).any()):
+            raise ValueError(f"history: item ids are 0..{items - 1}, or -1 past the end")
+        used = history >= 0
+        counts = used.sum(1)
+        slots = torch.arange(self.length, device=history.device)
+        if bool((used != (slots[None, :] < counts[:, None])).any()):
+            raise ValueError("history: each row's items come first, then -1 to its end")
         if bool((counts == 0).any()):
             raise ValueError("history: a row has no items; the sequence model (hstu) needs at "
                              "least one item the user engaged with")
-        return last_positions(self.hstu(items, counts), counts)
+        if times is not None and times.shape != history.shape:
+            raise ValueError(f"times: expected {list(history.shape)} like history, got "
+                             f"{list(times.shape)}")
+        gaps: Optional[torch.Tensor] = None
+        if self.reads_times:
+            gaps = (times.double() if times is not None
+                    else torch.zeros(history.shape, dtype=torch.float64))
+        return last_positions(self.hstu(self.table(history.clamp(min=0)), counts, gaps), counts)
 
 
-def sequence_towers(model: HSTURetrieval, weights: Dict[str, torch.Tensor]
-                    ) -> Tuple[HistoryTower, np.ndarray]:
-    """The sequence model's user tower (a history in, its HSTU vector out) and the corpus
-    vectors: the item table's rows, L2-normalised as training scores them."""
+def sequence_towers(model: HSTURetrieval, weights: Dict[str, torch.Tensor], reads_times: bool
+                    ) -> Tuple[SequenceTower, np.ndarray]:
+    """The sequence model's user tower and the corpus vectors: the item table's rows,
+    L2-normalised as training scores them."""
     (part,) = [lookup for lookup in model.lookups if lookup.feature == ITEM_ID][0].parts
     table = weights[f"{TABLE_PREFIX}{part.table}.weight"].float()
-    user = HistoryTower(table, SequenceUser(model.hstu.eval()), nn.Identity(), False)
+    user = SequenceTower(table, model.hstu.eval(), reads_times)
     vectors = normalize(table, dim=1, eps=EPS).numpy().astype(np.float32)
     return user.eval().requires_grad_(False), vectors
 
@@ -231,7 +256,7 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
     timelines = (histories if histories is not None or dataset.train_position is None
                  else dataset.histories_of(1))
     if sequence:
-        user_tower, vectors = sequence_towers(model, weights)
+        user_tower, vectors = sequence_towers(model, weights, dataset.meta.history_times)
         normalized = {side: True for side in SIDES}
     else:
         user_tower = (tower(model, "user", weights) if histories is None
@@ -254,7 +279,7 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
                            for name, rows in zip(user_tower.names, user_tower.cardinalities)]),
         "user_history": (None if histories is None else
                          {"encoder": "hstu" if sequence else cfg.model.user_tower.encoder,
-                          "length": histories.length,
+                          "length": histories.length, "times": dataset.meta.history_times,
                           "input": "[B, length] dense item ids, oldest first, -1 past the end"}),
         "index": params.stated(),
         "seen": "each user's training engagements (of a first stage's dataset: its users' "
@@ -275,6 +300,8 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
         if timelines is not None:
             np.save(partial / HISTORY_INDPTR, timelines.indptr)
             np.save(partial / HISTORY_ITEMS, timelines.items)
+        if dataset.meta.history_times:
+            np.save(partial / HISTORY_TIMES, timelines.timeline_times("val"))
         write_index(build_index(vectors, params), str(partial / INDEX_FILE))
         for name in raw:
             shutil.copyfile(Path(dataset.root) / name, partial / name)

@@ -40,6 +40,7 @@ DESCRIPTION = "retrieval.yaml"
 USER_TOWER, ITEM_VECTORS, USER_SIDE = "user_tower.pt", "item_vectors.npy", "user_side.npy"
 SEEN_INDPTR, SEEN_ITEMS = "seen_indptr.npy", "seen_items.npy"  # CSR: each user's training items
 HISTORY_INDPTR, HISTORY_ITEMS = "history_indptr.npy", "history_items.npy"  # ... in time order
+HISTORY_TIMES = "history_times.npy"  # ... and their times, where the tower reads them (hstu)
 USERS, ITEMS = "users.txt", "items.txt"  # raw ids in dense-id order, where the dataset has them
 MERGE = "max"  # how history retrieval scores an item found near several history items
 HISTORY_BLOCK = 1 << 22  # scores held at once by history retrieval on an exact index (16 MiB)
@@ -70,6 +71,8 @@ class Retriever:
         self.timelines = None  # exported before every tower stored them: only a history tower's
         if (root / HISTORY_INDPTR).is_file():
             self.timelines = np.load(root / HISTORY_INDPTR), np.load(root / HISTORY_ITEMS)
+        self.timeline_times = (np.load(root / HISTORY_TIMES) if history and history.get("times")
+                               else None)
 
     def user(self, name: str, dense: bool = False) -> int:
         """The dense id of user `name` (a raw id of the log, or with `dense` a dense id)."""
@@ -87,24 +90,38 @@ class Retriever:
         """[U, E] user-tower vectors of dense user ids (a history tower: of their training
         items in time order)."""
         if self.history_length:
-            return self.history_vectors([self.timeline(u) for u in users])
+            times = None
+            if self.timeline_times is not None:
+                indptr = self.timelines[0]
+                times = [self.timeline_times[indptr[u]:indptr[u + 1]] for u in users]
+            return self.history_vectors([self.timeline(u) for u in users], times)
         ids = np.column_stack([users, self.user_side[users]]).astype(np.int64)
         return self._tower(ids)
 
-    def history_vectors(self, histories: Sequence[np.ndarray]) -> np.ndarray:
+    def history_vectors(self, histories: Sequence[np.ndarray],
+                        times: Optional[Sequence[np.ndarray]] = None) -> np.ndarray:
         """[U, E] a history tower's vectors of histories (dense item ids, oldest first; the
-        last `length` read)."""
+        last `length` read), with the items' times where given (the sequence model's time bias;
+        without them it reads every gap as 0 s)."""
         rows = np.full((len(histories), self.history_length), -1, np.int64)
         for row, history in zip(rows, histories):
             recent = np.asarray(history, np.int64)[-self.history_length:]
             row[:len(recent)] = recent
-        return self._tower(rows)
+        if times is None:
+            return self._tower(rows)
+        stamps = np.zeros(rows.shape, np.float64)
+        for row, when in zip(stamps, times):
+            recent = np.asarray(when, np.float64)[-self.history_length:]
+            row[:len(recent)] = recent
+        return self._tower(rows, stamps)
 
-    def _tower(self, ids: np.ndarray) -> np.ndarray:
+    def _tower(self, ids: np.ndarray, times: Optional[np.ndarray] = None) -> np.ndarray:
         import torch
 
         with torch.inference_mode():
-            return self.user_tower(torch.from_numpy(ids)).numpy()
+            if times is None:
+                return self.user_tower(torch.from_numpy(ids)).numpy()
+            return self.user_tower(torch.from_numpy(ids), torch.from_numpy(times)).numpy()
 
     def seen(self, user: int) -> np.ndarray:
         return self.seen_items[self.seen_indptr[user]:self.seen_indptr[user + 1]]
