@@ -102,7 +102,9 @@ class HstuConfig:
     attention_dim: int = 0  # per head, Q and K; 0: model.embedding_dim / heads
     linear_dim: int = 0  # per head, U and V; 0: model.embedding_dim / heads
     dropout: float = 0.2  # on the input and on each layer's gated output, in training
-    time_buckets: int = 128  # the time bias's log2 buckets, where the dataset has timestamps
+    # the time bias's log2 buckets, where the dataset has timestamps; 0: no time bias (a
+    # request's history then needs no times)
+    time_buckets: int = 128
     # the softmax's candidates: every position's next item in the global batch (besides the
     # retrieval.uniform_negatives draws)
     in_batch_negatives: bool = True

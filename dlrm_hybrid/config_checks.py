@@ -263,8 +263,9 @@ def _validate_hstu(m) -> None:
                               f"{m.embedding_dim}; set model.hstu.{key}, or use e.g. 1 or 2 heads")
     if not 0 <= h.dropout < 1:
         raise ConfigError(f"model.hstu.dropout: {h.dropout} is not in [0, 1); use e.g. 0.2")
-    if h.time_buckets < 1:
-        raise ConfigError(f"model.hstu.time_buckets: {h.time_buckets}; use e.g. 128")
+    if h.time_buckets < 0:
+        raise ConfigError(f"model.hstu.time_buckets: {h.time_buckets}; use e.g. 128, or 0 for "
+                          f"no time bias")
     if m.compositional:
         raise ConfigError("model.compositional: hstu reads whole item vectors from one table; "
                           "leave it empty")

@@ -104,7 +104,8 @@ def tower_features(meta: InteractionMeta, model_cfg) -> InteractionMeta:
     return InteractionMeta(meta.users, meta.items, {} if history else kept["user"], kept["item"],
                            dict(meta.samples), meta.split_rule, meta.positive, list(meta.source),
                            dict(meta.extra), history, meta.timestamps,
-                           history_times=model_cfg.kind == "hstu" and meta.timestamps)
+                           history_times=(model_cfg.kind == "hstu" and meta.timestamps
+                                          and model_cfg.hstu.time_buckets > 0))
 
 
 def is_interaction_folder(path: str) -> bool:
