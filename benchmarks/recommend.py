@@ -114,6 +114,7 @@ CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
 HOLDOUT_RECENT = 10  # the early retrieval dataset leaves out each user's 10 most recent
 LOSSES = ("pointwise", "pairwise", "listwise")
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
+HSTU_EPOCHS = 60  # --tower hstu: sequential.py's validation choice on ml-100k
 RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
 # the candidate dataset (about 97k rows): a grid of 1.6 to 12.6 epochs, chosen on validation
 # (ml-100k's validation world with the similarity features, listwise, the best value model:
@@ -287,6 +288,13 @@ def main() -> None:
     parser.add_argument("--name", help="the data's name in the summary (default: the log's "
                         "folder, e.g. ml-100k)")
     parser.add_argument("--epochs", type=int, default=EPOCHS, help="two-tower training epochs")
+    parser.add_argument("--tower", choices=("two_tower", "hstu"), default="two_tower",
+                        help="the retrieval model (the two_tower source, the history source's "
+                        "item vectors, the early model of the candidate features): the "
+                        "two-tower model, or the sequence model (HSTU, "
+                        "recommend_build.HSTU_FUNNEL)")
+    parser.add_argument("--hstu-epochs", type=int, default=HSTU_EPOCHS,
+                        help=f"--tower hstu: training epochs (default {HSTU_EPOCHS})")
     parser.add_argument("--ranker-steps", help="multi-task ranker steps of 1,024 samples, "
                         "comma-separated: one ranker each, the best on validation kept (default "
                         f"{','.join(map(str, CANDIDATE_RANKER_STEPS))}; {RANKER_STEPS} with "
@@ -333,6 +341,7 @@ def main() -> None:
         parser.error("--ranker-steps: give step counts of 2 or more")
     if args.quick:
         args.epochs, args.ranker_steps, args.pixie_steps = 1, [10, 30], 10_000
+        args.hstu_epochs = 1
         args.users, args.val_users = args.users or 40, args.val_users or 40
     args.losses = [loss.strip() for loss in args.losses.split(",") if loss.strip()]
     if args.ranker_data == "uniform":
@@ -341,8 +350,8 @@ def main() -> None:
         parser.error(f"--losses: some of {','.join(LOSSES)}")
     name = args.name or Path(args.data).resolve().parent.name
     cpu = retrieval_bench.cpu_name()
-    print(f"recommend benchmark on {cpu}; training OMP_NUM_THREADS=1, requests 1 thread",
-          flush=True)
+    print(f"recommend benchmark on {cpu}; retrieval model {args.tower}; training "
+          f"OMP_NUM_THREADS=1, requests 1 thread", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -20,11 +20,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np  # noqa: E402
 
 import retrieval as retrieval_bench  # noqa: E402  (its BASE, cli)
+import sequential  # noqa: E402  (its HSTU BASE and write_config)
 
 LABELS = "watched,liked:rating>=4,disliked:rating<=2"
 TASKS = "[{name: watched}, {name: liked, head: [16]}, {name: disliked, head: [16]}]"
 VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}  # the rankers' exported value model
 TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
+# --tower hstu: sequential.py's choice on ml-100k, without the time bias (a request's history,
+# the validation item included, comes without times)
+HSTU_FUNNEL = {"model.hstu.max_length": 50, "model.hstu.dropout": 0.2,
+               "model.hstu.time_buckets": 0}
 
 
 def log_folder(scratch: Path, data: str) -> Path:
@@ -39,25 +44,48 @@ def log_folder(scratch: Path, data: str) -> Path:
     return Path(scratch) / f"log_{digest}"
 
 
-def train_tower(args, data: str, scratch: Path, name: str) -> str:
-    """The two-tower model of `data` trained and exported (exact index): its folder (kept where
-    --work already has it)."""
+def train_tower(args, data: str, scratch: Path, name: str, sequence: bool = False) -> str:
+    """The two-tower model of `data` (with `sequence`, the sequence model, HSTU) trained and
+    exported (exact index): its folder (kept where --work already has it)."""
     cli = retrieval_bench.cli
     if (scratch / name).is_dir():
         return str(scratch / name)
-    train = len(np.load(Path(data) / "train_user.npy"))
-    per_epoch = retrieval_bench.write_config(scratch / f"{name}.yaml", {"path": data},
-                                             args.epochs, train, TOWER)
+    config = scratch / f"{name}.yaml"
+    if sequence:
+        epochs, per_epoch = args.hstu_epochs, hstu_config(config, data, args.hstu_epochs)
+    else:
+        train = len(np.load(Path(data) / "train_user.npy"))
+        epochs = args.epochs
+        per_epoch = retrieval_bench.write_config(config, {"path": data}, epochs, train, TOWER)
     start = time.perf_counter()
-    cli(["train", "--config", str(scratch / f"{name}.yaml"), "--set",
-         f"train.run_dir={scratch / (name + '_run')}"])
-    steps = max(1, args.epochs * per_epoch)
-    print(f"  {name}: {args.epochs} epochs ({steps} steps) in "
+    cli(["train", "--config", str(config), "--set", f"train.run_dir={scratch / (name + '_run')}"])
+    steps = max(1, epochs * per_epoch)
+    print(f"  {name}: {epochs} epochs ({steps} steps) in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
     cli(["export", "--retrieval", "--checkpoint", str(scratch / f"{name}_run/checkpoints" /
                                                        f"step_{steps}"),
          "--out", str(scratch / name)])
     return str(scratch / name)
+
+
+def hstu_config(path: Path, data: str, epochs: int) -> int:
+    """benchmarks/sequential.py's HSTU with its ml-100k choice (HSTU_FUNNEL) for `epochs` on
+    `data`, written to `path`; returns the steps per epoch."""
+    import yaml
+
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.data.source import open_dataset
+
+    sequential.write_config(path, {"path": data}, HSTU_FUNNEL, 1, 1, 0)
+    cfg = load_config(str(path))
+    windows = open_dataset(cfg.data, cfg.model).num_samples("train")
+    per_epoch = -(-windows // cfg.data.global_batch_size)
+    sequential.write_config(path, {"path": data}, HSTU_FUNNEL, epochs, per_epoch, 0)
+    written = yaml.safe_load(path.read_text())
+    written["train"]["eval_every"] = 0  # the funnel evaluates; training needs no validation
+    written["checkpoint"]["keep"] = 1
+    path.write_text(yaml.safe_dump(written, sort_keys=False))
+    return per_epoch
 
 
 def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> str:
@@ -132,7 +160,7 @@ def build(args, scratch: Path, data: str = "") -> Dict[str, str]:
     other ranker settings makes only what they change, and a run on another log makes all."""
     cli, k, data = retrieval_bench.cli, args.holdout_recent, data or args.data
     scratch = log_folder(scratch, data)
-    kind = (f"{k}_e{args.epochs}_{args.negatives}_{args.candidate_ratio:g}_sim"  # similarity
+    kind = (f"{k}_{tower_name(args)}_{args.negatives}_{args.candidate_ratio:g}_sim"  # similarity
             if args.ranker_data == "candidates"
             else f"uniform_{args.negatives}")
     out = {name: str(scratch / folder) for name, folder in (
@@ -152,13 +180,15 @@ def build(args, scratch: Path, data: str = "") -> Dict[str, str]:
         make("early", ["preprocess", "interactions", "--input", data, "--output",
                        out["early"], "--positive", "rating>=4", "--holdout-recent", str(k)],
              "interactions.yaml")
-        early_tower = train_tower(args, out["early"], scratch, f"early_tower_{k}_e{args.epochs}")
+        early_tower = train_tower(args, out["early"], scratch,
+                                  f"early_{tower_name(args)}_{k}", args.tower == "hstu")
         make("early_graph", ["pixie", "build", "--data", out["early"], "--out",
                              out["early_graph"]], "graph.yaml")
         ranking += ["--candidates", f"{early_tower},{out['early_graph']}",
                     "--candidate-ratio", str(args.candidate_ratio)]
     make("ranking", ranking, "feature_spec.yaml")
-    out["tower"] = train_tower(args, out["retrieval"], scratch, f"tower_e{args.epochs}")
+    out["tower"] = train_tower(args, out["retrieval"], scratch, tower_name(args),
+                               args.tower == "hstu")
     for loss in args.losses:
         for steps in args.ranker_steps:
             out[f"ranker_{loss}_{steps}"] = train_ranker(args, out["ranking"], scratch, loss,
@@ -191,6 +221,11 @@ def build_first_stage(args, scratch: Path, paths: Dict[str, str], ranker: str,
              paths["ranking"], "--labels", str(labels), "--output", str(data),
              *([] if args.first_stage_labels_only else ["--engagements"])])
     return train_tower(args, str(data), scratch, f"first_stage_{kind}_e{args.epochs}")
+
+
+def tower_name(args) -> str:
+    """The retrieval model's folder name: its kind and training length."""
+    return (f"hstu_e{args.hstu_epochs}" if args.tower == "hstu" else f"tower_e{args.epochs}")
 
 
 def value_tag(value: Dict[str, float]) -> str:

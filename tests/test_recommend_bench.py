@@ -115,6 +115,7 @@ def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench
     (tmp_path / "u.data").write_text("1\t1\t5\t1\n")
     args = argparse.Namespace(data=str(tmp_path / "u.data"), holdout_recent=10, negatives=7,
                               candidate_ratio=0.75, ranker_data="candidates", epochs=2,
+                              tower="two_tower", hstu_epochs=5,
                               losses=["pointwise"], ranker_steps=[10, 20])
     build = bench.recommend_build.build
     first = build(args, tmp_path)
@@ -146,6 +147,7 @@ def test_work_folder_keeps_what_each_log_made_apart(bench, tmp_path, made):
         path.write_text("userId,movieId,rating,timestamp\n1,1,5,1\n1,2,4,2\n1,3,5,3\n")
     args = argparse.Namespace(data=str(first_log), holdout_recent=10, negatives=7,
                               candidate_ratio=0.75, ranker_data="candidates", epochs=2,
+                              tower="two_tower", hstu_epochs=5,
                               losses=["pointwise"], ranker_steps=[10])
     build, work = bench.recommend_build.build, tmp_path / "work"
     first = build(args, work)
