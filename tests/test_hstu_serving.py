@@ -148,3 +148,12 @@ def test_settings_that_cannot_work_are_one_line_errors(log, setting, says):
                       f"data.path={log / 'data'}", "--set", setting])
     assert result.returncode == 2 and says in result.stderr, (setting, result.stderr)
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_plan_reports_the_sequence_model_without_torch_state(log):
+    result = run_cli(["plan", "--config", str(log / "hstu.yaml"), "--set",
+                      f"data.path={log / 'data'}", "--world-size", "2"])
+    assert result.returncode == 0, failure(result)
+    assert (f"sequence: the user's last {LENGTH} items looked up in t_item_id"
+            in result.stdout)
+    assert "hstu positions" in result.stdout and "hstu layer 2" in result.stdout

@@ -86,7 +86,7 @@ def run(args) -> None:
     for plan in plans:
         print(describe(plan) + "\n")
         if towers:
-            print(describe_towers(plan, towers) + "\n")
+            print(describe_towers(plan, towers, cfg.model.kind) + "\n")
     print(describe_exchange(plans[0], cfg) + "\n")
     print(describe_dense(cfg, spec, args.world_size, args.gpus_per_node) + "\n")
     replaced = describe_lookups(lookups, cfg)

@@ -133,10 +133,10 @@ def describe_lookups(lookups: List[FeatureLookup], cfg) -> str:
     return "\n".join(lines)
 
 
-def describe_towers(plan: Plan, lookups: List[FeatureLookup]) -> str:
+def describe_towers(plan: Plan, lookups: List[FeatureLookup], kind: str = "two_tower") -> str:
     """two_tower: one line per tower (user, item): its tables' count, rows and bytes (weights
     and optimizer state), and where each table is; "" for the ranker, whose features belong
-    to no tower."""
+    to no tower. hstu: the sequence's items, then the item table, so."""
     lines = []
     for side in ("user", "item"):
         names = [part.table for lookup in lookups if lookup.feature.startswith(f"{side}_")
@@ -146,12 +146,14 @@ def describe_towers(plan: Plan, lookups: List[FeatureLookup]) -> str:
                        HISTORY)]
         if side == "user" and history:
             table, length = history[0]
-            lines.append(f"user tower: no tables of its own, the last {length} items of the "
-                         f"user's history looked up in {table} ({_where(plan, table)})")
+            lines.append((f"sequence: the user's last {length} items" if kind == "hstu" else
+                          f"user tower: no tables of its own, the last {length} items of the "
+                          f"user's history") + f" looked up in {table} ({_where(plan, table)})")
         if not names:
             continue
         specs = [plan.tables[n] for n in names]
-        lines.append(f"{side} tower: {len(names)} tables, {sum(t.rows for t in specs):,} rows, "
+        lines.append(f"{'items' if kind == 'hstu' else side + ' tower'}: {len(names)} tables, "
+                     f"{sum(t.rows for t in specs):,} rows, "
                      f"{format_bytes(sum(t.bytes for t in specs))}: "
                      f"{', '.join(f'{n} {_where(plan, n)}' for n in names)}")
     return "\n".join(lines)

@@ -88,7 +88,7 @@ class HstuKind(TwoTowerKind):
         h = self.cfg.model.hstu
         dense = sum(p.numel() for p in model.hstu.parameters())
         layer = model.hstu.layers[0]
-        return [describe_towers(plan, model.lookups),
+        return [describe_towers(plan, model.lookups, "hstu"),
                 f"hstu: {h.layers} layers, {h.heads} head{'s' if h.heads > 1 else ''} "
                 f"(Q, K {layer.attention_dim} and U, V {layer.linear_dim} wide each), sequences of "
                 f"up to {h.max_length} items, {dense:,} dense parameters, data-parallel; every "

@@ -3,25 +3,29 @@ in a way known exactly, so a sequence model (HSTU, `model.kind: hstu`) can be me
 the best possible ranking rather than only against another model.
 
 The world (`planted_sequences`), a pure function of its seed:
-- TOPICS: each a distribution over its own TOPIC_SIZE items drawn at random from the catalogue
-  (so topics overlap: an item belongs to ~topics * topic_size / items of them, with another
-  weight in each), its weights Zipf(ZIPF) over a random order of its items. One item rarely
-  names its topic; several of a session's items do.
+- TOPICS on a ring: the items are placed on a ring in a random order; topic t is the
+  `topic_size` items around ring position t * items // topics, weighted Zipf(`zipf`) by their
+  distance from that centre. Neighbouring topics share most of their items (defaults: 60 of
+  100), far ones none: one item rarely names its topic, several of a session's do.
 - A user: a home topic h (uniform) and a length L (uniform in [min_len, max_len], below
   topic_size so a topic is never used up). Item 0 starts a session; after each item the user
   continues the session with probability `continue_p` (the same topic), else starts a new one
-  whose topic is h with probability `home_q`, else uniform over all topics (h again included).
-  Each item is drawn from the session's topic among the items the user does not have yet
-  (weights renormalised): no (user, item) repeats.
+  whose topic is h with probability `home_q`, the next topic on the ring (z + 1: a taste
+  drifts, a series goes on) with probability `drift`, else uniform over all topics (the first
+  session: h with probability `home_q`, else uniform). Each item
+  is drawn from the session's topic among the items the user does not have yet (weights
+  renormalised): no (user, item) repeats.
 - Times (integer seconds, strictly increasing per user): a session's items are 1 s .. 1 h apart
   (log-normal, median 3 minutes), sessions 4 h .. 60 days apart (log-normal, median 2 days). The
-  ranges do not meet, so the gaps tell exactly where sessions start: a model reading times knows
-  which recent items share the current topic; one reading positions only (SASRec) must guess.
+  ranges do not meet, so the gaps tell exactly where sessions start, and a drift to z + 1 is
+  hard to see in the items alone (its items are mostly z's): a model reading times knows which
+  recent items share the current topic and that it moved on; one reading positions only
+  (SASRec) must guess both.
 
 Scores for each user's LAST item given everything before it (leave-last-out's test item), the
 catalogue ranked with the user's earlier items left out (`ceiling`):
 - `oracle` (the ceiling, `hr@10`...): knows h and the current session's topic z and ranks by the
-  exact P(next = i) = continue_p * P(i | z) + (1 - continue_p) * sum_z' P(z' | h) P(i | z'),
+  exact P(next = i) = continue_p * P(i | z) + (1 - continue_p) * sum_z' P(z' | h, z) P(i | z'),
   each P(. | topic) renormalised over the user's unseen items. Nothing seeing only the log can
   do better in expectation.
 - `bayes` (what the log allows): the same mixture under the exact posterior of (h, z) given the
@@ -58,8 +62,9 @@ class World:
     topics: int = 50
     topic_size: int = 100
     zipf: float = 1.0
-    continue_p: float = 0.7
-    home_q: float = 0.5
+    continue_p: float = 0.5
+    home_q: float = 0.1
+    drift: float = 0.8
     min_len: int = 8
     max_len: int = 40
 
@@ -92,13 +97,17 @@ class PlantedLog:
 def planted_sequences(users: int, items: int, seed: int = 0, **settings) -> PlantedLog:
     """The world of `World(users, items, seed, **settings)` and its log."""
     w = World(users, items, seed, **settings)
-    if not 3 <= w.min_len <= w.max_len < w.topic_size <= items:
-        raise ValueError("need 3 <= min_len <= max_len < topic_size <= items")
+    if not 3 <= w.min_len <= w.max_len < w.topic_size <= items or w.home_q + w.drift > 1:
+        raise ValueError("need 3 <= min_len <= max_len < topic_size <= items, home_q + drift "
+                         "<= 1")
     rng = np.random.default_rng(seed)
     weights = np.zeros((w.topics, items))
     zipf = 1.0 / np.arange(1, w.topic_size + 1) ** w.zipf
+    ring, step = rng.permutation(items), items // w.topics
+    offsets = np.arange(w.topic_size) - w.topic_size // 2
+    near = np.argsort(np.abs(offsets + 0.25), kind="stable")  # nearest the centre first
     for t in range(w.topics):
-        weights[t, rng.choice(items, w.topic_size, replace=False)] = zipf / zipf.sum()
+        weights[t, ring[(t * step + offsets[near]) % items]] = zipf / zipf.sum()
     home = rng.integers(0, w.topics, users)
     length = rng.integers(w.min_len, w.max_len + 1, users)
     seen = np.zeros((users, items), bool)
@@ -108,9 +117,11 @@ def planted_sequences(users: int, items: int, seed: int = 0, **settings) -> Plan
     for step in range(w.max_len):
         live = np.flatnonzero(length > step)
         fresh = (rng.random(len(live)) >= w.continue_p) | (step == 0)
-        to_home = rng.random(len(live)) < w.home_q
-        z[live] = np.where(fresh, np.where(to_home, home[live], rng.integers(0, w.topics,
-                                                                             len(live))), z[live])
+        u = rng.random(len(live))
+        drifts = (u < w.home_q + w.drift) & (step > 0)  # the first session: home or uniform
+        nxt = np.where(u < w.home_q, home[live], np.where(
+            drifts, (z[live] + 1) % w.topics, rng.integers(0, w.topics, len(live))))
+        z[live] = np.where(fresh, nxt, z[live])
         p = weights[z[live]] * ~seen[live]
         cum = np.cumsum(p, axis=1)
         pick = (cum < rng.random(len(live))[:, None] * cum[:, -1:]).sum(1)
@@ -185,8 +196,8 @@ def _state(log: PlantedLog, rows: np.ndarray) -> np.ndarray:
 
 
 def _home_prior(w: World) -> np.ndarray:
-    """[h, z]: P(a new session's topic z | home h)."""
-    return w.home_q * np.eye(w.topics) + (1.0 - w.home_q) / w.topics
+    """[h, z']: P(a new session's topic z' | home h), its drift (to z + 1) left out."""
+    return w.home_q * np.eye(w.topics) + (1.0 - w.home_q - w.drift) / w.topics
 
 
 def _remaining(log: PlantedLog, rows: np.ndarray, upto: np.ndarray) -> np.ndarray:
@@ -203,11 +214,12 @@ def _posterior(log: PlantedLog, rows: np.ndarray, timed: bool) -> np.ndarray:
     items, new = log.padded(log.item)[rows], log.padded(log.new_session)[rows]
     last = np.diff(log.starts)[rows] - 1  # the held-out item's index: filter items before it
     mass = np.ones((len(rows), w.topics))  # each topic's weight on the unseen items
-    alpha = np.full((len(rows), w.topics, w.topics), 1.0 / w.topics) * prior  # before item 0
+    first = w.home_q * np.eye(w.topics) + (1.0 - w.home_q) / w.topics  # no drift yet
+    alpha = np.full((len(rows), w.topics, w.topics), 1.0 / w.topics) * first  # before item 0
     for step in range(last.max()):
         on = step < last
         if step:
-            fresh = alpha.sum(2, keepdims=True) * prior  # P(h) P(z' | h)
+            fresh = alpha.sum(2, keepdims=True) * prior + w.drift * np.roll(alpha, 1, 2)
             if timed:  # the gap says whether this item starts a session
                 moved = np.where(new[:, step, None, None] == 1, fresh, alpha)
             else:
@@ -223,10 +235,10 @@ def _posterior(log: PlantedLog, rows: np.ndarray, timed: bool) -> np.ndarray:
 
 def _mixture(log: PlantedLog, rows: np.ndarray, state: np.ndarray) -> np.ndarray:
     """[rows, items]: P(next item) under a distribution `state` [rows, h, z] of (home, current
-    topic): continue_p * P(. | z) + (1 - continue_p) * sum_z' P(z' | h) P(. | z'), each topic's
+    topic): continue_p * P(. | z) + (1 - continue_p) * sum_z' P(z' | h, z) P(. | z'), each topic's
     distribution renormalised over the user's unseen items."""
     w = log.world
-    topic = (w.continue_p * state.sum(1)
-             + (1.0 - w.continue_p) * state.sum(2) @ _home_prior(w))  # [rows, T]
+    fresh = state.sum(2) @ _home_prior(w) + w.drift * np.roll(state.sum(1), 1, 1)
+    topic = w.continue_p * state.sum(1) + (1.0 - w.continue_p) * fresh  # [rows, T]
     mass = _remaining(log, rows, np.diff(log.starts)[rows] - 1)
     return (topic / np.maximum(mass, 1e-300)) @ log.weights
