@@ -39,7 +39,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import torch
 
-from retrieval import ROOT, cli, cpu_name, prepare_data, test_metrics, train_two_tower
+from retrieval import cpu_name, prepare_data, test_metrics, train_two_tower
 import sasrec
 
 BASE = {  # the reference's MovieLens settings (docs/sequential.md), dim a multiple of 4

@@ -220,7 +220,7 @@ def _validate_tasks(cfg: Config, world_size: int = 1) -> None:
 
 def _validate_two_tower(cfg: Config, world_size: int) -> None:
     """The retrieval kinds (two_tower, hstu): their models and the `retrieval` section."""
-    m, r = cfg.model, cfg.retrieval
+    m = cfg.model
     if m.kind not in RETRIEVAL_KINDS:
         return
     if m.tasks or cfg.value_model:
@@ -272,7 +272,7 @@ def _validate_hstu(m) -> None:
 
 
 def _validate_retrieval(cfg: Config, world_size: int) -> None:
-    m, r = cfg.model, cfg.retrieval
+    r = cfg.retrieval
     if not 0 < r.logq_decay <= 1:
         raise ConfigError(f"retrieval.logq_decay: {r.logq_decay} is not in (0, 1]; use e.g. 0.01")
     for key in ("retrieval.uniform_negatives", "retrieval.cross_batch_memory"):
@@ -297,7 +297,7 @@ def _validate_retrieval(cfg: Config, world_size: int) -> None:
     for key, asked in unsupported.items():
         if asked:
             raise ConfigError(f"{key}: {_get(cfg, key)!r} is for the ranker; model.kind "
-                              f"two_tower trains without it (leave {key} at its default)")
+                              f"{cfg.model.kind} trains without it (leave {key} at its default)")
 
 
 def _validate_history(m) -> None:
