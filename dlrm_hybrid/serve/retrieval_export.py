@@ -117,6 +117,22 @@ class Tower(nn.Module):
         return normalize(out, dim=1) if self.normalized else out
 
 
+def history_counts(history: torch.Tensor, length: int, items: int) -> torch.Tensor:
+    """[B] each row's item count of a served history ([B, length] dense item ids, oldest first,
+    -1 past its end), or a one-line ValueError naming what is wrong with it."""
+    if history.dim() != 2 or history.shape[1] != length:
+        raise ValueError(f"history: expected [B, {length}] item ids (-1 past a "
+                         f"history's end), got {list(history.shape)}")
+    if bool(((history < -1) | (history >= items)).any()):
+        raise ValueError(f"history: item ids are 0..{items - 1}, or -1 past the end")
+    used = history >= 0
+    counts = used.sum(1)
+    slots = torch.arange(length, device=history.device)
+    if bool((used != (slots[None, :] < counts[:, None])).any()):
+        raise ValueError("history: each row's items come first, then -1 to its end")
+    return counts
+
+
 class HistoryTower(nn.Module):
     """forward(history [B, L] int64: each user's last L items' dense ids, oldest first, then -1
     past the history's end) -> [B, E]: the item table's vectors of the history through the
@@ -132,17 +148,7 @@ class HistoryTower(nn.Module):
         self.length = int(encoder.length)
 
     def forward(self, history: torch.Tensor) -> torch.Tensor:
-        if history.dim() != 2 or history.shape[1] != self.length:
-            raise ValueError(f"history: expected [B, {self.length}] item ids (-1 past a "
-                             f"history's end), got {list(history.shape)}")
-        items = self.table.weight.shape[0]
-        if bool(((history < -1) | (history >= items)).any()):
-            raise ValueError(f"history: item ids are 0..{items - 1}, or -1 past the end")
-        used = history >= 0
-        counts = used.sum(1)
-        slots = torch.arange(self.length, device=history.device)
-        if bool((used != (slots[None, :] < counts[:, None])).any()):
-            raise ValueError("history: each row's items come first, then -1 to its end")
+        counts = history_counts(history, self.length, self.table.weight.shape[0])
         vectors = self.table(history.clamp(min=0))
         out = self.mlp(self.encoder(vectors, counts))
         return normalize(out, dim=1) if self.normalized else out
@@ -163,17 +169,7 @@ class SequenceTower(nn.Module):
 
     def forward(self, history: torch.Tensor, times: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
-        if history.dim() != 2 or history.shape[1] != self.length:
-            raise ValueError(f"history: expected [B, {self.length}] item ids (-1 past a "
-                             f"history's end), got {list(history.shape)}")
-        items = self.table.weight.shape[0]
-        if bool(((history < -1) | (history >= items)).any()):
-            raise ValueError(f"history: item ids are 0..{items - 1}, or -1 past the end")
-        used = history >= 0
-        counts = used.sum(1)
-        slots = torch.arange(self.length, device=history.device)
-        if bool((used != (slots[None, :] < counts[:, None])).any()):
-            raise ValueError("history: each row's items come first, then -1 to its end")
+        counts = history_counts(history, self.length, self.table.weight.shape[0])
         if bool((counts == 0).any()):
             raise ValueError("history: a row has no items; the sequence model (hstu) needs at "
                              "least one item the user engaged with")
