@@ -67,6 +67,31 @@ def test_each_window_reads_only_earlier_items_and_targets_the_next(log):
     assert count < len(data.pairs["train"][0])  # windows, not every row
 
 
+def test_each_slot_carries_its_items_time_from_the_log(log):
+    """The dense values are the history's times, seconds after its latest item, as the log
+    has them (preprocess keeps timestamps; the pairs are unique in this log)."""
+    cfg, data = sequence_data(log)
+    raw_users = (log / "data/users.txt").read_text().split()
+    raw_items = (log / "data/items.txt").read_text().split()
+    when = {(u, i): float(t) for u, i, _, t in
+            (line.split("\t") for line in (log / "u.data").read_text().splitlines())}
+    for split in ("train", "test"):
+        count = data.num_samples(split)
+        columns = data.columns(split, 0, count)
+        histories = slot_histories(columns, LENGTH)
+        users = (data.pairs["train"][0][data.train_rows] if split == "train"
+                 else data.pairs[split][0])
+        assert columns.dense.shape == (count, LENGTH)
+        for row, (user, history) in enumerate(zip(users, histories)):
+            times = [when[(raw_users[user], raw_items[i])] for i in history]
+            want = np.zeros(LENGTH)
+            want[:len(times)] = np.array(times) - times[-1]
+            np.testing.assert_array_equal(columns.dense[row], want)
+    cfg.model.hstu.time_buckets = 0  # no time bias: no dense values
+    assert open_interactions(cfg.data.path).for_model(cfg.model).columns(
+        "train", 0, 4).dense.shape == (4, 0)
+
+
 def test_the_served_tower_gives_the_trained_models_vectors(log):
     cfg, data = sequence_data(log)
     torch.manual_seed(0)
