@@ -56,7 +56,7 @@ def test_a_forked_run_ends_as_the_interpreter_ends_it(tmp_path, ending):
     script = tmp_path / "job.py"
     script.write_text("import atexit, sys, threading, time\n"
                       "atexit.register(print, 'atexit')\n"
-                      "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n"
+                      "threading.Thread(target=lambda: (time.sleep(0.5), print('thread'))).start()\n"
                       "print('unflushed', end='')\n"
                       f"{EXITS[ending]}\n")
     forked, fresh = (run_cli([], script=script, fresh=f) for f in (False, True))
