@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/sequential.py --data FILE [--name NAME] [--positive 'rating>=4']
         [--seeds 3] [--ranks 1] [--quick]
     .venv/bin/python benchmarks/sequential.py --dataset DIR ...   (a folder preprocess wrote)
+        [--setting HSTU_DROPOUT,SASREC_DROPOUT] [--epochs N]   (no grids; shorter runs)
 
 --data: any log `preprocess interactions` reads (MovieLens u.data, ratings.dat, ratings.csv);
 it is preprocessed into a temporary folder (positive = rating >= 4, leave-last-out per user by
@@ -117,9 +118,13 @@ def words(sets: Dict[str, object]) -> str:
 
 
 def tune_hstu(data_cfg, scratch: Path, args) -> Tuple[dict, Dict[str, float], int]:
-    """(the chosen setting, its seed-0 run, epochs) by validation HR@10 over GRID."""
+    """(the chosen setting, its seed-0 run, epochs) by validation HR@10 over GRID (with
+    --setting, that one alone)."""
     grid, epochs = ([QUICK[0]], QUICK[1]) if args.quick else (
         [dict(zip(GRID, v)) for v in itertools.product(*GRID.values())], EPOCHS)
+    if args.setting and not args.quick:
+        grid = [{"model.hstu.dropout": args.setting[0]}]
+    epochs = args.epochs or epochs
     best = None
     for i, sets in enumerate(grid):
         m = hstu_run(data_cfg, sets, epochs, 0, scratch, args.ranks, f"hstu_grid_{i}")
@@ -135,6 +140,9 @@ def tune_sasrec(data, retrieval_cfg, args) -> Tuple[dict, Dict[str, float], int]
     grid, epochs = ([sasrec.QUICK[0]], sasrec.QUICK[1]) if args.quick else (
         [dict(zip(sasrec.GRID, v)) for v in itertools.product(*sasrec.GRID.values())],
         sasrec.EPOCHS)
+    if args.setting and not args.quick:
+        grid = [{"maxlen": sasrec.GRID["maxlen"][0], "dropout": args.setting[1]}]
+    epochs = args.epochs or epochs
     best = None
     for setting in grid:
         m = sasrec_run(data, retrieval_cfg, setting, epochs, 0)
@@ -161,6 +169,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per model")
     parser.add_argument("--ranks", type=int, default=0,
                         help="gloo ranks of the HSTU runs (0: one process)")
+    parser.add_argument("--setting", type=lambda t: tuple(float(x) for x in t.split(",")),
+                        help="HSTU_DROPOUT,SASREC_DROPOUT: train these (chosen on another "
+                        "log's validation) instead of each grid")
+    parser.add_argument("--epochs", type=int, default=0, help="the longest run of each model "
+                        f"(default: HSTU {EPOCHS}, SASRec {sasrec.EPOCHS})")
     parser.add_argument("--quick", action="store_true",
                         help="a check that it runs: one short setting per model, 2 epochs")
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 (issue 61): is HSTU within 0.9 of the ceiling, and above SASRec by more than 3 standard errors?
 
     .venv/bin/python benchmarks/sequential_planted.py [--users 20000] [--seeds 3] [--quick]
-        [--work DIR]
+        [--work DIR] [--setting HSTU_DROPOUT,SASREC_DROPOUT] [--epochs N]
 
 1. The log: data/interactions/planted_sequences.py's world (sessions on topics of a ring that
    drift to the next topic, a home topic, gaps that show where sessions start; WORLD below,
@@ -67,6 +67,8 @@ def sequential(folder: Path, args) -> Dict[str, float]:
     """benchmarks/sequential.py on the dataset folder, streamed; its summary line's numbers."""
     cmd = [sys.executable, "-u", str(ROOT / "benchmarks/sequential.py"), "--dataset",
            str(folder), "--name", "planted", "--seeds", str(args.seeds)]
+    cmd += [*(["--setting", args.setting] if args.setting else []),
+            *(["--epochs", str(args.epochs)] if args.epochs else [])]
     proc = subprocess.Popen(cmd + (["--quick"] if args.quick else []), cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1)
     summary = None
@@ -83,6 +85,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, help="users (default 20,000; --quick: 1,000)")
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per model")
+    parser.add_argument("--setting", help="sequential.py --setting HSTU_DROPOUT,SASREC_DROPOUT "
+                        "(no grids)")
+    parser.add_argument("--epochs", type=int, default=0, help="sequential.py --epochs")
     parser.add_argument("--quick", action="store_true", help="a small world, sequential.py "
                         "--quick: a check that it runs")
     parser.add_argument("--work", help="keep the log and dataset here (default: a temporary "
