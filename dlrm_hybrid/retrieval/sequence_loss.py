@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.functional import log_softmax
+from torch.nn.functional import cross_entropy
 
 from dlrm_hybrid.retrieval.loss import gather_rows
 
@@ -49,12 +49,15 @@ class SequenceSoftmax(nn.Module):
         distinct, first = _first_of_each(ids)
         keep = distinct >= 0  # padding rows carry id -1
         candidates, candidate_ids = vectors[first[keep]], distinct[keep]
-        positive_logits = (outputs * positives).sum(-1, keepdim=True)
-        logits = torch.cat([positive_logits, outputs @ candidates.T], 1)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / self.temperature
-        hits = positive_ids.long()[:, None] == candidate_ids[None, :]
-        logits[:, 1:] = logits[:, 1:].masked_fill(hits, MASKED)
-        total = -log_softmax(logits, 1)[:, 0].sum()
+        wide = torch.promote_types(outputs.dtype, torch.float32)
+        scaled = outputs.to(wide) / self.temperature  # [P, D]: cheaper than dividing the logits
+        positive = (scaled * positives.to(wide)).sum(-1)
+        negative = scaled @ candidates.to(wide).T  # [P, C]
+        negative = negative.masked_fill(positive_ids.long()[:, None] == candidate_ids[None, :],
+                                        MASKED)
+        logits = torch.cat([positive[:, None], negative], 1)  # the positive in column 0
+        total = cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long,
+                                                  device=logits.device), reduction="sum")
         return total / (self._positions(len(outputs)) / world_size())
 
     def _widest(self, local: int) -> int:
