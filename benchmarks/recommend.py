@@ -114,7 +114,7 @@ CANDIDATE_RATIO = 0.75  # of them from the early funnel's candidates
 HOLDOUT_RECENT = 10  # the early retrieval dataset leaves out each user's 10 most recent
 LOSSES = ("pointwise", "pairwise", "listwise")
 EPOCHS = 29  # retrieval.py's grid's choice on ml-100k
-HSTU_EPOCHS = 60  # --tower hstu: sequential.py's validation choice on ml-100k
+HSTU_EPOCHS = 20  # --tower hstu: sequential.py's validation choice on ml-100k (19-24 epochs)
 RANKER_STEPS = 2000  # configs/multitask_demo.yaml's: the uniform ranking dataset's
 # the candidate dataset (about 97k rows): a grid of 1.6 to 12.6 epochs, chosen on validation
 # (ml-100k's validation world with the similarity features, listwise, the best value model:

@@ -28,7 +28,7 @@ VALUE = {"watched": 0.5, "liked": 1.0, "disliked": -2.0}  # the rankers' exporte
 TOWER = {"model.temperature": 0.2, "optim.embedding_lr": 0.05}
 # --tower hstu: sequential.py's choice on ml-100k, without the time bias (a request's history,
 # the validation item included, comes without times)
-HSTU_FUNNEL = {"model.hstu.max_length": 50, "model.hstu.dropout": 0.2,
+HSTU_FUNNEL = {"model.hstu.max_length": 50, "model.hstu.dropout": 0.5,
                "model.hstu.time_buckets": 0}
 
 
