@@ -2,7 +2,7 @@
 the same batch, and how each grows as the history length doubles.
 
     .venv/bin/python benchmarks/sequential_speed.py [--lengths 64,128,256,512] [--batch 128]
-        [--dim 64] [--steps 5] [--threads N]
+        [--dim 64] [--steps 5] [--threads N]   (--batch default 32: at 512, 16k positions)
 
 For each length L, one batch of B full sequences of L items (every position a training sample:
 B x L next-item predictions) over a corpus of ITEMS items, timed over --steps training steps
@@ -130,7 +130,7 @@ def sasrec_step(length: int, batch: int, dim: int, ids: np.ndarray) -> Callable[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="64,128,256,512")
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
