@@ -1,8 +1,8 @@
 """Training speed of the sequence model (`model.kind: hstu`) beside the SASRec-style reference on
 the same batch, and how each grows as the history length doubles.
 
-    .venv/bin/python benchmarks/sequential_speed.py [--lengths 64,128,256,512] [--batch 128]
-        [--dim 64] [--steps 5] [--threads N]   (--batch default 32: at 512, 16k positions)
+    .venv/bin/python benchmarks/sequential_speed.py [--lengths 64,128,256,512] [--batch 32]
+        [--dim 64] [--steps 5] [--threads N]
 
 For each length L, one batch of B full sequences of L items (every position a training sample:
 B x L next-item predictions) over a corpus of ITEMS items, timed over --steps training steps
