@@ -145,11 +145,12 @@ def test_a_folder_without_timeline_positions_serves_ids_only(log, tmp_path):
     assert "has no train_position.npy" in result.stderr and "preprocess the log again" in result.stderr
 
 
-@pytest.mark.parametrize("encoder", ["history_mean", "history_attention"])
-def test_the_served_tower_reproduces_the_trained_one_from_a_given_history(log, encoder):
-    cfg, data = history_data(log, encoder)
+def trained_test_users(build, cfg, data, length: int):
+    """(a model `build` makes, its tables uniform in +-0.5; the test users' vectors as training
+    computes them; their histories as a served tower takes them, [users, length] with -1 past
+    each end; their lengths)."""
     torch.manual_seed(0)
-    model = build_two_tower(cfg, data.spec, embedding_device=torch.device("cpu")).eval()
+    model = build(cfg, data.spec, embedding_device=torch.device("cpu")).eval()
     for table in model.embedding_bags.parameters():
         torch.nn.init.uniform_(table, -0.5, 0.5)
     users = np.arange(data.users)
@@ -158,7 +159,14 @@ def test_the_served_tower_reproduces_the_trained_one_from_a_given_history(log, e
     with torch.no_grad():
         trained, _ = split_towers(model(batch.dense, batch.sparse))
     slots, counts = data.histories.before("test", users)
-    given = np.where(np.arange(LENGTH)[None, :] < counts[:, None], slots, -1)
+    given = np.where(np.arange(length)[None, :] < counts[:, None], slots, -1)
+    return model, trained, given, counts
+
+
+@pytest.mark.parametrize("encoder", ["history_mean", "history_attention"])
+def test_the_served_tower_reproduces_the_trained_one_from_a_given_history(log, encoder):
+    cfg, data = history_data(log, encoder)
+    model, trained, given, counts = trained_test_users(build_two_tower, cfg, data, LENGTH)
     served_tower = torch.jit.script(history_tower(model, model.state_dict()))
     with torch.no_grad():
         served = served_tower(torch.from_numpy(given))

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT, read_metrics
+from conftest import ROOT
 from test_two_tower import assert_same_model, final_state
-from variant_job import assert_close, launch, losses
+from variant_job import assert_close, assert_same_evaluations, launch, losses
 
 JOB = ROOT / "tests/hstu_job.py"
 VARIANTS = ("in_batch", "uniform")
@@ -32,13 +32,7 @@ def test_two_ranks_train_the_one_rank_model_step_by_step(jobs, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_two_ranks_evaluate_as_one(jobs, variant):
-    evals = {n: [e for e in read_metrics(jobs[n] / variant) if "val_mrr" in e]
-             for n in ("one", "two")}
-    assert [e["step"] for e in evals["two"]] == [5, 10]
-    for one, two in zip(evals["one"], evals["two"]):
-        for metric in METRICS:
-            assert one[metric] == pytest.approx(two[metric], abs=2e-3), metric
-    assert evals["two"][-1]["val_recall@100"] > 0
+    assert_same_evaluations(jobs, variant, METRICS)
 
 
 def test_the_plan_names_the_sequence_model(jobs):

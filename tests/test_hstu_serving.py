@@ -13,12 +13,10 @@ from torch.nn.functional import normalize
 
 from conftest import failure, run_cli
 from dlrm_hybrid.config_loading import load_config
-from dlrm_hybrid.data.batch import Batch
 from dlrm_hybrid.data.interactions.interaction_data import open_interactions
 from dlrm_hybrid.model.hstu_retrieval import build_hstu
-from dlrm_hybrid.model.two_tower import split_towers
 from dlrm_hybrid.serve.retrieval_export import sequence_towers
-from test_history_tower import slot_histories, timelines, write_log
+from test_history_tower import slot_histories, timelines, trained_test_users, write_log
 
 LENGTH = 5
 CONFIG = f"""
@@ -94,19 +92,10 @@ def test_each_slot_carries_its_items_time_from_the_log(log):
 
 def test_the_served_tower_gives_the_trained_models_vectors(log):
     cfg, data = sequence_data(log)
-    torch.manual_seed(0)
-    model = build_hstu(cfg, data.spec, embedding_device=torch.device("cpu")).eval()
-    for table in model.embedding_bags.parameters():
-        torch.nn.init.uniform_(table, -0.5, 0.5)
+    model, trained, given, counts = trained_test_users(build_hstu, cfg, data, LENGTH)
     users = np.arange(data.users)
-    columns = data.user_columns(users, np.ones(len(users), bool), "test")
-    batch = Batch.from_columns(columns, data.spec.feature_names)
-    with torch.no_grad():
-        trained, _ = split_towers(model(batch.dense, batch.sparse))
-    slots, counts = data.histories.before("test", users)
-    given = np.where(np.arange(LENGTH)[None, :] < counts[:, None], slots, -1)
     times = data.histories.times_before("test", users) + 7e8  # any origin: only gaps count
-    assert data.meta.history_times and batch.dense.shape == (len(users), LENGTH)
+    assert data.meta.history_times
     tower, items = sequence_towers(model, model.state_dict(), reads_times=True)
     served_tower = torch.jit.script(tower)
     with torch.no_grad():
@@ -159,7 +148,8 @@ def test_trained_exported_and_served_through_the_commands(log, tmp_path):
                            retriever.history_vectors([seen]), atol=1e-7)
     result = run_cli(["export", "--checkpoint", str(tmp_path / "run/checkpoints/step_4"),
                       "--out", str(tmp_path / "ranker")])
-    assert result.returncode == 2 and "is a hstu (retrieval) model; add --retrieval" in result.stderr
+    assert result.returncode == 2
+    assert "is a hstu (retrieval) model; add --retrieval" in result.stderr
 
 
 @pytest.mark.parametrize("setting, says", [

@@ -7,6 +7,7 @@ it has one, into OUT/resumed_<variant>/.
   usage: SCRIPT OUT [VARIANT ...] [--resume DIR]   (no VARIANT: all)
 
 The test side: `launch` (a 2-rank launch, then a 1-rank one resuming it), `losses`,
+`assert_same_evaluations`,
 `assert_close`.
 """
 
@@ -65,3 +66,18 @@ def assert_close(got: list, want: list, rel: float) -> None:
     assert len(got) == len(want) and got, (got, want)
     worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
     assert worst < rel, (worst, got, want)
+
+
+def assert_same_evaluations(jobs: dict, variant: str, metrics) -> None:
+    """The 1- and 2-rank runs of `variant` evaluated at steps 5 and 10 alike (retrieval
+    metrics to 2e-3: the ranks' float sums differ in order), and found something."""
+    import pytest
+    from conftest import read_metrics
+
+    evals = {n: [e for e in read_metrics(jobs[n] / variant) if "val_mrr" in e]
+             for n in ("one", "two")}
+    assert [e["step"] for e in evals["two"]] == [5, 10]
+    for one, two in zip(evals["one"], evals["two"]):
+        for metric in metrics:
+            assert one[metric] == pytest.approx(two[metric], abs=2e-3), metric
+    assert evals["two"][-1]["val_recall@100"] > 0
