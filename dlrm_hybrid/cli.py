@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--output", required=True, help="new dataset folder")
     evaluate = _config_arguments(commands.add_parser(
         "eval", help="AUC and log loss of a checkpoint on a split (default: test); a two_tower "
-                  "checkpoint: recall, HR, NDCG@K and MRR over the whole item corpus"))
+                  "or hstu checkpoint: recall, HR, NDCG@K and MRR over the whole item corpus"))
     evaluate.add_argument("--checkpoint", required=True, help="a step_<n> checkpoint folder")
     evaluate.add_argument("--split", default="test", choices=("test", "val"))
     export = commands.add_parser(
@@ -78,8 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                         "t_cat_0=int4 (repeatable)")
     export.add_argument("--state-dict", action="store_true", help="write the unsharded fp32 "
                         "state dict (torch.save) instead, e.g. to fine-tune elsewhere")
-    export.add_argument("--retrieval", action="store_true", help="a two_tower checkpoint: write "
-                        "the folder --out (user tower, item vectors, FAISS index) `retrieve` reads")
+    export.add_argument("--retrieval", action="store_true", help="a two_tower or hstu "
+                        "checkpoint: write the folder --out (user tower, item vectors, FAISS "
+                        "index) `retrieve` reads")
     export.add_argument("--index", metavar="flat|ivf|hnsw", help="--retrieval's index: exact "
                         "(flat, the default), inverted lists (ivf) or a graph (hnsw)")
     for flag, what in (("--nlist", "ivf: lists (default sqrt(items))"),
@@ -204,7 +205,7 @@ def run_export(args) -> None:
         return run_retrieval_export(args, index_settings)
     if args.index or index_settings:
         raise UserError("export: --index and its settings are for --retrieval (a two_tower "
-                        "checkpoint)")
+                        "or hstu checkpoint)")
     with collector_paused():
         from dlrm_hybrid.serve.export import description_path, export_model
         from dlrm_hybrid.train.inference import export_checkpoint

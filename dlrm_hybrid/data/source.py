@@ -28,7 +28,8 @@ def open_dataset(data_cfg, model_cfg=None, retrieval_cfg=None):
         return dataset
     if is_interaction_folder(data_cfg.path):
         raise DataError(f"data.path: {data_cfg.path} is an interaction log for retrieval; train "
-                        f"it with model.kind=two_tower, or give the ranker a click-log dataset")
+                        f"it with model.kind=two_tower or hstu, or give the ranker a click-log "
+                        f"dataset")
     tasks = [t.name for t in model_cfg.tasks] if model_cfg is not None else []
     dataset = (SplitBinaryDataset(data_cfg.path) if data_cfg.path
                else SyntheticClicks(data_cfg, data_cfg.labels or tasks))
@@ -40,8 +41,9 @@ def open_interaction_dataset(data_cfg) -> InteractionData:
     if not data_cfg.path:
         return planted_interactions(data_cfg)
     if not is_interaction_folder(data_cfg.path):
-        raise DataError(f"data.path: {data_cfg.path} has no {META_FILE}; model.kind two_tower "
-                        f"reads a folder made by `dlrm_hybrid preprocess interactions`")
+        raise DataError(f"data.path: {data_cfg.path} has no {META_FILE}; the retrieval models "
+                        f"(model.kind two_tower, hstu) read a folder made by `dlrm_hybrid "
+                        f"preprocess interactions`")
     return open_interactions(data_cfg.path)
 
 

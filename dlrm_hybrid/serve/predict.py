@@ -43,8 +43,9 @@ def load_scoring_model(path: Path) -> Tuple[torch.jit.ScriptModule, dict]:
         raise UserError(f"--model: {path} is a checkpoint; export it first (export --checkpoint "
                         f"{path} --out model.pt) and give that file")
     if (path / "retrieval.yaml").is_file():
-        raise UserError(f"--model: {path} is a two_tower retrieval export, which `predict` does "
-                        f"not score; query it with `retrieve --model {path} --user USER`")
+        raise UserError(f"--model: {path} is a retrieval export (two_tower or hstu), which "
+                        f"`predict` does not score; query it with `retrieve --model {path} --user "
+                        f"USER`")
     if not path.is_file():
         raise UserError(f"--model: {path} {'is a folder' if path.is_dir() else 'does not exist'}"
                         f"; give a file `export` wrote")
