@@ -230,7 +230,7 @@ def _validate_two_tower(cfg: Config, world_size: int) -> None:
     if m.kind == "two_tower":
         _validate_towers(m)
     else:
-        _validate_hstu(m)
+        _validate_hstu(cfg)
     _validate_retrieval(cfg, world_size)
 
 
@@ -250,8 +250,13 @@ def _validate_towers(m) -> None:
                           f"is the score); make the last widths equal")
 
 
-def _validate_hstu(m) -> None:
+def _validate_hstu(cfg: Config) -> None:
+    m = cfg.model
     h = m.hstu
+    if not h.in_batch_negatives and cfg.retrieval.uniform_negatives <= 0:
+        raise ConfigError("model.hstu.in_batch_negatives: false leaves the softmax no candidates "
+                          "without retrieval.uniform_negatives; set it (e.g. 128) or keep the "
+                          "batch's items")
     if m.embedding_dim % 4:
         raise ConfigError(f"model.embedding_dim: {m.embedding_dim} is not a multiple of 4, which "
                           f"fbgemm's embedding tables need; use e.g. 48 or 64")

@@ -157,10 +157,13 @@ def test_trained_exported_and_served_through_the_commands(log, tmp_path):
     ("model.hstu.dropout=1", "model.hstu.dropout: 1.0 is not in [0, 1)"),
     ("model.embedding_dim=10", "not a multiple of 4"),
     ("model.hstu.max_length=0", "model.hstu.max_length"),
+    ("model.hstu.in_batch_negatives=false --set retrieval.uniform_negatives=0",
+     "leaves the softmax no candidates"),
 ])
 def test_settings_that_cannot_work_are_one_line_errors(log, setting, says):
+    sets = [arg for one in setting.split(" --set ") for arg in ("--set", one)]
     result = run_cli(["plan", "--config", str(log / "hstu.yaml"), "--set",
-                      f"data.path={log / 'data'}", "--set", setting])
+                      f"data.path={log / 'data'}", *sets])
     assert result.returncode == 2 and says in result.stderr, (setting, result.stderr)
     assert len(result.stderr.strip().splitlines()) == 1
 
