@@ -169,6 +169,11 @@ class ModelConfig:
     # weighted pair dots added to the task's logit (model/task_dots.py); 0: none
     task_dot_dim: int = 0
     ranking_loss: RankingLossConfig = field(default_factory=RankingLossConfig)
+    # The ranker's sequence feature (model/sequence_feature.py): none | hstu, HSTU (`model.hstu`'s
+    # layers, heads, widths, dropout) over the user's history with its actions and the
+    # candidate after it, its output one more vector of the interaction. The dataset carries the
+    # history (`preprocess interactions --labels ... --history L`).
+    sequence: str = "none"
 
 
 @dataclass
@@ -327,6 +332,7 @@ class Config:
 
 CHOICES = {
     "model.kind": ("dlrm", "two_tower", "hstu"),
+    "model.sequence": ("none", "hstu"),
     "model.user_tower.encoder": ("ids", "history_mean", "history_attention"),
     "model.embedding_precision": ("fp32", "fp16"),
     "model.interaction": ("dot", "cat", "dcn", "fm", "dhen"),

@@ -37,6 +37,10 @@ def validate(cfg: Config, world_size: int) -> None:
     if m.kind == "dlrm":
         _validate_ranker(cfg)
         _validate_tasks(cfg, world_size)
+        _validate_sequence(cfg)
+    elif m.sequence != "none":
+        raise ConfigError(f"model.sequence: is the ranker's sequence feature (model.kind dlrm); "
+                          f"a {m.kind} model has none, leave it at none")
     _validate_two_tower(cfg, world_size)
     _validate_exchange(cfg)
     _validate_dense(cfg)
@@ -257,9 +261,37 @@ def _validate_hstu(cfg: Config) -> None:
         raise ConfigError("model.hstu.in_batch_negatives: false leaves the softmax no candidates "
                           "without retrieval.uniform_negatives; set it (e.g. 128) or keep the "
                           "batch's items")
-    if m.embedding_dim % 4:
-        raise ConfigError(f"model.embedding_dim: {m.embedding_dim} is not a multiple of 4, which "
-                          f"fbgemm's embedding tables need; use e.g. 48 or 64")
+    _validate_hstu_layers(m)
+    if m.compositional:
+        raise ConfigError("model.compositional: hstu reads whole item vectors from one table; "
+                          "leave it empty")
+
+
+def _validate_sequence(cfg: Config) -> None:
+    """The ranker's sequence feature (model.sequence hstu): HSTU's settings, and what it
+    cannot run with."""
+    m = cfg.model
+    if m.sequence == "none":
+        return
+    if not cfg.data.path:
+        raise ConfigError("model.sequence: hstu reads each row's history, which the planted click "
+                          "data has not; set data.path to a ranking dataset made by `preprocess "
+                          "interactions --labels ... --history L`")
+    refused = {"model.interaction": m.interaction == "fm",
+               "model.compositional": bool(m.compositional),
+               "parallel.exchange": cfg.parallel.exchange == "des",
+               "parallel.dense": cfg.parallel.dense != "ddp"}
+    for key, bad in refused.items():
+        if bad:
+            raise ConfigError(f"{key}: {_get(cfg, key)!r} does not run with model.sequence=hstu "
+                              f"(its HSTU reads whole pooled vectors of the item table, under "
+                              f"DDP); leave {key} at its default")
+    _validate_hstu_layers(m)
+
+
+def _validate_hstu_layers(m) -> None:
+    """model.hstu's layer settings, for the sequence model and the ranker's sequence feature."""
+    h = m.hstu
     for key in ("attention_dim", "linear_dim"):
         if getattr(h, key) < 0:
             raise ConfigError(f"model.hstu.{key}: must be >= 0 (0: model.embedding_dim / heads)")
@@ -271,9 +303,6 @@ def _validate_hstu(cfg: Config) -> None:
     if h.time_buckets < 0:
         raise ConfigError(f"model.hstu.time_buckets: {h.time_buckets}; use e.g. 128, or 0 for "
                           f"no time bias")
-    if m.compositional:
-        raise ConfigError("model.compositional: hstu reads whole item vectors from one table; "
-                          "leave it empty")
 
 
 def _validate_retrieval(cfg: Config, world_size: int) -> None:

@@ -197,8 +197,10 @@ def _parse(root: Path, path: Path, raw: dict) -> FeatureSpec:
     metadata = dict(raw.get("metadata") or {})
     true_prob = {s: root / p for s, p in metadata.pop("true_prob", {}).items()}
     true_prob_labels = tuple(metadata.pop("true_prob_labels", ()))
-    return FeatureSpec(root, DataSpec(len(nums), cardinalities, hotness), dtypes, splits, true_prob,
-                       metadata, labels, true_prob_labels)
+    # a ranking dataset with a history (`--history L`): the model finds its slots by name
+    names = tuple(metadata.get("categorical_features") or ()) if metadata.get("history") else ()
+    return FeatureSpec(root, DataSpec(len(nums), cardinalities, hotness, names=names), dtypes,
+                       splits, true_prob, metadata, labels, true_prob_labels)
 
 
 def _label(features: dict, name: str) -> Label:

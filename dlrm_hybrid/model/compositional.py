@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 from dlrm_hybrid.config import RETRIEVAL_KINDS, ConfigError
-from dlrm_hybrid.data.interactions.interaction_meta import HISTORY, ITEM_ID
+from dlrm_hybrid.data.interactions.interaction_meta import ACTION, HISTORY, ITEM_ID
+from dlrm_hybrid.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,13 @@ def lookups_of(model_cfg, spec) -> List[FeatureLookup]:
     its own: its history slots are more keys of the item table (`item_id`'s part), so they are
     looked up, sharded and trained as that table."""
     if model_cfg.kind not in RETRIEVAL_KINDS:
+        if model_cfg.sequence != "none":
+            return sequence_lookups(model_cfg, spec)
+        if any(n.startswith(ACTION) for n in spec.feature_names):
+            raise DataError(f"model.sequence: the dataset carries each row's history "
+                            f"({HISTORY}0.., {ACTION}0..), which only the sequence feature "
+                            f"reads; set model.sequence=hstu, or make the dataset without "
+                            f"--history")
         return feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
                                model_cfg.embedding_dim, model_cfg.compositional,
                                first_order=model_cfg.interaction == "fm")
@@ -190,6 +198,28 @@ def lookups_of(model_cfg, spec) -> List[FeatureLookup]:
                                    [spec.hotness[i] for i in mine], dim, model_cfg.compositional)
     return [_with_history(lookup, history) if lookup.feature == ITEM_ID else lookup
             for lookup in lookups] if history else lookups
+
+
+def sequence_lookups(model_cfg, spec) -> List[FeatureLookup]:
+    """A ranker with a sequence feature (model.sequence): one lookup per feature but the
+    history's, whose item slots are more keys of the item table and whose action slots are
+    the keys of one action table (the last lookup)."""
+    names = spec.feature_names
+    history = [n for n in names if n.startswith(HISTORY)]
+    actions = [n for n in names if n.startswith(ACTION)]
+    if not history or len(actions) != len(history) or ITEM_ID not in names:
+        raise DataError(f"model.sequence: the dataset has no history with actions (features "
+                        f"{HISTORY}0.., {ACTION}0.. and {ITEM_ID}); make it with `preprocess "
+                        f"interactions --labels ... --history L`, or set model.sequence=none")
+    own = [i for i, n in enumerate(names) if n not in history and n not in actions]
+    lookups = feature_lookups([names[i] for i in own], [spec.cardinalities[i] for i in own],
+                              [spec.hotness[i] for i in own], model_cfg.embedding_dim, [])
+    rows = spec.cardinalities[names.index(actions[0])]
+    dim = model_cfg.embedding_dim
+    part = Part(f"t_{ACTION}", tuple(actions), rows, dim, init_bound(rows, "full", ""))
+    return [_with_history(lookup, history) if lookup.feature == ITEM_ID else lookup
+            for lookup in lookups] + [FeatureLookup(ACTION, rows, 1, dim, "full", 0, "",
+                                                    (part,))]
 
 
 def _with_history(item: FeatureLookup, history: List[str]) -> FeatureLookup:

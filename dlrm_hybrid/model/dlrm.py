@@ -14,14 +14,15 @@ from torchrec.models.dlrm import DenseArch, OverArch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from dlrm_hybrid.config import (DcnConfig, DhenConfig, MmoeConfig, RankingLossConfig,
-                                TaskConfig)
+from dlrm_hybrid.config import (DcnConfig, DhenConfig, HstuConfig, MmoeConfig,
+                                RankingLossConfig, TaskConfig)
 from dlrm_hybrid.model.alignment import aligned
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 from dlrm_hybrid.model.composed_lookup import composed_lookup
 from dlrm_hybrid.model.cross import dcn_over_arch
 from dlrm_hybrid.model.embeddings import embedding_tables
 from dlrm_hybrid.model.interactions import FactorizationMachine, build_interaction
+from dlrm_hybrid.model.sequence_feature import action_ids, sequence_feature
 from dlrm_hybrid.model.task_dots import with_task_dots
 from dlrm_hybrid.model.task_heads import TaskHeads, multitask_loss, ranking_loss
 
@@ -33,14 +34,17 @@ class DLRM(nn.Module):
                  embedding_precision: str = "fp32",
                  embedding_device: torch.device = torch.device("meta"),
                  tasks: Optional[List[TaskConfig]] = None, mmoe: Optional[MmoeConfig] = None,
-                 ranking: Optional[RankingLossConfig] = None, task_dot_dim: int = 0) -> None:
+                 ranking: Optional[RankingLossConfig] = None, task_dot_dim: int = 0,
+                 sequence: Optional[HstuConfig] = None) -> None:
         """Embedding tables start on `embedding_device`; "meta" allocates nothing, because
         sharding materialises each table only on the rank that owns it. `lookups` says which
         tables each categorical feature is looked up in (compositional.py). `dcn`, `dhen`: those
         interactions' settings (the config's defaults if None). `tasks` (multi-task ranking):
         one head per task in place of the top MLP's last layer, logits [B, T]; `ranking`: a
         learning-to-rank term beside their log loss, over requests of consecutive rows;
-        `task_dot_dim` > 0: each task's own dot interaction (model/task_dots.py)."""
+        `task_dot_dim` > 0: each task's own dot interaction (model/task_dots.py); `sequence`:
+        HSTU's settings for the sequence feature (model/sequence_feature.py; `lookups` then
+        end with the action table's)."""
         super().__init__()
         tables = embedding_tables(lookups, embedding_precision)
         self.lookups = lookups
@@ -50,6 +54,8 @@ class DLRM(nn.Module):
         # Compositional features: their ids become the parts' ids (a parameter-free module the
         # train pipeline runs ahead, with the id exchange); the parts' vectors are combined.
         self.lookup_ids, self.combine_parts = composed_lookup(lookups)
+        self.sequence = (sequence_feature(lookups, self.lookup_keys, sequence)
+                         if sequence is not None else None)
         self.embedding_bags = EmbeddingBagCollection(tables=tables, device=embedding_device)
         dcn = dcn or DcnConfig()
         self.interaction, width = build_interaction(
@@ -113,6 +119,8 @@ class DLRM(nn.Module):
         if isinstance(self.interaction, FactorizationMachine):
             return values.reshape(values.shape[0], -1)
         slots = values.reshape(values.shape[0], -1, self.embedding_dim)
+        if self.sequence is not None:
+            return self.sequence(slots, action_ids(sparse, self.lookups[-1].parts[0].keys))
         return slots if self.combine_parts is None else self.combine_parts(slots)
 
     def logits(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -204,4 +212,5 @@ def build_model(model_cfg, spec, embedding_device: torch.device = torch.device("
     return DLRM(spec.num_dense, lookups_of(model_cfg, spec), model_cfg.bottom_mlp,
                 model_cfg.top_mlp, model_cfg.interaction, model_cfg.self_interaction,
                 model_cfg.dcn, model_cfg.dhen, model_cfg.embedding_precision, embedding_device,
-                model_cfg.tasks, model_cfg.mmoe, model_cfg.ranking_loss, model_cfg.task_dot_dim)
+                model_cfg.tasks, model_cfg.mmoe, model_cfg.ranking_loss, model_cfg.task_dot_dim,
+                model_cfg.hstu if model_cfg.sequence != "none" else None)

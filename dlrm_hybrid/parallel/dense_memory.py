@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from dlrm_hybrid.config import ConfigError, parse_bytes
+from dlrm_hybrid.data.interactions.interaction_meta import HISTORY
 from dlrm_hybrid.model.alignment import aligned
 from dlrm_hybrid.parallel.plan import format_bytes
 
@@ -132,7 +133,12 @@ def _dhen_layers(cfg, features: int, d: int) -> List[Unit]:
 def model_dense_units(model_cfg, spec) -> List[Unit]:
     """The dense units of the configured model over a dataset's features (`spec`)."""
     if model_cfg.kind == "hstu":
-        return hstu_units(model_cfg)
+        return hstu_units(model_cfg, model_cfg.hstu.max_length, model_cfg.hstu.time_buckets)
+    if model_cfg.kind != "two_tower" and model_cfg.sequence != "none":
+        # the history's item and action slots fold into the sequence's one vector
+        slots = sum(n.startswith(HISTORY) for n in spec.feature_names)
+        return (dense_units(model_cfg, spec.num_dense, len(spec.cardinalities) - 2 * slots + 1)
+                + hstu_units(model_cfg, slots + 1, 0))
     if model_cfg.kind != "two_tower":
         return dense_units(model_cfg, spec.num_dense, len(spec.cardinalities))
     units = []
@@ -144,16 +150,16 @@ def model_dense_units(model_cfg, spec) -> List[Unit]:
     return units
 
 
-def hstu_units(model_cfg) -> List[Unit]:
-    """HSTU (model/hstu.py): the position table, then per layer W_uvqk, the output linear and
-    the relative bias (positions and time buckets)."""
+def hstu_units(model_cfg, length: int, time_buckets: int) -> List[Unit]:
+    """HSTU (model/hstu.py) over sequences of `length`: the position table, then per layer
+    W_uvqk, the output linear and the relative bias (positions and time buckets)."""
     h, d = model_cfg.hstu, model_cfg.embedding_dim
     dqk, dv = h.attention_dim or d // h.heads, h.linear_dim or d // h.heads
-    units = [Unit("hstu positions", {"position": [(h.max_length, d)]})]
+    units = [Unit("hstu positions", {"position": [(length, d)]})]
     for i in range(h.layers):
         units.append(Unit(f"hstu layer {i + 1}", {
             "uvqk": [(d, h.heads * (2 * dv + 2 * dqk))], "out": _linear(h.heads * dv, d),
-            "rab": [(h.max_length,), (h.time_buckets + 1,)]}))
+            "rab": [(length,), (time_buckets + 1,)]}))
     return units
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dlrm_hybrid.data.interactions.interaction_meta import ACTION
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
 
 BYTES_PER_WEIGHT = {"fp32": 4, "fp16": 2}
@@ -135,6 +136,7 @@ def table_specs(cfg, spec, lookups: Optional[Sequence[FeatureLookup]] = None) ->
     `lookups`: `lookups_of(cfg.model, spec)` where the caller has them."""
     m = cfg.model
     hotness = dict(zip(spec.feature_names, spec.mean_hotness))
+    hotness.setdefault(ACTION, 1)  # the sequence feature's action table: its slots' one id each
     return [TableSpec(part.table, part.rows, part.dim, m.embedding_precision, cfg.optim.embedding,
                       hotness[lookup.feature], lookup.slots)
             for lookup in (lookups_of(m, spec) if lookups is None else lookups)

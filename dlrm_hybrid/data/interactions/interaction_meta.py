@@ -18,6 +18,9 @@ META_FILE = "interactions.yaml"
 SPLITS = ("train", "val", "test")
 USER_ID, ITEM_ID = "user_id", "item_id"
 HISTORY = "user_history"  # a history user tower's features: user_history0 .. user_history<L-1>
+# a ranking dataset's history actions (made with --history): user_action0 .. user_action<L-1>,
+# 0 for an empty slot, else 1 + the bits of the engagement's labels
+ACTION = "user_action"
 
 
 def history_keys(length: int) -> List[str]:

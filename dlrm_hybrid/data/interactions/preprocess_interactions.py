@@ -64,6 +64,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--candidate-ratio", type=float, default=0.75, metavar="R",
                         help="--candidates: the share of each engagement's --ranking-negatives "
                              "drawn from the user's candidates, the rest uniform (default 0.75)")
+    parser.add_argument("--history", type=int, default=0, metavar="L",
+                        help="--labels: each row carries its user's last L engagements before "
+                             "it with their actions (the labels they had), for a ranker with "
+                             "model.sequence=hstu; and timelines.npz for serving (default 0)")
     parser.add_argument("--holdout-recent", type=int, default=0, metavar="K",
                         help="a retrieval dataset without each user's K most recent positives "
                              "(an early one, whose models give --candidates)")
@@ -77,7 +81,8 @@ def run(args) -> None:
 
         return run_ranking(args)
     for flag, given in (("--ranking-negatives", args.ranking_negatives),
-                        ("--holdout", args.holdout), ("--candidates", args.candidates)):
+                        ("--holdout", args.holdout), ("--candidates", args.candidates),
+                        ("--history", args.history)):
         if given:
             raise UserError(f"{flag}: for a ranking dataset; give --labels too")
     if args.holdout_recent < 0:

@@ -40,16 +40,18 @@ import numpy as np
 
 from dlrm_hybrid.data.feature_spec import check_label_names
 from dlrm_hybrid.data.interactions.interaction_log import BAD_KINDS, OPS, Log, Positive
-from dlrm_hybrid.data.interactions.interaction_meta import SPLITS
-from dlrm_hybrid.data.interactions.interaction_split import (Prepared, leave_last_out, prepare,
-                                                             read_checked_log, split_pairs)
+from dlrm_hybrid.data.interactions.ranking_history import (Histories, action_rows,
+                                                           engagement_histories, history_columns,
+                                                           history_features, history_note)
+from dlrm_hybrid.data.interactions.interaction_split import Prepared, prepare, read_checked_log
+from dlrm_hybrid.data.interactions.ranking_holdout import (SPLIT_FOLDERS, fresh_evaluation,
+                                                           hold_out, holdout_keys)
 from dlrm_hybrid.data.interactions.ranking_negatives import (LEFT_OUT, PER_SOURCE, RANK_TOP,
                                                              CandidatePool, candidate_blocks,
                                                              candidate_pool, sample_negatives)
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.errors import DataError, UserError
 
-SPLIT_FOLDERS = {"train": "train", "val": "validation", "test": "test"}  # interaction -> folder
 REQUEST_FEATURE = "user_id"
 CHUNK = 1 << 20  # rows written at a time
 DENSE = ("log1p_user_train_engagements", "log1p_item_train_engagements")
@@ -107,6 +109,7 @@ class Split:
     without_negatives: int
     candidate: Optional[np.ndarray] = None
     left_out: Dict[str, int] = field(default_factory=dict)
+    engagement: Optional[np.ndarray] = None  # each sample's engagement (the split's pairs' index)
 
 
 def never_negative(prepared: Prepared, held: np.ndarray) -> Dict[str, np.ndarray]:
@@ -147,9 +150,11 @@ def ranking_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], neg
         order = np.arange(int(keep.sum()))
         if split == "train":
             order = rng.permutation(order)
+        engagement = np.repeat(np.arange(len(users))[:, None], 1 + negatives, axis=1)
         out[split] = Split(blocks_u[keep][order], blocks_i[keep][order],
                            blocks_labels[keep][order], len(users),
-                           int((~sampled).sum()) if negatives else 0)
+                           int((~sampled).sum()) if negatives else 0,
+                           engagement=engagement[keep][order])
     return out
 
 
@@ -179,81 +184,17 @@ def candidate_splits(prepared: Prepared, log: Log, rules: Sequence[LabelRule], n
         order = rng.permutation(n) if split == "train" else np.arange(n)
         out[split] = Split(np.repeat(users[keep][order].astype(np.int64), size),
                            blocks[order].ravel(), block_labels[order].reshape(n * size, -1), n, 0,
-                           features[order].reshape(n * size, width), left_out)
+                           features[order].reshape(n * size, width), left_out,
+                           np.repeat(np.flatnonzero(keep)[order], size))
     return out
-
-
-def holdout_keys(folder: str, prepared: Prepared, splits: Tuple[str, ...] = ("val", "test")
-                 ) -> np.ndarray:
-    """user * items + item, in `prepared`'s ids, of the pairs of `splits` (default validation
-    and test) of `folder`, a retrieval dataset of the same log, matched by the raw ids of its
-    users.txt/items.txt."""
-    from dlrm_hybrid.data.interactions.interaction_meta import is_interaction_folder
-
-    root = Path(folder)
-    hint = "give the retrieval dataset `preprocess interactions` (no --labels) made of this log"
-    if not is_interaction_folder(folder):
-        what = "not a retrieval dataset (no interactions.yaml)" if root.is_dir() else "not found"
-        raise UserError(f"--holdout {folder}: {what}; {hint}")
-    ids = []
-    for side, known in (("user", prepared.raw_users), ("item", prepared.raw_items)):
-        try:
-            raw = (root / f"{side}s.txt").read_text(encoding="utf-8").splitlines()
-            dense = np.concatenate([np.load(root / f"{s}_{side}.npy") for s in splits])
-        except (OSError, ValueError) as e:
-            raise DataError(f"--holdout {folder}: cannot read its {side}s ({e}); {hint}")
-        if len(dense) and (dense.min() < 0 or dense.max() >= len(raw)):
-            raise DataError(f"--holdout {folder}: {side} ids beyond its {side}s.txt; {hint}")
-        names = np.array([n.encode("utf-8") for n in raw] or [b""])[dense]
-        order = np.argsort(known)
-        at = order[np.minimum(np.searchsorted(known[order], names), len(known) - 1)]
-        if not (known[at] == names).all():
-            first = names[known[at] != names][0].decode("utf-8", "replace")
-            raise UserError(f"--holdout {folder}: {side} {first!r} of its "
-                            f"{'/'.join(SPLIT_FOLDERS[s] for s in splits)} pairs is not in this "
-                            f"log; {hint}")
-        ids.append(at.astype(np.int64))
-    return np.unique(ids[0] * prepared.data.items + ids[1])
-
-
-def hold_out(prepared: Prepared, log: Log, keys: np.ndarray, folder: str, seed: int
-             ) -> Prepared:
-    """`prepared` without the engagements whose user * items + item is in `keys`, split again
-    as `prepare` splits (leave-last-out over the rest: each user's last remaining engagement is
-    test; a time cut keeps its splits). Ids stay the whole log's: every item keeps its id.
-    meta.extra: the rows held out, and the users all in train now."""
-    from dlrm_hybrid.data.interactions.interaction_data import InteractionData
-
-    data, extra = prepared.data, prepared.data.meta.extra
-    split_of, user_of, item_of = (np.full(len(log), -1, t) for t in (np.int8, np.int64, np.int64))
-    for code, split in enumerate(SPLITS):
-        rows = prepared.rows[split]
-        split_of[rows], (user_of[rows], item_of[rows]) = code, data.pairs[split]
-    kept = np.flatnonzero(split_of >= 0)
-    key = user_of[kept] * data.items + item_of[kept]
-    held = np.isin(key, keys)
-    missing = len(keys) - len(np.unique(key[held]))
-    if missing:
-        raise UserError(f"--holdout {folder}: {missing} of its {len(keys)} validation/test pairs "
-                        f"are not rows of this log; make it from the same log")
-    chronology, times = kept[~held], log.columns.get("timestamp")
-    if times is not None:
-        chronology = chronology[np.lexsort((chronology, times[chronology]))]
-    if "leave-last-out" in data.meta.split_rule:
-        split_of, extra["users_all_in_train"] = leave_last_out(user_of, chronology)
-    pairs, rows = split_pairs(
-        chronology, split_of, user_of, item_of, seed,
-        lambda name: f"--holdout {folder}: the {SPLIT_FOLDERS[name]} split is empty without its "
-                     f"pairs; a ranking dataset needs more of the log")
-    extra.update(held_out=int(held.sum()), holdout=folder)
-    return Prepared(InteractionData(data.meta, pairs, data.user_side, data.item_side),
-                    prepared.raw_users, prepared.raw_items, rows)
 
 
 def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[LabelRule],
                   negatives: int, seed: int, output: str, candidates: str = "",
-                  ratio: float = 0.0) -> None:
-    """The split-binary dataset, its labels, features and how it was made in feature_spec.yaml."""
+                  ratio: float = 0.0, histories: Optional[Histories] = None,
+                  history: int = 0) -> None:
+    """The split-binary dataset, its labels, features and how it was made in feature_spec.yaml;
+    with `history` slots, each row's history from `histories` (ranking_history.py)."""
     from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
     from dlrm_hybrid.serve.candidate_sources import (RANKER_CANDIDATE, RECENT,
                                                      SIMILARITY_FEATURES)
@@ -263,17 +204,21 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
     user_count = np.bincount(data.pairs["train"][0], minlength=data.users)
     item_count = np.bincount(data.pairs["train"][1], minlength=data.items)
     names = ["user_id", "item_id", *[f"user_{n}" for n in meta.user_side],
-             *[f"item_{n}" for n in meta.item_side]]
+             *[f"item_{n}" for n in meta.item_side], *history_features(history)]
     spec = DataSpec(len(dense_names), [data.users, data.items, *meta.user_side.values(),
-                                 *meta.item_side.values()], [1] * len(names))
+                                       *meta.item_side.values(), *[data.items] * history,
+                                       *[action_rows(len(rules))] * history], [1] * len(names))
     with SplitBinaryWriter(output, spec, labels=[r.name for r in rules]) as writer:
         for split, s in splits.items():
+            past = (history_columns(histories, prepared.rows[split], data.pairs[split][0],
+                                    s.engagement, history) if history else [])
             for lo in range(0, len(s.users), CHUNK):
                 u, i = s.users[lo:lo + CHUNK], s.items[lo:lo + CHUNK]
                 dense = np.log1p(np.stack([user_count[u], item_count[i]], axis=1))
                 if s.candidate is not None:
                     dense = np.concatenate([dense, s.candidate[lo:lo + CHUNK]], axis=1)
-                cats = [u, i, *data.user_side[u].T, *data.item_side[i].T]
+                cats = [u, i, *data.user_side[u].T, *data.item_side[i].T,
+                        *[c[lo:lo + CHUNK] for c in past]]
                 writer.write(SPLIT_FOLDERS[split], s.labels[lo:lo + CHUNK], dense,
                              [c[:, None] for c in cats])
         for key, value in {
@@ -307,6 +252,7 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                             "rule": "its validation and test pairs (raw ids): in no split, "
                                     "never a validation or test negative"}
                 if meta.extra["holdout"] else None,
+                "history": history_note(history, rules) if history else None,
                 "split_rule": meta.split_rule,
                 "request_feature": REQUEST_FEATURE,
                 "categorical_features": names,
@@ -319,6 +265,8 @@ def write_ranking(prepared: Prepared, splits: Dict[str, Split], rules: Sequence[
                 "engagements_without_negatives": sum(v.without_negatives for v in splits.values()),
                 "min_count": meta.extra["min_count"]}.items():
             writer.note(key, value)
+        if history:
+            histories.save(writer.tmp)
         for name, raw in (("users.txt", prepared.raw_users), ("items.txt", prepared.raw_items)):
             writer.add_file(name, "".join(f"{v.decode('utf-8')}\n" for v in raw))
 
@@ -332,6 +280,9 @@ def run(args) -> None:
     if args.positive:
         raise UserError("--positive: with --labels every row of the log is an engagement; say "
                         "what each label is in --labels (e.g. liked:rating>=4)")
+    if args.history < 0:
+        raise UserError(f"--history: the slots of each row's history, 0 (none) or more; got "
+                        f"{args.history}")
     if args.ranking_negatives < 0:
         raise UserError(f"--ranking-negatives: must be 0 or more, got {args.ranking_negatives}")
     if not 0 <= args.candidate_ratio <= 1:
@@ -357,24 +308,14 @@ def run(args) -> None:
                                   args.candidate_ratio, args.seed, held, pool, positions)
     else:
         splits = ranking_splits(prepared, log, rules, args.ranking_negatives, args.seed, held)
+    histories = (engagement_histories(*chronology_of(prepared, log),
+                                      np.stack([r.values(log, np.arange(len(log))) for r in rules],
+                                               axis=1), prepared.data.users)
+                 if args.history else None)
     write_ranking(prepared, splits, rules, args.ranking_negatives, args.seed, args.output,
-                  args.candidates or "", args.candidate_ratio)
+                  args.candidates or "", args.candidate_ratio, histories, args.history)
     print(summary(prepared, splits, rules, args.ranking_negatives, args.output,
                   time.perf_counter() - start))
-
-
-def fresh_evaluation(prepared: Prepared, held: np.ndarray, holdout: Optional[str]) -> np.ndarray:
-    """Keys user * items + item the candidate models must not have trained on: --holdout's
-    validation and test pairs (`held`) but those also in its train split, and this dataset's
-    validation and test pairs but those also in its own train split. Those are re-watches: the
-    models may know them from the earlier training row (a split's training rows come before its
-    validation and test rows), and the evaluation never asks for them."""
-    data = prepared.data
-    keys = {s: u.astype(np.int64) * data.items + i for s, (u, i) in data.pairs.items()}
-    own = np.concatenate([k for s, k in keys.items() if s != "train"])
-    if holdout:
-        held = np.setdiff1d(held, holdout_keys(holdout, prepared, ("train",)))
-    return np.union1d(held, np.setdiff1d(own, keys["train"]))
 
 
 def chronology_of(prepared: Prepared, log: Log) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

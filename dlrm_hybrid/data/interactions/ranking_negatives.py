@@ -99,7 +99,7 @@ def candidate_pool(text: str, raw_users: np.ndarray, raw_items: np.ndarray, log_
     log row's ranking ids (-1: not kept); `chronology`: the log's rows, oldest first;
     `evaluation`: keys user * items + item the models must not have trained on (--holdout's
     pairs, the ranking dataset's validation and test, re-watches aside:
-    ranking_log.fresh_evaluation), refused in one line if they did."""
+    ranking_holdout.fresh_evaluation), refused in one line if they did."""
     from dlrm_hybrid.graph.bipartite import read_graph
     from dlrm_hybrid.graph.pixie import PixieParams, PixieWalker
     from dlrm_hybrid.serve.candidate_sources import (CandidateSources, candidate_features,
