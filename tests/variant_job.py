@@ -44,14 +44,15 @@ def run_variants(common: List[str], variants: Dict[str, List[str]]) -> None:
     shutdown()
 
 
-def launch(root: Path, job: Path, two_rank_variants: List[str]) -> dict:
+def launch(root: Path, job: Path, two_rank_variants: List[str], extra: List[str] = ()) -> dict:
     """{"two": OUT of a 2-rank launch of `two_rank_variants`, "one": OUT of a 1-rank launch
-    of every variant that also resumes the 2-rank runs' step 5, "stdout": the 2-rank launch's}."""
+    of every variant that also resumes the 2-rank runs' step 5, "stdout": the 2-rank launch's}.
+    `extra`: more arguments of both launches (the job's own)."""
     from conftest import failure, run_cli  # the test side only: the jobs run without pytest
 
-    two = run_cli([str(root / "two"), *two_rank_variants], nproc=2, script=job)
+    two = run_cli([str(root / "two"), *two_rank_variants, *extra], nproc=2, script=job)
     assert two.returncode == 0, failure(two)
-    one = run_cli([str(root / "one"), "--resume", str(root / "two")], script=job)
+    one = run_cli([str(root / "one"), "--resume", str(root / "two"), *extra], script=job)
     assert one.returncode == 0, failure(one)
     return {"two": root / "two", "one": root / "one", "stdout": two.stdout}
 

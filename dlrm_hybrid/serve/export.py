@@ -65,7 +65,8 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
     precisions = table_precisions([p.table for p in table_order(model.lookups)], quantize,
                                   table_overrides)
     tasks = task_names(cfg.model)
-    scoring = scoring_model(model, weights, precisions, value_weights(tasks, cfg.value_model))
+    scoring = scoring_model(model, weights, precisions, value_weights(tasks, cfg.value_model),
+                            spec)
     outputs = (f"[B, {len(tasks)}] probabilities of the tasks" if cfg.model.tasks
                else "[B] click probabilities")
     description = {
@@ -80,9 +81,9 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
         "tasks": tasks,
         "value_model": dict(cfg.value_model),
         "num_dense": spec.num_dense,
-        "features": [{"name": lookup.feature, "cardinality": lookup.rows,
-                      "hotness": lookup.hotness, "technique": lookup.technique}
-                     for lookup in model.lookups],
+        "features": [{"name": name, "cardinality": rows, "hotness": hotness,
+                      "technique": technique} for name, rows, hotness, technique
+                     in served_features(model, spec)],
         "interaction": cfg.model.interaction,
         "quantization": {"default": quantize, "tables": precisions},
         "tables": table_sizes(scoring.embeddings, precisions),
@@ -148,23 +149,43 @@ def value_weights(tasks: List[str], value_model: Dict[str, float]) -> List[float
 
 
 def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
-                  precisions: Dict[str, str], value: Sequence[float] = ()) -> ScoringModel:
+                  precisions: Dict[str, str], value: Sequence[float] = (),
+                  spec=None) -> ScoringModel:
     """The served form of `model` (built on the meta device) with the checkpoint's `weights`
-    and the value model `value` (one weight per task, or none)."""
+    and the value model `value` (one weight per task, or none). A ranker with a sequence
+    feature takes the dataset's columns (`spec`'s features), history slots and all, one id
+    each: every key of its tables reads its own column."""
     parts = table_order(model.lookups)
     load_dense_weights(model, weights)
     tables = quantized_tables(parts, {p.table: weights[f"{TABLE_PREFIX}{p.table}.weight"]
                                       for p in parts}, precisions)
-    keys = lookup_keys(model.lookups)
     model.eval().requires_grad_(False)
+    features = served_features(model, spec)
+    if model.sequence is not None:
+        columns = [f[0] for f in features]
+        keys = [(columns.index(key), 0, 0, -1) for key in model.lookup_keys]
+        max_ids = [1] * len(columns)
+        actions = [columns.index(k) for k in model.lookups[-1].parts[0].keys]
+    else:
+        keys = lookup_keys(model.lookups)
+        max_ids = [lookup.slots if lookup.slots > 1 else 0 for lookup in model.lookups]
+        actions = []
     return ScoringModel(
-        tables, _num_dense(model),
-        [lookup.feature for lookup in model.lookups], [lookup.rows for lookup in model.lookups],
+        tables, _num_dense(model), [f[0] for f in features], [f[1] for f in features],
         [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys], [k[3] for k in keys],
-        [lookup.slots if lookup.slots > 1 else 0 for lookup in model.lookups],
-        model.embedding_dim, model.dense_arch, _scriptable(model.interaction), model.over_arch,
-        model.combine_parts, isinstance(model.interaction, FactorizationMachine),
-        model.tasks or ["click"], model.tasks is not None, list(value))
+        max_ids, model.embedding_dim, model.dense_arch, _scriptable(model.interaction),
+        model.over_arch, model.combine_parts, isinstance(model.interaction, FactorizationMachine),
+        model.tasks or ["click"], model.tasks is not None, list(value), model.sequence, actions)
+
+
+def served_features(model: DLRM, spec) -> List[tuple]:
+    """(name, cardinality, hotness, technique) of each feature the served model takes: one per
+    lookup, or with a sequence feature the dataset's columns."""
+    if model.sequence is not None:
+        return [(name, rows, 1, "full") for name, rows
+                in zip(spec.feature_names, spec.cardinalities)]
+    return [(lookup.feature, lookup.rows, lookup.hotness, lookup.technique)
+            for lookup in model.lookups]
 
 
 def load_dense_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> None:

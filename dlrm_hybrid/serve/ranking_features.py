@@ -6,7 +6,8 @@ rows for any (user, candidate items) pair a request scores. A dataset made with 
 has the candidate features (serve/candidate_sources.py) after the two counts, and since issue
 44's similarity features the SIMILARITY_FEATURES after those (a dataset made before them has
 the candidate features alone, and still serves): a request passes them in, computed from its own
-sources and history."""
+sources and history. A dataset made with `--history L` has each row's history last: a
+request's is the user's latest L engagements of the dataset (timelines.npz)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from dlrm_hybrid.data.interactions.ranking_history import history_features, read_timelines
 from dlrm_hybrid.data.interactions.ranking_log import open_ranking_spec
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.serve.candidate_sources import CANDIDATE_FEATURES, RANKER_CANDIDATE
@@ -45,9 +47,14 @@ class RankingFeatures:
         self.item_names = (root / "items.txt").read_text(encoding="utf-8").splitlines()
         self.user_of = {name: i for i, name in enumerate(self.user_names)}
         self.item_of = {name: i for i, name in enumerate(self.item_names)}
-        user_cols = [f for f, n in enumerate(names) if n.startswith("user_") and f > 1]
+        self.slots = int((fspec.notes.get("history") or {}).get("slots", 0))
+        past = history_features(self.slots)  # the history's columns, last (--history)
+        self.timelines = read_timelines(path, "--ranker-data") if self.slots else None
+        user_cols = [f for f, n in enumerate(names) if n.startswith("user_") and f > 1
+                     and n not in past]
         item_cols = [f for f, n in enumerate(names) if n.startswith("item_") and f > 1]
-        self.order = [0, 1, *user_cols, *item_cols]  # the rows' columns, from the tables
+        # the rows' columns, from the tables, then the history's
+        self.order = [0, 1, *user_cols, *item_cols, *[names.index(n) for n in past]]
         users, items = len(self.user_names), len(self.item_names)
         self.user_side = np.zeros((users, len(user_cols)), np.int64)
         self.item_side = np.zeros((items, len(item_cols)), np.int64)
@@ -78,6 +85,9 @@ class RankingFeatures:
         columns: List[np.ndarray] = [np.full(n, user), items,
                                      *np.repeat(self.user_side[user][None], n, 0).T,
                                      *self.item_side[items].T]
+        if self.timelines is not None:  # the user's latest engagements, every candidate's
+            columns += [np.full(n, v) for v in np.concatenate(
+                self.timelines.latest(user, self.slots))]
         ids = np.empty((n, len(self.order)), np.int64)
         for column, f in zip(columns, self.order):
             ids[:, f] = column

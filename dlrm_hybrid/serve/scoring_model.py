@@ -37,14 +37,17 @@ class ScoringModel(nn.Module):
                  embedding_dim: int,
                  dense_arch: nn.Module, interaction: nn.Module, over_arch: nn.Module,
                  combine_parts: Optional[nn.Module], flat_pooled: bool,
-                 tasks: List[str], multi_task: bool, value_weights: List[float]) -> None:
+                 tasks: List[str], multi_task: bool, value_weights: List[float],
+                 sequence: Optional[nn.Module] = None, action_features: List[int] = []) -> None:
         """Lookup keys (the embedding table's features, in its output order) each read one
         categorical feature (`key_feature`), transform its ids (0: none, 1: mod m, 2: floor
         division by m, 3: remainder by m; m = `key_modulus`) and keep one id slot of every bag
         (`key_slot` j: the bag's j-th id, -1: all). A feature looked up by id slots takes at
         most as many ids as it has slots (`max_ids`; 0: any number). `tasks` name the outputs
         (["click"] for a single-task model, whose forward gives [B]); `value_weights` is the
-        default value model, one weight per task, or empty."""
+        default value model, one weight per task, or empty. `sequence`: the ranker's sequence
+        feature (model/sequence_feature.py), reading the actions of features
+        `action_features` (one id each per sample)."""
         super().__init__()
         self.embeddings = embeddings
         self.num_dense = num_dense
@@ -64,6 +67,8 @@ class ScoringModel(nn.Module):
         self.tasks = tasks
         self.multi_task = multi_task
         self.register_buffer("value_weights", torch.tensor(value_weights, dtype=torch.float32))
+        self.sequence = sequence
+        self.action_features = action_features
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor,
                 lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -109,6 +114,9 @@ class ScoringModel(nn.Module):
             combine = self.combine_parts
             if combine is not None:
                 pooled = combine(pooled)
+            sequence = self.sequence
+            if sequence is not None:
+                pooled = sequence(pooled, self._actions(values, lengths))
         logits = self.over_arch(self.interaction(self.dense_arch(dense.float()), pooled))
         return torch.sigmoid(logits if self.multi_task else logits.squeeze(1))
 
@@ -156,6 +164,23 @@ class ScoringModel(nn.Module):
             f = int(feature_of[first])
             raise ValueError(f"ids: {int(values[first])} is out of range for feature "
                              f"{self.feature_names[f]}, whose ids are 0..{int(self.cardinalities[f]) - 1}")
+
+    def _actions(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, L]: each sample's history actions (one id per action feature), checked to be
+        left-aligned (0 only past the history's end)."""
+        sizes: List[int] = lengths.sum(1).tolist()
+        per_feature = torch.split(values, sizes)
+        columns: List[torch.Tensor] = []
+        for f in self.action_features:
+            if bool((lengths[f] != 1).any()):
+                raise ValueError(f"lengths: feature {self.feature_names[f]} takes one id per "
+                                 f"sample (0: past the history's end)")
+            columns.append(per_feature[f])
+        actions = torch.stack(columns, 1)
+        if bool(((actions[:, 1:] != 0) & (actions[:, :-1] == 0)).any()):
+            raise ValueError("ids: a history action after an empty slot (0); the history is "
+                             "left-aligned, oldest first, its empty slots last")
+        return actions
 
     def _lookup_input(self, values: torch.Tensor, lengths: torch.Tensor):
         """Indices and offsets of every lookup key's bags, key after key (fbgemm's layout)."""

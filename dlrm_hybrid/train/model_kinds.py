@@ -52,7 +52,8 @@ class RankerKind(ModelKind):
         m = self.cfg.model
         dcn = (rank_above_width(m.dcn, len(model.lookups), model.embedding_dim)
                if m.interaction == "dcn" else None)
-        return ([describe_tasks(m)] if m.tasks else []) + ([dcn] if dcn else [])
+        return (([describe_tasks(m)] if m.tasks else []) + ([dcn] if dcn else [])
+                + ([describe_sequence(m, model)] if model.sequence is not None else []))
 
     def evaluate(self, dmp, dataset, env, split: str = "val") -> Optional[Dict[str, float]]:
         batches = make_loader(self.cfg.data, dataset, split, env)
@@ -101,6 +102,17 @@ def model_kind(cfg: Config) -> ModelKind:
     """The kind `model.kind` names (the config's validation allows only these)."""
     kinds = {"two_tower": TwoTowerKind, "hstu": HstuKind}
     return kinds.get(cfg.model.kind, RankerKind)(cfg)
+
+
+def describe_sequence(model_cfg, model: DLRM) -> str:
+    """One line: what the ranker's sequence feature reads and how big its HSTU is."""
+    h, hstu = model_cfg.hstu, model.sequence.hstu
+    slots = hstu.length - 1
+    dense = sum(p.numel() for p in model.sequence.parameters())
+    return (f"sequence: HSTU over the user's last {slots} engagements (keys of t_item_id) plus "
+            f"their actions (t_user_action), then the candidate; its output at the candidate is "
+            f"one more vector of the interaction; {h.layers} layers, {h.heads} "
+            f"head{'s' if h.heads > 1 else ''}, {dense:,} dense parameters, data-parallel")
 
 
 def describe_tasks(model_cfg) -> str:
