@@ -139,7 +139,9 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
     through the first stage (THREE_PER_SOURCE, args.first_stage_keep)."""
     import torch
 
+    from dlrm_hybrid.data.interactions.interaction_data import open_interactions
     from dlrm_hybrid.graph.pixie import PixieParams
+    from dlrm_hybrid.serve.funnel_tuning import request_times
     from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
 
     torch.set_num_threads(1)
@@ -152,9 +154,12 @@ def requests(paths: Dict[str, str], users: np.ndarray, val: Dict[int, int], args
                       settings, paths["first_stage"] if three else None)
     rec.clock = time.thread_time  # the stages' CPU time: other jobs may share the machine
 
-    def ask(user: int):
+    when = request_times(open_interactions(paths["retrieval"]), "test")
+
+    def ask(user: int):  # made at its test item's time: a sequence ranker reads what came before
         history, timeline = asked_history(rec, user, val)
-        return rec.recommend_dense(user, history, np.unique(history), timeline)
+        return rec.recommend_dense(user, history, np.unique(history), timeline,
+                                   None if when is None else float(when[user]))
 
     for user in users[:WARMUP]:
         ask(int(user))
@@ -299,6 +304,10 @@ def main() -> None:
                         "comma-separated: one ranker each, the best on validation kept (default "
                         f"{','.join(map(str, CANDIDATE_RANKER_STEPS))}; {RANKER_STEPS} with "
                         "--ranker-data uniform)")
+    parser.add_argument("--ranker-history", type=int, default=0, metavar="L",
+                        help="rankers with the sequence feature (model.sequence=hstu) over each "
+                        "row's last L engagements (the ranking dataset made with --history L); "
+                        "0: without (default)")
     parser.add_argument("--pixie-steps", type=int, default=100_000, help="walk steps a request")
     parser.add_argument("--users", type=int, default=0, help="test users to ask (0: all)")
     parser.add_argument("--val-users", type=int, default=0, help="validation users that choose "
@@ -395,7 +404,10 @@ def main() -> None:
             "two_tower": "two-tower user tower, exact search", "history":
             "history: item-to-item neighbours (max)",
             "merged": f"merged (reciprocal-rank fusion, weights {weights_text(on_val.fusion)})",
-            "ranked": f"ranked: multi-task ranker on the top {RANK_TOP}, value model "
+            "ranked": f"ranked: multi-task ranker"
+                      + (f" with the sequence feature (HSTU over the last {args.ranker_history} "
+                         f"engagements)" if args.ranker_history else "")
+                      + f" on the top {RANK_TOP}, value model "
                       f"({args.ranker_data} negatives, {args.losses[0]}, "
                       f"{chosen[args.losses[0]][0]} steps, merged order's weight "
                       f"{prior_text(chosen[args.losses[0]][2])})"}

@@ -103,6 +103,8 @@ def train_ranker(args, ranking: str, scratch: Path, loss: str, steps: int) -> st
             f"optim.warmup_steps={min(20, half)}", f"optim.decay_start_step={half}",
             f"optim.decay_steps={steps - half}", "train.progress_bar=false",
             "train.tensorboard=false", f"train.run_dir={scratch / (name + '_run')}"]
+    if args.ranker_history:  # the dataset carries the histories: the sequence feature reads them
+        sets += ["model.sequence=hstu"]
     if loss != "pointwise":
         sets += [f"model.ranking_loss.kind={loss}",
                  f"model.ranking_loss.group={1 + args.negatives}"]
@@ -162,7 +164,8 @@ def build(args, scratch: Path, data: str = "") -> Dict[str, str]:
     scratch = log_folder(scratch, data)
     kind = (f"{k}_{tower_name(args)}_{args.negatives}_{args.candidate_ratio:g}_sim"  # similarity
             if args.ranker_data == "candidates"
-            else f"uniform_{args.negatives}")
+            else f"uniform_{args.negatives}") + (f"_h{args.ranker_history}"
+                                                  if args.ranker_history else "")
     out = {name: str(scratch / folder) for name, folder in (
         ("retrieval", "retrieval"), ("early", f"early_{k}"), ("ranking", f"ranking_{kind}"),
         ("graph", "graph"), ("early_graph", f"early_graph_{k}"))}
@@ -176,6 +179,8 @@ def build(args, scratch: Path, data: str = "") -> Dict[str, str]:
     ranking = ["preprocess", "interactions", "--input", data, "--output", out["ranking"],
                "--labels", LABELS, "--ranking-negatives", str(args.negatives),
                "--holdout", out["retrieval"]]
+    if args.ranker_history:
+        ranking += ["--history", str(args.ranker_history)]
     if args.ranker_data == "candidates":
         make("early", ["preprocess", "interactions", "--input", data, "--output",
                        out["early"], "--positive", "rating>=4", "--holdout-recent", str(k)],

@@ -72,16 +72,24 @@ def test_the_test_items_asked_for_leave_out_re_watches(bench, tmp_path):
     assert users.tolist() == [1, 2] and items.tolist() == [0, 4]
 
 
+class Made(list):
+    def __init__(self):
+        super().__init__()
+        self.full = []
+
+
 @pytest.fixture
 def made(bench, monkeypatch):
     """The commands the build runs (their first two words; an export: the folder or file it
-    writes), through a stand-in cli that leaves what the real one would."""
-    made = []
+    writes; `.full`: every command whole), through a stand-in cli that leaves what the real
+    one would."""
+    made = Made()
 
     def out_of(command):
         return command[command.index("--out" if "--out" in command else "--output") + 1]
 
     def cli(command):
+        made.full.append(command)
         made.append(command if command[0] in ("predict", "preprocess") and
                     command[1] in ("--model", "first-stage") else
                     command[:2] if command[0] != "export" else ["export",
@@ -115,7 +123,7 @@ def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench
     (tmp_path / "u.data").write_text("1\t1\t5\t1\n")
     args = argparse.Namespace(data=str(tmp_path / "u.data"), holdout_recent=10, negatives=7,
                               candidate_ratio=0.75, ranker_data="candidates", epochs=2,
-                              tower="two_tower", hstu_epochs=5,
+                              tower="two_tower", hstu_epochs=5, ranker_history=0,
                               losses=["pointwise"], ranker_steps=[10, 20])
     build = bench.recommend_build.build
     first = build(args, tmp_path)
@@ -132,6 +140,14 @@ def test_work_folder_reuses_what_it_holds_and_remakes_what_settings_change(bench
     args.epochs = 3
     build(args, tmp_path)
     assert [m[0] for m in made].count("train") == 4 and ["preprocess", "interactions"] in made
+    made.clear()
+    args.ranker_history = 4  # the sequence rankers: their own dataset and rankers, the towers kept
+    history = build(args, tmp_path)
+    remade = [m for m in made.full[-len(made):] if m[0] != "export"]
+    assert [m[:2] for m in remade] == [["preprocess", "interactions"], ["train", "--config"],
+                                       ["train", "--config"]]
+    assert "--history" in remade[0] and history["ranking"].endswith("_h4")
+    assert all("model.sequence=hstu" in m for m in remade[1:])
 
 
 def test_work_folder_keeps_what_each_log_made_apart(bench, tmp_path, made):
@@ -147,7 +163,7 @@ def test_work_folder_keeps_what_each_log_made_apart(bench, tmp_path, made):
         path.write_text("userId,movieId,rating,timestamp\n1,1,5,1\n1,2,4,2\n1,3,5,3\n")
     args = argparse.Namespace(data=str(first_log), holdout_recent=10, negatives=7,
                               candidate_ratio=0.75, ranker_data="candidates", epochs=2,
-                              tower="two_tower", hstu_epochs=5,
+                              tower="two_tower", hstu_epochs=5, ranker_history=0,
                               losses=["pointwise"], ranker_steps=[10])
     build, work = bench.recommend_build.build, tmp_path / "work"
     first = build(args, work)

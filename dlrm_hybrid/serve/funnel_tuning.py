@@ -38,13 +38,15 @@ Key = Tuple[Hashable, int, int, float]  # (ranker group, steps or position, valu
 class Requests:
     """The validation requests, each asked as `recommend` asks: dense user, the held-out item
     it should find, the history the sources walk from (most recent first), what is left out,
-    a history tower's timeline (None: the stored one)."""
+    a history tower's timeline (None: the stored one), and when it is made (a sequence
+    ranker reads the engagements before it; None: the latest)."""
 
     users: np.ndarray
     wanted: np.ndarray
     histories: List[np.ndarray]
     excludes: List[np.ndarray]
     timelines: List[Optional[np.ndarray]]
+    times: List[Optional[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -161,12 +163,24 @@ def validation_requests(rec, data: str, split: str = "val", limit: int = 0) -> R
         for user, item in zip(*(np.asarray(a).tolist() for a in dataset.pairs["val"])):
             later.setdefault(user, []).append(item)
     asked = Requests(users, np.asarray(wanted, np.int64), [], [], [])
+    when = request_times(dataset, split)
     for user in users.tolist():
         history, timeline = request_history(rec, user, later.get(user, []))
         asked.histories.append(history)
         asked.excludes.append(np.union1d(rec.retriever.seen(user), history))
         asked.timelines.append(timeline)
+        asked.times.append(None if when is None else float(when[user]))
     return asked
+
+
+def request_times(dataset, split: str) -> Optional[np.ndarray]:
+    """Per user, the time of its first engagement of `split` (a request of that split is made
+    then; inf for a user without one), or None where the dataset kept no timestamps."""
+    if dataset.times is None:
+        return None
+    when = np.full(dataset.users, np.inf)
+    np.minimum.at(when, dataset.pairs[split][0], dataset.times[split])
+    return when
 
 
 def request_history(rec, user: int, later: Sequence[int]
@@ -225,8 +239,9 @@ def evaluate(rec, asked: Requests, rankers: Dict[Tuple[Hashable, int], str],
         ranking, description = with_ranker(rec, path, ranker_data)
         for v, value in enumerate(values):
             ranking.weights = value_model_weights(value, ranking.tasks, description)
-            own = [ranking._rank(int(u), top, found, h)[0] for u, top, found, h
-                   in zip(asked.users, handed, lists, asked.histories)]
+            own = [ranking._rank(int(u), top, found, h, t)[0] for u, top, found, h, t
+                   in zip(asked.users, handed, lists, asked.histories,
+                          asked.times or [None] * len(asked.users))]
             for prior, hit in fused_found(own, handed, asked.wanted, k).items():
                 result.found[group, steps, v, prior] = hit
     return result

@@ -71,12 +71,13 @@ class RankingFeatures:
                                                 [np.zeros((len(i), 0))])
             self.user_dense[u], self.item_dense[i] = dense[:, 0], dense[:, 1]
 
-    def rows(self, user: int, items: np.ndarray, candidate: Optional[np.ndarray] = None
-             ) -> Tuple[np.ndarray, np.ndarray]:
+    def rows(self, user: int, items: np.ndarray, candidate: Optional[np.ndarray] = None,
+             at: Optional[float] = None) -> Tuple[np.ndarray, np.ndarray]:
         """(dense [N, D] float32, ids [N, F] int64 in the dataset's feature order) of `user`
         with each of `items` (the dataset's dense ids); `candidate`: the items' candidate
         features (and, where the dataset has them, the similarity features after them), which a
-        dataset made with --candidates needs (and no other takes)."""
+        dataset made with --candidates needs (and no other takes). `at`: the request's time,
+        whose history is the user's engagements before it (None: the latest)."""
         if (candidate is not None) != self.candidate_features:
             raise UserError(f"--ranker-data: {self.path} "
                             + ("has candidate features; give the sources' features" if
@@ -87,7 +88,7 @@ class RankingFeatures:
                                      *self.item_side[items].T]
         if self.timelines is not None:  # the user's latest engagements, every candidate's
             columns += [np.full(n, v) for v in np.concatenate(
-                self.timelines.latest(user, self.slots))]
+                self.timelines.latest(user, self.slots, at))]
         ids = np.empty((n, len(self.order)), np.int64)
         for column, f in zip(columns, self.order):
             ids[:, f] = column

@@ -204,11 +204,14 @@ class Recommender:
         return self.retriever.seen(user)
 
     def recommend_dense(self, user: int, history: np.ndarray, exclude: np.ndarray,
-                        timeline: Optional[np.ndarray] = None) -> Recommendation:
+                        timeline: Optional[np.ndarray] = None,
+                        at: Optional[float] = None) -> Recommendation:
         """`user`'s top K (retrieval dense ids throughout), the sources walking from `history`
         (most recent first: a ranker with similarity features reads its first RECENT), every
         stage leaving `exclude` out. A history tower (two_tower source) reads `timeline`
-        (the user's items, oldest first; None: the user's stored training items)."""
+        (the user's items, oldest first; None: the user's stored training items). A ranker
+        with a sequence feature reads the user's engagements of its dataset before time `at`
+        (None: the latest)."""
         s, ms, stages = self.settings, {}, {}
         history = np.asarray(history, np.int64)
         exclude = np.asarray(exclude, np.int64)
@@ -235,7 +238,7 @@ class Recommender:
             to_rank = stages["first_stage"]
             ms["first_stage"] = self._since(start)
         start = self.clock()
-        stages["ranked"], probabilities, value = self._rank(user, to_rank, lists, history)
+        stages["ranked"], probabilities, value = self._rank(user, to_rank, lists, history, at)
         order = with_prior(stages["ranked"], to_rank, s.rank_prior)
         stages["ranked"], probabilities, value = (stages["ranked"][order], probabilities[order],
                                                   value[order])
@@ -254,7 +257,8 @@ class Recommender:
         return round((self.clock() - start) * 1000, 3)
 
     def _rank(self, user: int, items: np.ndarray, lists: Dict[str, Tuple[np.ndarray, np.ndarray]],
-              history: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+              history: np.ndarray, at: Optional[float] = None
+              ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`items` ordered by the value model (ties: their order), with [N, T] probabilities
         and [N] values; a ranker trained with candidate features reads them from the sources'
         `lists` (candidate_sources.py), and with similarity features from `history` (most
@@ -272,7 +276,7 @@ class Recommender:
         if self.features.similarity_features:
             extra = np.concatenate([extra, similarity_features(self.retriever.item_vectors,
                                                                history, items)], axis=1)
-        dense, ids = self.features.rows(ranking_user, self.ranking_item[items], extra)
+        dense, ids = self.features.rows(ranking_user, self.ranking_item[items], extra, at)
         with torch.inference_mode():
             probabilities, value = self.ranker.score_with_value(
                 torch.from_numpy(dense), torch.from_numpy(ids), None, self.weights)

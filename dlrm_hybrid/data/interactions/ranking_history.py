@@ -8,15 +8,16 @@ actions, for the ranker's sequence feature (model/sequence_feature.py, `model.se
   `watched,liked:rating>=4` gives 2 (watched) or 4 (watched and liked); 0 marks an empty slot.
 - Stored as features `user_history0..L-1` (item ids; 0 in an empty slot, never read) and
   `user_action0..L-1`, left-aligned, oldest first.
-- `timelines.npz` keeps every user's whole timeline (items and actions in time order), what
-  serving reads as the history of a request made after the dataset's last engagement.
+- `timelines.npz` keeps every user's whole timeline (items, actions and times, in time order):
+  serving reads a request's history from it, the latest engagements, or those before the
+  request's time (the log's timestamps; a log without them: its row numbers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,6 +35,7 @@ class Histories:
 
     items: np.ndarray
     actions: np.ndarray
+    times: np.ndarray
     starts: np.ndarray
     place: np.ndarray  # each log row's index in that order (-1: a row in no split)
 
@@ -44,11 +46,15 @@ class Histories:
         at = self.place[rows]
         return self._window(at, at - self.starts[users], length)
 
-    def latest(self, user: int, length: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(items [L], actions [L]): the user's last `length` engagements, as `before` lays
-        them out."""
-        end = np.array([self.starts[user + 1]])
-        items, actions = self._window(end, end - self.starts[user], length)
+    def latest(self, user: int, length: int, before: Optional[float] = None
+               ) -> Tuple[np.ndarray, np.ndarray]:
+        """(items [L], actions [L]): the user's last `length` engagements (strictly before time
+        `before`, if given), as `before` lays them out."""
+        first, end = self.starts[user], self.starts[user + 1]
+        if before is not None:
+            end = first + np.searchsorted(self.times[first:end], before, side="left")
+        end = np.array([end])
+        items, actions = self._window(end, end - first, length)
         return items[0], actions[0]
 
     def _window(self, end: np.ndarray, earlier: np.ndarray, length: int
@@ -61,7 +67,8 @@ class Histories:
                 np.where(used, self.actions[index] if len(self.actions) else 0, 0))
 
     def save(self, folder: Path) -> None:
-        np.savez(folder / TIMELINES, items=self.items, actions=self.actions, starts=self.starts)
+        np.savez(folder / TIMELINES, items=self.items, actions=self.actions, times=self.times,
+                 starts=self.starts)
 
 
 def action_rows(labels: int) -> int:
@@ -70,9 +77,10 @@ def action_rows(labels: int) -> int:
 
 
 def engagement_histories(positions: np.ndarray, users: np.ndarray, items: np.ndarray,
-                         label_values: np.ndarray, num_users: int) -> Histories:
+                         label_values: np.ndarray, num_users: int,
+                         times: Optional[np.ndarray] = None) -> Histories:
     """Histories of the log rows with a user (>= 0): `positions` each row's place in time,
-    `label_values` [rows, T] its labels (0/1)."""
+    `label_values` [rows, T] its labels (0/1), `times` its time (None: its position)."""
     if label_values.shape[1] > MAX_LABELS:
         raise UserError(f"--history: {label_values.shape[1]} labels give "
                         f"{action_rows(label_values.shape[1]):,} actions; keep at most "
@@ -83,7 +91,9 @@ def engagement_histories(positions: np.ndarray, users: np.ndarray, items: np.nda
     place = np.full(len(users), -1, np.int64)
     place[order] = np.arange(len(order))
     starts = np.concatenate([[0], np.cumsum(np.bincount(users[order], minlength=num_users))])
-    return Histories(items[order].astype(np.int64), (1 + bits).astype(np.int64), starts, place)
+    when = (positions if times is None else times)[order].astype(np.float64)
+    return Histories(items[order].astype(np.int64), (1 + bits).astype(np.int64), when, starts,
+                     place)
 
 
 def history_features(length: int) -> List[str]:
@@ -96,13 +106,13 @@ def read_timelines(folder: str, option: str) -> Histories:
     path = Path(folder) / TIMELINES
     try:
         with np.load(path) as f:
-            items, actions, starts = f["items"], f["actions"], f["starts"]
+            items, actions, times, starts = f["items"], f["actions"], f["times"], f["starts"]
     except (OSError, KeyError, ValueError) as e:
         raise DataError(f"{option}: {path}: cannot read the users' timelines ({e}); make the "
                         f"dataset again with `preprocess interactions --labels ... --history L`")
-    if len(starts) < 1 or starts[-1] != len(items) or len(actions) != len(items):
+    if len(starts) < 1 or starts[-1] != len(items) or not len(actions) == len(times) == len(items):
         raise DataError(f"{option}: {path}: its timelines do not add up; make the dataset again")
-    return Histories(items, actions, starts, np.zeros(0, np.int64))
+    return Histories(items, actions, times, starts, np.zeros(0, np.int64))
 
 
 def history_columns(histories: Histories, rows: np.ndarray, users: np.ndarray,

@@ -310,7 +310,8 @@ def run(args) -> None:
         splits = ranking_splits(prepared, log, rules, args.ranking_negatives, args.seed, held)
     histories = (engagement_histories(*chronology_of(prepared, log),
                                       np.stack([r.values(log, np.arange(len(log))) for r in rules],
-                                               axis=1), prepared.data.users)
+                                               axis=1), prepared.data.users,
+                                      log.columns.get("timestamp"))
                  if args.history else None)
     write_ranking(prepared, splits, rules, args.ranking_negatives, args.seed, args.output,
                   args.candidates or "", args.candidate_ratio, histories, args.history)
