@@ -430,3 +430,66 @@ def test_a_history_tower_source_reads_the_history_given_with_the_request(served)
     [(from_log, _)] = retriever.for_users(np.array([user]), 10,
                                           exclude=[retriever.seen(user)])
     assert np.array_equal(stored, from_log) and not np.array_equal(stored, want)
+
+
+SLOTS = 4  # the sequence ranker's history
+
+
+@pytest.fixture(scope="module")
+def sequence_ranker(served):
+    """A ranker with the sequence feature (model.sequence hstu) on the log's ranking dataset
+    made with --history SLOTS, exported: the funnel's inputs with it as the ranker."""
+    root = served.root
+    cli("preprocess", "interactions", "--input", str(root / "log.csv"), "--columns",
+        "user,item,rating,timestamp,item:category", "--labels",
+        "watched,liked:rating>=4,disliked:rating<=2", "--ranking-negatives", "2",
+        "--history", str(SLOTS), "--output", str(root / "rank_h"))
+    (root / "sq.yaml").write_text(config_with(RANKER, {"model.sequence": "hstu",
+                                                       "model.hstu.dropout": 0.0}))
+    cli("train", "--config", str(root / "sq.yaml"), "--set", f"data.path={root / 'rank_h'}",
+        "--set", f"train.run_dir={root / 'sq'}", "--set", "train.max_steps=60")
+    cli("export", "--checkpoint", str(root / "sq/checkpoints/step_60"), "--out",
+        str(root / "S.pt"))
+    return [*served.inputs[:4], "--ranker", str(root / "S.pt")]
+
+
+def test_a_sequence_ranker_scores_each_candidate_with_the_users_latest_history(
+        served, sequence_ranker):
+    """`recommend` with the sequence ranker: each candidate's row carries the user's last SLOTS
+    engagements as the log has them (actions 1 + watched 1 + liked 2 + disliked 4), and its
+    probabilities are the exported model's on those rows."""
+    import torch
+
+    from dlrm_hybrid.serve.predict import load_scoring_model
+    from dlrm_hybrid.serve.ranking_features import RankingFeatures
+
+    answer = json.loads(cli("recommend", *sequence_ranker, "--user", "u5", *FUNNEL,
+                            "--json").stdout)
+    features = RankingFeatures(str(served.root / "rank_h"))
+    items = np.array([features.item_of[i] for i in answer["items"]])
+    dense, ids = features.rows(features.user_of["u5"], items)
+    names, rows = features.names, planted_log()
+    mine = [r for r in rows if r[0] == "u5"][-SLOTS:]  # the log is in time order
+    for j, (_, item, rating, _, _) in enumerate(mine):
+        assert (ids[:, names.index(f"user_history{j}")] == features.item_of[item]).all()
+        action = 2 + 2 * (rating >= 4) + 4 * (rating <= 2)
+        assert (ids[:, names.index(f"user_action{j}")] == action).all()
+    assert (ids[:, names.index("item_id")] == items).all()
+    module, _ = load_scoring_model(served.root / "S.pt")
+    with torch.no_grad():
+        probabilities = module(torch.from_numpy(dense), torch.from_numpy(ids)).numpy()
+    for t, task in enumerate(("watched", "liked", "disliked")):
+        np.testing.assert_allclose(answer["probabilities"][task], probabilities[:, t],
+                                   atol=2e-6)
+
+
+def test_a_request_made_earlier_reads_the_history_before_it(served, sequence_ranker):
+    from dlrm_hybrid.serve.ranking_features import RankingFeatures
+
+    features = RankingFeatures(str(served.root / "rank_h"))
+    mine = [r for r in planted_log() if r[0] == "u7"]
+    at = mine[-2][3]  # the time of the user's second-to-last engagement: it and later unread
+    _, ids = features.rows(features.user_of["u7"], np.arange(2), at=at)
+    history = [features.item_names[ids[0, features.names.index(f"user_history{j}")]]
+               for j in range(SLOTS)]
+    assert history == [r[1] for r in mine[:-2]][-SLOTS:]

@@ -13,7 +13,7 @@ from test_two_tower import assert_same_model
 from variant_job import assert_close, launch, losses
 
 JOB = ROOT / "tests/sequence_ranker_job.py"
-VARIANTS = ("dot", "dcn")
+VARIANTS = ("dcn",)
 LABELS = "watched,liked:rating>=4"
 
 
