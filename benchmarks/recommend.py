@@ -404,7 +404,7 @@ def main() -> None:
             "two_tower": "two-tower user tower, exact search", "history":
             "history: item-to-item neighbours (max)",
             "merged": f"merged (reciprocal-rank fusion, weights {weights_text(on_val.fusion)})",
-            "ranked": f"ranked: multi-task ranker"
+            "ranked": "ranked: multi-task ranker"
                       + (f" with the sequence feature (HSTU over the last {args.ranker_history} "
                          f"engagements)" if args.ranker_history else "")
                       + f" on the top {RANK_TOP}, value model "
