@@ -225,3 +225,25 @@ def test_a_bad_history_argument_or_a_history_out_of_order_is_one_line(ranking, t
                       "--history", "-1", "--output", str(tmp_path / "r")])
     assert result.returncode == 2 and "--history: the slots" in result.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "no_times", "short"])
+def test_a_damaged_timelines_file_is_one_line(ranking, tmp_path, damage):
+    import shutil
+
+    from dlrm_hybrid.errors import DataError
+    from dlrm_hybrid.serve.ranking_features import RankingFeatures
+
+    folder = tmp_path / "ranking"
+    shutil.copytree(ranking, folder)
+    path = folder / "timelines.npz"
+    with np.load(path) as f:
+        arrays = dict(f)
+    if damage == "garbage":
+        path.write_bytes(b"not a zip")
+    elif damage == "no_times":
+        np.savez(path, **{k: v for k, v in arrays.items() if k != "times"})
+    else:
+        np.savez(path, **{**arrays, "items": arrays["items"][:-1]})
+    with pytest.raises(DataError, match="timelines"):
+        RankingFeatures(str(folder))
