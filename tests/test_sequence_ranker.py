@@ -247,3 +247,23 @@ def test_a_damaged_timelines_file_is_one_line(ranking, tmp_path, damage):
         np.savez(path, **{**arrays, "items": arrays["items"][:-1]})
     with pytest.raises(DataError, match="timelines"):
         RankingFeatures(str(folder))
+
+
+@pytest.mark.parametrize("sets", [[], ["model.interaction=dcn", "model.hstu.heads=2"]])
+def test_the_plans_dense_units_count_the_models_parameters(ranking, sets):
+    """`plan`'s dense part (what the planner reserves per rank) is the built model's, the
+    sequence feature's HSTU and candidate marker included."""
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.data.configured_spec import data_spec
+    from dlrm_hybrid.model.dlrm import build_model
+    from dlrm_hybrid.parallel.dense_memory import model_dense_units
+
+    cfg = load_config("configs/multitask_demo.yaml", [
+        f"data.path={ranking}", "model.sequence=hstu", "model.tasks=[{name: watched}]",
+        "value_model={}", "data.label_missing=0", *sets])
+    spec = data_spec(cfg.data, cfg.model)
+    model = build_model(cfg.model, spec)
+    dense = sum(p.numel() for name, p in model.named_parameters()
+                if not name.startswith("embedding_bags"))
+    assert sum(u.count for u in model_dense_units(cfg.model, spec)) == dense
+    assert any(name.startswith("sequence.hstu") for name, _ in model.named_parameters())

@@ -138,7 +138,7 @@ def model_dense_units(model_cfg, spec) -> List[Unit]:
         # the history's item and action slots fold into the sequence's one vector
         slots = sum(n.startswith(HISTORY) for n in spec.feature_names)
         return (dense_units(model_cfg, spec.num_dense, len(spec.cardinalities) - 2 * slots + 1)
-                + hstu_units(model_cfg, slots + 1, 0))
+                + hstu_units(model_cfg, slots + 1, 0, candidate=True))
     if model_cfg.kind != "two_tower":
         return dense_units(model_cfg, spec.num_dense, len(spec.cardinalities))
     units = []
@@ -150,12 +150,15 @@ def model_dense_units(model_cfg, spec) -> List[Unit]:
     return units
 
 
-def hstu_units(model_cfg, length: int, time_buckets: int) -> List[Unit]:
-    """HSTU (model/hstu.py) over sequences of `length`: the position table, then per layer
-    W_uvqk, the output linear and the relative bias (positions and time buckets)."""
+def hstu_units(model_cfg, length: int, time_buckets: int, candidate: bool = False
+               ) -> List[Unit]:
+    """HSTU (model/hstu.py) over sequences of `length`: the position table (and the ranker's
+    candidate marker), then per layer W_uvqk, the output linear and the relative bias
+    (positions and time buckets)."""
     h, d = model_cfg.hstu, model_cfg.embedding_dim
     dqk, dv = h.attention_dim or d // h.heads, h.linear_dim or d // h.heads
-    units = [Unit("hstu positions", {"position": [(length, d)]})]
+    units = [Unit("hstu positions", {"position": [(length, d)],
+                                     **({"candidate": [(d,)]} if candidate else {})})]
     for i in range(h.layers):
         units.append(Unit(f"hstu layer {i + 1}", {
             "uvqk": [(d, h.heads * (2 * dv + 2 * dqk))], "out": _linear(h.heads * dv, d),
