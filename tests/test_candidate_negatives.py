@@ -377,8 +377,8 @@ def test_the_served_ranker_reads_the_candidate_features_of_the_request(early, ra
                       settings=RecommendSettings(k=5, per_source=10, rank_top=20))
     seen_rows = []
     rows = rec.features.rows
-    rec.features.rows = (lambda u, items, extra=None:
-                         seen_rows.append(extra) or rows(u, items, extra))
+    rec.features.rows = (lambda u, items, extra=None, at=None:
+                         seen_rows.append(extra) or rows(u, items, extra, at))
     user = 0
     history = rec.retriever.seen(user)
     answer = rec.recommend_dense(user, history, history)

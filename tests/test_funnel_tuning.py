@@ -99,7 +99,7 @@ def stub_funnel(monkeypatch, merged_at, first_at, ranker_at, keep: int, first_st
         rest = [i for i in rng.permutation(items).tolist() if i != wanted[u]]
         return np.insert(np.array(rest, np.int64), first_at(u), wanted[u])
 
-    def rank(u, items, lists, history):
+    def rank(u, items, lists, history, at=None):
         rest = [i for i in items.tolist() if i != wanted[u]]
         order = np.insert(np.array(rest, np.int64), min(ranker_at(u, len(items)), len(rest)),
                           wanted[u]) if wanted[u] in items else items
