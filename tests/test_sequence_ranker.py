@@ -267,3 +267,20 @@ def test_the_plans_dense_units_count_the_models_parameters(ranking, sets):
                 if not name.startswith("embedding_bags"))
     assert sum(u.count for u in model_dense_units(cfg.model, spec)) == dense
     assert any(name.startswith("sequence.hstu") for name, _ in model.named_parameters())
+
+
+def test_one_requests_candidates_in_one_pass_score_as_each_alone():
+    """Rows sharing a history (one request's candidates) run the history once with every
+    candidate after it (DLRMv3's layout): each candidate's vector is the one it gets alone."""
+    module = feature()
+    slots = torch.randn(1, len(KEYS), 8).repeat(5, 1, 1)
+    slots[:, 1] = torch.randn(5, 8)  # five candidates
+    slots[:, 0] = torch.randn(5, 8)  # a user vector each: not part of the history
+    for actions in ([[2, 4, 3]], [[3, 0, 0]], [[0, 0, 0]]):
+        actions = torch.tensor(actions).repeat(5, 1)
+        with torch.no_grad():
+            together = module(slots, actions)
+            alone = torch.cat([module(slots[k:k + 1], actions[k:k + 1]) for k in range(5)])
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    module.train()  # training (dropout's masks per row) runs each row on its own
+    assert module(slots, actions).shape == (5, 3, 8)

@@ -44,9 +44,11 @@ class RelativeBias(nn.Module):
         self.time = nn.Parameter(torch.empty(time_buckets + 1).normal_(0.0, 0.02))
         self.buckets = time_buckets
 
-    def forward(self, n: int, times: Optional[torch.Tensor]) -> torch.Tensor:
-        """[1 or B, n, n]; `times` [B, n] seconds (any origin) or None (positions only)."""
-        slots = torch.arange(n, device=self.position.device)
+    def forward(self, n: int, times: Optional[torch.Tensor],
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[1 or B, n, n]; `times` [B, n] seconds (any origin) or None (positions only);
+        `positions` [n] each slot's position (None: 0 .. n-1)."""
+        slots = torch.arange(n, device=self.position.device) if positions is None else positions
         relative = (slots[:, None] - slots[None, :]).clamp(min=0)  # above the diagonal: masked
         bias = self.position[relative][None]
         if times is not None:
@@ -71,8 +73,8 @@ class HSTULayer(nn.Module):
         self.rab = RelativeBias(length, time_buckets)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, causal: torch.Tensor,
-                times: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, causal: torch.Tensor, times: Optional[torch.Tensor],
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, n, D]; causal [B, n, n] 1.0 where the query may read the key; -> [B, n, D]."""
         b, n, _ = x.shape
         h, dqk, dv = self.heads, self.attention_dim, self.linear_dim
@@ -81,7 +83,7 @@ class HSTULayer(nn.Module):
                                  dim=-1)
         scores = torch.einsum("bnhd,bmhd->bhnm", q.reshape(b, n, h, dqk),
                               k.reshape(b, n, h, dqk))
-        weights = F.silu(scores + self.rab(n, times)[:, None]) / self.length
+        weights = F.silu(scores + self.rab(n, times, positions)[:, None]) / self.length
         weights = weights * causal[:, None]
         attended = torch.einsum("bhnm,bmhd->bnhd", weights, v.reshape(b, n, h, dv))
         gated = u * F.layer_norm(attended.reshape(b, n, h * dv), [h * dv], eps=1e-6)
@@ -116,6 +118,23 @@ class HSTU(nn.Module):
         for layer in self.layers:
             x = layer(x, causal, times) * used[:, :, None]
         return F.normalize(x, dim=-1, eps=1e-6)
+
+
+    def after_history(self, history: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """[N, D]: each candidate's output as `forward` gives it at the last position of the
+        history followed by that candidate alone, for all N in one pass (DLRMv3's layout):
+        the history [c, D] once, every candidate at position c reading the history and itself,
+        none reading another. Positions only (no times)."""
+        c, n = history.shape[0], history.shape[0] + candidates.shape[0]
+        slots = torch.arange(n, device=history.device)
+        positions = slots.clamp(max=c)
+        reads = ((slots[None, :] < c) & (slots[:, None] >= slots[None, :])) | (
+            slots[:, None] == slots[None, :])
+        x = torch.cat([history, candidates], 0) * math.sqrt(self.dim)
+        x = self.dropout(x + self.position.weight[positions].to(x.dtype))[None]
+        for layer in self.layers:
+            x = layer(x, reads.to(x.dtype)[None], None, positions)
+        return F.normalize(x[0, c:], dim=-1, eps=1e-6)
 
 
 def last_positions(outputs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
