@@ -284,3 +284,12 @@ def test_one_requests_candidates_in_one_pass_score_as_each_alone():
         torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
     module.train()  # training (dropout's masks per row) runs each row on its own
     assert module(slots, actions).shape == (5, 3, 8)
+
+
+def test_plan_offers_no_dense_mode_the_sequence_ranker_cannot_run_with(ranking):
+    result = plan(ranking, "model.sequence=hstu", "parallel.reserve_per_rank=1KiB")
+    assert result.returncode == 0, failure(result)
+    assert "other modes per rank: none (this model's dense part runs under ddp only)" in \
+        result.stdout
+    assert "dense part does not fit in parallel.reserve_per_rank 1KiB: raise" in result.stdout
+    assert "fsdp" not in result.stdout

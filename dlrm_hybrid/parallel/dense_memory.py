@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from dlrm_hybrid.config import ConfigError, parse_bytes
+from dlrm_hybrid.config import RETRIEVAL_KINDS, ConfigError, parse_bytes
 from dlrm_hybrid.data.interactions.interaction_meta import HISTORY
 from dlrm_hybrid.model.alignment import aligned
 from dlrm_hybrid.parallel.plan import format_bytes
@@ -259,14 +259,24 @@ def describe_dense(cfg, spec, world_size: int, ranks_per_host: Optional[int]) ->
                                                           else ""))
     lines.append(f"dense per rank, parallel.dense={mode}{_over(mine)}: "
                  f"{_bytes(mine, cfg.optim.dense)}; activations not counted")
-    lines.append("other modes per rank: " + "; ".join(
-        f"{m} {format_bytes(memory[m].total)}{_over(memory[m])}" for m in MODES if m != mode))
+    others = [m for m in runnable_modes(cfg.model) if m != mode]
+    lines.append("other modes per rank: " + ("; ".join(
+        f"{m} {format_bytes(memory[m].total)}{_over(memory[m])}" for m in others) if others else
+        "none (this model's dense part runs under ddp only)"))
     if mine.total <= parse_bytes(reserve, "parallel.reserve_per_rank"):
         lines.append(f"dense part fits in parallel.reserve_per_rank {reserve}")
     else:
         lines.append(f"dense part does not fit in parallel.reserve_per_rank {reserve}: "
-                     f"{_remedy(memory, mode, reserve)}")
+                     f"{_remedy(memory, mode, reserve, runnable_modes(cfg.model))}")
     return "\n".join(lines)
+
+
+def runnable_modes(model_cfg) -> Tuple[str, ...]:
+    """The parallel.dense modes the model runs with: the retrieval kinds and the ranker's
+    sequence feature read their dense layers outside FSDP's reach (config_checks refuses it)."""
+    if model_cfg.kind in RETRIEVAL_KINDS or model_cfg.sequence != "none":
+        return ("ddp",)
+    return MODES
 
 
 def _bytes(m: DenseMemory, optimizer: str) -> str:
@@ -281,10 +291,11 @@ def _over(m: DenseMemory) -> str:
     return f" (sharded over {m.shards} ranks)" if m.mode != "ddp" else " (replicated)"
 
 
-def _remedy(memory: Dict[str, DenseMemory], mode: str, reserve: str) -> str:
-    """The other modes that would fit, or a reserve as large as the need."""
+def _remedy(memory: Dict[str, DenseMemory], mode: str, reserve: str,
+            modes: Tuple[str, ...] = MODES) -> str:
+    """The other modes (of `modes`) that would fit, or a reserve as large as the need."""
     need = parse_bytes(reserve, "parallel.reserve_per_rank")
-    fitting = [f"parallel.dense={m} ({format_bytes(memory[m].total)})" for m in MODES
+    fitting = [f"parallel.dense={m} ({format_bytes(memory[m].total)})" for m in modes
                if m != mode and memory[m].total <= need]
     use = f"use {' or '.join(fitting)}, or " if fitting else ""
     return f"{use}raise parallel.reserve_per_rank to {_rounded_up(memory[mode].total)}"
@@ -309,4 +320,5 @@ def require_dense_fits(cfg, spec, world_size: int, ranks_per_host: int) -> None:
         raise ConfigError(f"parallel.reserve_per_rank: the dense part needs "
                           f"{format_bytes(need.total)} per rank under parallel.dense={mode} "
                           f"(parameters, gradients, {cfg.optim.dense} state{gathered}), more than "
-                          f"the {reserve} kept free of tables; {_remedy(memory, mode, reserve)}")
+                          f"the {reserve} kept free of tables; "
+                          f"{_remedy(memory, mode, reserve, runnable_modes(cfg.model))}")
