@@ -109,3 +109,13 @@ def test_the_exported_ranker_scores_as_the_trained_model(jobs, tmp_path):
     np.testing.assert_allclose(served, trained, atol=2e-6)
     last = batch.sparse.to_dict()["user_action3"].values()
     assert (last > 0).any() and (last == 0).any()  # full and shorter histories both scored
+
+    from dlrm_hybrid.serve.predict import load_scoring_model
+
+    module, _ = load_scoring_model(tmp_path / "m.pt")
+    names = data.spec.feature_names
+    ids = torch.stack([batch.sparse.to_dict()[n].values()[:2] for n in names], 1)
+    ids[:, names.index("user_action0")] = 0  # an empty slot before a full one
+    ids[:, names.index("user_action1")] = 2
+    with pytest.raises(Exception, match="a history action after an empty slot"):
+        module(batch.dense[:2], ids)
