@@ -119,7 +119,6 @@ class HSTU(nn.Module):
             x = layer(x, causal, times) * used[:, :, None]
         return F.normalize(x, dim=-1, eps=1e-6)
 
-
     def after_history(self, history: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """[N, D]: each candidate's output as `forward` gives it at the last position of the
         history followed by that candidate alone, for all N in one pass (DLRMv3's layout):
