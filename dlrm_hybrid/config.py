@@ -38,6 +38,21 @@ class CompositionalRule:
 
 
 @dataclass
+class MixedDimensionsConfig:
+    """Mixed-dimension embeddings (Ginart et al. 2019; model/mixed_dimensions.py): a table of n
+    rows is d0 * (n_min / n)^temperature wide (n_min: the smallest table's rows, d0:
+    base_width), as facebookresearch/dlrm's md_solver assigns, then a learned projection
+    brings its pooled vectors to model.embedding_dim."""
+
+    temperature: float = 0.0  # alpha; 0: every table model.embedding_dim wide (off)
+    round_dims: bool = True  # widths rounded to a power of two (md_solver's round_dim)
+    base_width: int = 0  # d0, the smallest table's width; 0: model.embedding_dim
+    # tables of at most this many rows keep model.embedding_dim (facebookresearch/dlrm's
+    # --md-threshold)
+    threshold: int = 200
+
+
+@dataclass
 class DcnConfig:
     """`dcn` (model/interactions.py): DCN-v2's cross layers x_{l+1} = x_0 * (W_l x_l + b_l) + x_l
     over x_0 = [dense, sparse_1..F] flattened, W_l of rank `rank`."""
@@ -157,6 +172,7 @@ class ModelConfig:
     dcn: DcnConfig = field(default_factory=DcnConfig)
     dhen: DhenConfig = field(default_factory=DhenConfig)
     compositional: List[CompositionalRule] = field(default_factory=list)  # hashing trick, QR
+    mixed_dimensions: MixedDimensionsConfig = field(default_factory=MixedDimensionsConfig)
     user_tower: UserTowerConfig = field(default_factory=UserTowerConfig)  # two_tower
     hstu: HstuConfig = field(default_factory=HstuConfig)  # hstu
     item_tower: TowerConfig = field(default_factory=TowerConfig)  # two_tower

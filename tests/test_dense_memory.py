@@ -7,7 +7,7 @@ import pytest
 
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.spec import DataSpec
-from dlrm_hybrid.parallel.dense_memory import Unit, dense_units, per_rank
+from dlrm_hybrid.parallel.dense_memory import Unit, model_dense_units, per_rank
 
 TINY = ["model.embedding_dim=8", "model.bottom_mlp=[16,8]", "model.top_mlp=[12,6,1]",
         "data.num_dense=5", "data.cardinalities=[50,40,30,20]"]
@@ -33,6 +33,9 @@ CONFIGS = {
                                          "model.dhen.width=7", "model.dhen.layers=3"],
     "dhen concat width 3 one layer": DHEN + [ALL_FIVE, "model.dhen.width=3",
                                              "model.dhen.layers=1"],
+    "dcn mixed dimensions": ["model.interaction=dcn", "model.dcn.rank=6",
+                             "model.mixed_dimensions.temperature=0.5",
+                             "model.mixed_dimensions.threshold=10"],
 }
 
 
@@ -54,7 +57,7 @@ def dense_shapes(cfg, spec):
 def test_the_analytic_dense_parameters_are_the_models(case):
     """Same shapes (so the same count, and the same fsdp padding) as the built model's."""
     cfg, spec = config(case)
-    units = dense_units(cfg.model, spec.num_dense, len(spec.cardinalities))
+    units = model_dense_units(cfg.model, spec)
     analytic = Counter(s for u in units for s in u.shapes)
     assert analytic == dense_shapes(cfg, spec)
 

@@ -192,6 +192,11 @@ VARIANTS = {
     "qr add, variable bags": [
         "model.compositional=[{technique: qr, collisions: 4, operation: add, rows_above: 200}]",
         "data.hotness_distribution=uniform"],
+    "mixed dimensions": ["model.mixed_dimensions.temperature=0.3"],
+    "dcn + qr mult, mixed dimensions": [
+        "model.interaction=dcn", "model.dcn.rank=8", "model.mixed_dimensions.temperature=0.3",
+        "model.mixed_dimensions.round_dims=false", "model.mixed_dimensions.threshold=20",
+        "model.compositional=[{technique: qr, collisions: 4, operation: mult, rows_above: 200}]"],
 }
 
 

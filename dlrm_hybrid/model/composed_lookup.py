@@ -1,6 +1,7 @@
-"""The two steps around the embedding lookup that compositional features need
-(compositional.py): their ids become the parts' ids before it, and the parts' pooled vectors
-become one vector per feature after it.
+"""The steps around the embedding lookup that compositional features need (compositional.py):
+their ids become the parts' ids before it, and the parts' pooled vectors become one vector per
+feature after it; mixed-dimension tables' narrow vectors are projected to their width first
+(mixed_dimensions.py).
 
 `LookupIds` has no parameters and reads only the batch, so torchrec's train pipeline runs it
 with the id exchange, ahead of the step (`pipeline_postproc`); the lookup itself is the sharded
@@ -94,6 +95,41 @@ class CombineParts(nn.Module):
             else:
                 q, r = piece.unflatten(1, (2, slots // 2)).unbind(1)
                 out.append((q * r).sum(1, keepdim=True))
+        return torch.cat(out, 1)
+
+
+class WidenParts(nn.Module):
+    """Mixed-dimension tables (mixed_dimensions.py): [B, the slots' stored widths] pooled in
+    lookup order -> [B, their projected widths], each narrowed table's slots through its own
+    learned projection (no bias, initialised as facebookresearch/dlrm's PrEmbeddingBag: Xavier
+    uniform), the other slots as they are, a run of them kept as one piece."""
+
+    def __init__(self, lookups: List[FeatureLookup]) -> None:
+        super().__init__()
+        self.widths: List[int] = []
+        self.slots_of: List[List[int]] = []  # never empty: TorchScript infers its type
+        projections, projected = [], []
+        for part in [p for lookup in lookups for p in lookup.parts]:
+            if part.projected:
+                projection = nn.Linear(part.dim, part.projected, bias=False)
+                nn.init.xavier_uniform_(projection.weight)
+                projections.append(projection)
+                self.slots_of.append(list(range(len(self.widths),
+                                                len(self.widths) + len(part.keys))))
+                self.widths += [part.dim] * len(part.keys)
+                projected += [True] * len(part.keys)
+            elif projected and not projected[-1]:
+                self.widths[-1] += part.dim * len(part.keys)
+            else:
+                self.widths.append(part.dim * len(part.keys))
+                projected.append(False)
+        self.projections = nn.ModuleList(projections)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        out = list(pooled.split(self.widths, dim=1))
+        for j, projection in enumerate(self.projections):
+            for slot in self.slots_of[j]:
+                out[slot] = projection(out[slot].to(projection.weight.dtype))
         return torch.cat(out, 1)
 
 

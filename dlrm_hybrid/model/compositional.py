@@ -35,6 +35,7 @@ from typing import List, Optional, Sequence, Tuple
 from dlrm_hybrid.config import RETRIEVAL_KINDS, ConfigError
 from dlrm_hybrid.data.interactions.interaction_meta import ACTION, HISTORY, ITEM_ID
 from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.model.mixed_dimensions import mixed_widths
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class Part:
     rows: int
     dim: int
     init_bound: float  # initialised U(-init_bound, init_bound)
+    # mixed dimensions (mixed_dimensions.py): the width a learned projection brings this
+    # table's pooled vectors to; 0: none, they are used as they are
+    projected: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,9 +188,10 @@ def lookups_of(model_cfg, spec) -> List[FeatureLookup]:
                             f"({HISTORY}0.., {ACTION}0..), which only the sequence feature "
                             f"reads; set model.sequence=hstu, or make the dataset without "
                             f"--history")
-        return feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
-                               model_cfg.embedding_dim, model_cfg.compositional,
-                               first_order=model_cfg.interaction == "fm")
+        return mixed_widths(feature_lookups(spec.feature_names, spec.cardinalities, spec.hotness,
+                                            model_cfg.embedding_dim, model_cfg.compositional,
+                                            first_order=model_cfg.interaction == "fm"),
+                            model_cfg.mixed_dimensions)
     history = [n for n in spec.feature_names if n.startswith(HISTORY)]
     lookups = []
     for side in ("user", "item"):
@@ -232,12 +237,15 @@ def _with_history(item: FeatureLookup, history: List[str]) -> FeatureLookup:
 
 
 def describe(lookup: FeatureLookup) -> Optional[str]:
-    """'cat_0 (40,000,000 rows): qr mult c=4 -> t_cat_0_q 10,000,000x128 + t_cat_0_r 4x128', or
-    None for a full table."""
-    if lookup.technique == "full":
+    """'cat_0 (40,000,000 rows): qr mult c=4 -> t_cat_0_q 10,000,000x128 + t_cat_0_r 4x128',
+    a mixed-dimension part as 't_cat_0 40,000,000x8->128', or None for a full table at its
+    width."""
+    if lookup.technique == "full" and not lookup.parts[0].projected:
         return None
     how = (f"hash m={lookup.modulus:,}" if lookup.technique == "hash"
-           else f"qr {lookup.operation} c={lookup.modulus:,}")
+           else f"qr {lookup.operation} c={lookup.modulus:,}" if lookup.technique == "qr"
+           else "mixed dimension")
     slots = f", {lookup.slots} id slots" if lookup.slots > 1 else ""
-    parts = " + ".join(f"{p.table} {p.rows:,}x{p.dim}" for p in lookup.parts)
+    parts = " + ".join(f"{p.table} {p.rows:,}x{p.dim}{f'->{p.projected}' if p.projected else ''}"
+                       for p in lookup.parts)
     return f"{lookup.feature} ({lookup.rows:,} rows): {how} -> {parts}{slots}"

@@ -18,7 +18,7 @@ from dlrm_hybrid.config import (DcnConfig, DhenConfig, HstuConfig, MmoeConfig,
                                 RankingLossConfig, TaskConfig)
 from dlrm_hybrid.model.alignment import aligned
 from dlrm_hybrid.model.compositional import FeatureLookup, lookups_of
-from dlrm_hybrid.model.composed_lookup import composed_lookup
+from dlrm_hybrid.model.composed_lookup import WidenParts, composed_lookup
 from dlrm_hybrid.model.cross import dcn_over_arch
 from dlrm_hybrid.model.embeddings import embedding_tables
 from dlrm_hybrid.model.interactions import FactorizationMachine, build_interaction
@@ -54,6 +54,8 @@ class DLRM(nn.Module):
         # Compositional features: their ids become the parts' ids (a parameter-free module the
         # train pipeline runs ahead, with the id exchange); the parts' vectors are combined.
         self.lookup_ids, self.combine_parts = composed_lookup(lookups)
+        self.widen_parts = (WidenParts(lookups) if any(p.projected for lk in lookups
+                                                       for p in lk.parts) else None)
         self.sequence = (sequence_feature(lookups, self.lookup_keys, sequence)
                          if sequence is not None else None)
         self.embedding_bags = EmbeddingBagCollection(tables=tables, device=embedding_device)
@@ -107,7 +109,8 @@ class DLRM(nn.Module):
         """[B, F, D] in feature order (fm: flat, then the first-order columns). A sharded
         collection returns its keys grouped by owner rank: one gather puts them back in lookup
         order (none when it already matches), in pieces as wide as the narrowest key (D, or
-        D/2 with `concat` parts, 4 with fm); then compositional features combine their parts."""
+        D/2 with `concat` parts, 4 with fm); then mixed-dimension tables' vectors are projected
+        to their width, and compositional features combine their parts."""
         pooled = self.embedding_bags(self._lookup_input(sparse))
         values = pooled.values()
         if pooled.keys() != self._pooled_keys:
@@ -118,6 +121,8 @@ class DLRM(nn.Module):
             values = values.view(values.shape[0], -1, piece).index_select(1, self._pooled_order)
         if isinstance(self.interaction, FactorizationMachine):
             return values.reshape(values.shape[0], -1)
+        if self.widen_parts is not None:
+            values = self.widen_parts(values)
         slots = values.reshape(values.shape[0], -1, self.embedding_dim)
         if self.sequence is not None:
             return self.sequence(slots, action_ids(sparse, self.lookups[-1].parts[0].keys))

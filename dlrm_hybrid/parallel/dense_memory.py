@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 from dlrm_hybrid.config import RETRIEVAL_KINDS, ConfigError, parse_bytes
 from dlrm_hybrid.data.interactions.interaction_meta import HISTORY
 from dlrm_hybrid.model.alignment import aligned
+from dlrm_hybrid.model.compositional import lookups_of
 from dlrm_hybrid.parallel.plan import format_bytes
 
 Shape = Tuple[int, ...]
@@ -140,7 +141,8 @@ def model_dense_units(model_cfg, spec) -> List[Unit]:
         return (dense_units(model_cfg, spec.num_dense, len(spec.cardinalities) - 2 * slots + 1)
                 + hstu_units(model_cfg, slots + 1, 0, candidate=True))
     if model_cfg.kind != "two_tower":
-        return dense_units(model_cfg, spec.num_dense, len(spec.cardinalities))
+        return (dense_units(model_cfg, spec.num_dense, len(spec.cardinalities))
+                + projection_units(lookups_of(model_cfg, spec)))
     units = []
     for side in ("user", "item"):
         tower = getattr(model_cfg, f"{side}_tower")
@@ -148,6 +150,13 @@ def model_dense_units(model_cfg, spec) -> List[Unit]:
             name.startswith(f"{side}_") for name in spec.feature_names)
         units.append(Unit(f"{side} tower", {"mlp": _mlp(width, tower.mlp)}))
     return units
+
+
+def projection_units(lookups) -> List[Unit]:
+    """Mixed-dimension tables' projections (model/mixed_dimensions.py), one [out, in] weight
+    per narrowed table; none without them."""
+    shapes = [(p.projected, p.dim) for lookup in lookups for p in lookup.parts if p.projected]
+    return [Unit("mixed-dimension projections", {"projection": shapes})] if shapes else []
 
 
 def hstu_units(model_cfg, length: int, time_buckets: int, candidate: bool = False

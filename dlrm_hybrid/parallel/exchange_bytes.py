@@ -46,7 +46,8 @@ def partial_width(model_cfg) -> Optional[int]:
     """Values per sample a des owner sends: H for cat, D + 2 for fm; None where des does not
     apply (dot and dcn multiply vectors of different tables first; a two-tower model's towers
     read the pooled vectors)."""
-    if model_cfg.kind in RETRIEVAL_KINDS or model_cfg.sequence != "none":
+    if (model_cfg.kind in RETRIEVAL_KINDS or model_cfg.sequence != "none"
+            or model_cfg.mixed_dimensions.temperature > 0):
         return None
     if model_cfg.interaction == "cat":
         return model_cfg.top_mlp[0]
@@ -83,6 +84,8 @@ def choose_exchange(cfg, plan: Plan) -> Tuple[str, str]:
         return "pooled", (f"the {m.kind} model needs the pooled vectors" if m.kind in RETRIEVAL_KINDS
                           else "the sequence feature needs the pooled vectors"
                           if m.sequence != "none"
+                          else "mixed-dimension tables' vectors are projected after the exchange"
+                          if m.mixed_dimensions.temperature > 0
                           else f"interaction {m.interaction} needs the pooled vectors")
     if any(r.technique == "qr" and r.operation != "concat" for r in m.compositional):
         return "pooled", "qr mult and add features need their parts' pooled vectors"

@@ -110,11 +110,14 @@ def explain_table(plan: Plan, name: str, split_rowwise: bool, replicate: bool) -
 
 
 def describe_lookups(lookups: List[FeatureLookup], cfg) -> str:
-    """Each hashed or QR feature's parts, and the bytes (weights and optimizer state) they take
-    against the full table's; "" when every table is full."""
+    """Each hashed, QR or mixed-dimension feature's tables, and the bytes (weights and optimizer
+    state) they take against the full table's; "" when every table is full."""
     size = lambda name, rows, dim: TableSpec(name, rows, dim, cfg.model.embedding_precision,  # noqa: E731
                                              cfg.optim.embedding).bytes
-    lines = ["compositional embeddings (weights + optimizer state: full table -> parts):"]
+    kinds = (["compositional"] if any(lk.technique != "full" for lk in lookups) else []) + (
+        ["mixed-dimension"] if any(p.projected for lk in lookups for p in lk.parts) else [])
+    lines = [f"{' and '.join(kinds)} embeddings (weights + optimizer state: full table -> "
+             f"parts):"]
     full_total = parts_total = 0
     for lookup in lookups:
         text = describe_lookup(lookup)

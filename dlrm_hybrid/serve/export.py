@@ -175,7 +175,8 @@ def scoring_model(model: DLRM, weights: Dict[str, torch.Tensor],
         [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys], [k[3] for k in keys],
         max_ids, model.embedding_dim, model.dense_arch, _scriptable(model.interaction),
         model.over_arch, model.combine_parts, isinstance(model.interaction, FactorizationMachine),
-        model.tasks or ["click"], model.tasks is not None, list(value), model.sequence, actions)
+        model.tasks or ["click"], model.tasks is not None, list(value), model.sequence, actions,
+        model.widen_parts)
 
 
 def served_features(model: DLRM, spec) -> List[tuple]:

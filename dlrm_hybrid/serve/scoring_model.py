@@ -38,7 +38,8 @@ class ScoringModel(nn.Module):
                  dense_arch: nn.Module, interaction: nn.Module, over_arch: nn.Module,
                  combine_parts: Optional[nn.Module], flat_pooled: bool,
                  tasks: List[str], multi_task: bool, value_weights: List[float],
-                 sequence: Optional[nn.Module] = None, action_features: List[int] = []) -> None:
+                 sequence: Optional[nn.Module] = None, action_features: List[int] = [],
+                 widen_parts: Optional[nn.Module] = None) -> None:
         """Lookup keys (the embedding table's features, in its output order) each read one
         categorical feature (`key_feature`), transform its ids (0: none, 1: mod m, 2: floor
         division by m, 3: remainder by m; m = `key_modulus`) and keep one id slot of every bag
@@ -47,7 +48,8 @@ class ScoringModel(nn.Module):
         (["click"] for a single-task model, whose forward gives [B]); `value_weights` is the
         default value model, one weight per task, or empty. `sequence`: the ranker's sequence
         feature (model/sequence_feature.py), reading the actions of features
-        `action_features` (one id each per sample)."""
+        `action_features` (one id each per sample). `widen_parts`: mixed-dimension tables'
+        projections (model/composed_lookup.WidenParts)."""
         super().__init__()
         self.embeddings = embeddings
         self.num_dense = num_dense
@@ -69,6 +71,7 @@ class ScoringModel(nn.Module):
         self.register_buffer("value_weights", torch.tensor(value_weights, dtype=torch.float32))
         self.sequence = sequence
         self.action_features = action_features
+        self.widen_parts = widen_parts
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor,
                 lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -109,6 +112,9 @@ class ScoringModel(nn.Module):
         self._check_ids(values, lengths)
         indices, offsets = self._lookup_input(values, lengths)
         pooled = self.embeddings(indices, offsets)
+        widen = self.widen_parts
+        if widen is not None:
+            pooled = widen(pooled)
         if not self.flat_pooled:
             pooled = pooled.reshape(pooled.shape[0], -1, self.embedding_dim)
             combine = self.combine_parts
