@@ -20,7 +20,7 @@ from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph import commands as pixie_commands
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 from dlrm_hybrid.parallel import dry_run
-from dlrm_hybrid.serve import recommend, recommend_tune, retrieve
+from dlrm_hybrid.serve import memboost_command, recommend, recommend_tune, retrieve
 from dlrm_hybrid.startup import collector_paused
 from dlrm_hybrid.threads import apply_thread_defaults
 from dlrm_hybrid.train.checkpoint_folder import checkpoint_config_path
@@ -35,7 +35,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 "export": run_export, "predict": run_predict, "preprocess": run_preprocess,
                 "bench": run_bench, "plot": curves.run, "retrieve": retrieve.run,
                 "pixie": pixie_commands.run, "recommend": recommend.run,
-                "recommend-tune": recommend_tune.run}
+                "recommend-tune": recommend_tune.run, "memboost": memboost_command.run}
     try:
         commands[args.command](args)
     except UserError as e:
@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
         "recommend-tune", help="choose the funnel's merge weights, ranker, value model and "
                                "priors on validation; write the settings `recommend --settings` "
                                "reads"))
+    memboost_command.add_arguments(commands.add_parser(
+        "memboost", help="Memboost: impression logs into position-corrected engagement "
+                         "statistics per (query, item); show them"))
     bench = _config_arguments(commands.add_parser(
         "bench", help="training speed in one process vs a reference-style baseline"))
     bench.add_argument("--steps", type=int, default=60, help="timed steps (default 60)")

@@ -1,0 +1,108 @@
+"""`memboost update` (impression logs into Memboost statistics, earlier statistics updated
+without their logs) and `memboost show` (the position curve, a query's pairs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from dlrm_hybrid.errors import UserError
+from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
+from dlrm_hybrid.serve.impressions import QUERY_KINDS, apply_clicks, read_impressions
+from dlrm_hybrid.serve.memboost import (MemboostSettings, MemboostStats, digest_of, load_stats,
+                                        save_stats)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True)
+    update = actions.add_parser("update", help="add impression logs to Memboost statistics")
+    update.add_argument("--impressions", required=True, action="append", metavar="LOG",
+                        help="an impression log (docs/memboost.md; repeat for several)")
+    update.add_argument("--clicks", metavar="FILE", help="engagements to join to the (one) log: "
+                        "lines `request<TAB>item`, one per engagement")
+    update.add_argument("--stats", metavar="STATS", help="earlier statistics to update (default: "
+                        "start from none)")
+    update.add_argument("--out", required=True, metavar="NEW", help="the statistics to write "
+                        "(.npz); never one of the inputs")
+    update.add_argument("--prior", type=float, help="alpha of MB = log((C + alpha) / (E + "
+                        "alpha)), in engagements (default 1; with --stats: theirs)")
+    update.add_argument("--max-pairs", type=int, help="pairs kept per query, those with the "
+                        "most impressions (default 1000; with --stats: theirs)")
+    show = actions.add_parser("show", help="the position curve and the top pairs of a query")
+    show.add_argument("--stats", required=True, help="statistics `memboost update` wrote")
+    show.add_argument("--query", metavar="KIND:ID", help="a query's pairs by MB, e.g. user:196")
+    show.add_argument("--k", type=int, default=10, help="pairs and positions shown (default 10)")
+
+
+def run(args: argparse.Namespace) -> None:
+    return {"update": run_update, "show": run_show}[args.action](args)
+
+
+def run_update(args: argparse.Namespace) -> None:
+    refuse_overwriting_inputs([("--out", args.out)], [
+        ("--stats", args.stats), ("--clicks", args.clicks),
+        *(("--impressions", log) for log in args.impressions)], "memboost update")
+    require_file_target("--out", args.out)
+    if args.clicks and len(args.impressions) > 1:
+        raise UserError("memboost update: --clicks joins one log; give one --impressions with it")
+    if args.stats:
+        stats = load_stats(args.stats)
+        for flag, given, kept in (("--prior", args.prior, stats.settings.prior),
+                                  ("--max-pairs", args.max_pairs, stats.settings.max_pairs)):
+            if given is not None and given != kept:
+                raise UserError(f"memboost update: {flag} {given} differs from --stats "
+                                f"{args.stats}'s {kept}; leave {flag} out, or start new "
+                                f"statistics without --stats")
+    else:
+        plain = MemboostSettings()
+        settings = MemboostSettings(plain.prior if args.prior is None else args.prior,
+                                    plain.max_pairs if args.max_pairs is None else args.max_pairs)
+        settings.check("memboost update")
+        stats = MemboostStats(settings)
+    rows = 0
+    for path in args.impressions:
+        log = read_impressions(path)
+        digest = digest_of(path)
+        if args.clicks:
+            log = apply_clicks(log, args.clicks)
+            digest += "+" + digest_of(args.clicks)
+        stats.update(log, digest)
+        rows += len(log)
+    save_stats(stats, args.out)
+    random = int(stats.random_shown.sum())
+    print(f"memboost: wrote {args.out} rows_added={rows} pairs={len(stats.keys)} "
+          f"logs={len(stats.logs)} random_impressions={random} prior={stats.settings.prior:g} "
+          f"max_pairs={stats.settings.max_pairs}")
+
+
+def run_show(args: argparse.Namespace) -> None:
+    stats = load_stats(args.stats)
+    if args.k < 1:
+        raise UserError(f"memboost show: --k must be at least 1, got {args.k}")
+    if stats.random_shown[0]:
+        curve = stats.relative_curve(args.k)
+        print("position\trandom_impressions\tctr\trelative")
+        for p in range(len(curve)):
+            print(f"{p + 1}\t{int(stats.random_shown[p])}\t{stats.curve()[p]:.5f}\t{curve[p]:.4f}")
+    else:
+        print("memboost: no random-order traffic yet: no position curve")
+    if args.query:
+        kind, _, query = args.query.partition(":")
+        if kind not in QUERY_KINDS or not query:
+            raise UserError(f"--query: {args.query!r}; write KIND:ID with KIND one of "
+                            f"{', '.join(QUERY_KINDS)}, e.g. user:196")
+        kinds, queries, items = stats.pairs()
+        rows = np.flatnonzero((kinds == kind) & (queries == query))
+        if not len(rows):
+            print(f"memboost: no pairs of {args.query}")
+        else:
+            mb, expected = stats.boost()[rows], stats.expected()[rows]
+            print("item\tclicks\texpected\timpressions\tmb")
+            for r in rows[np.argsort(-mb, kind="stable")][:args.k]:
+                n = int(np.searchsorted(rows, r))
+                print(f"{items[r]}\t{stats.clicks[r]:g}\t{expected[n]:.3f}\t"
+                      f"{int(stats.shown[r].sum())}\t{mb[n]:.4f}")
+    print(f"memboost: {Path(args.stats).name} pairs={len(stats.keys)} logs={len(stats.logs)} "
+          f"impressions={int(stats.all_shown)} random_impressions={int(stats.random_shown.sum())}")
