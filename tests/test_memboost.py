@@ -248,3 +248,22 @@ def test_no_random_order_traffic_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="no random-order impressions at position 1"):
         stats.boost()
     assert np.isfinite(stats.boost(corrected=False)).all()
+
+
+def test_the_memboost_weight_is_the_smallest_within_one_standard_error_of_the_best():
+    """recommend-tune's gamma (funnel_tuning.memboost_weight): 0 where Memboost's gain is a
+    net two users of 900 (noise), the smallest gamma of a real gain, and with it the largest prior
+    that keeps the gain."""
+    from dlrm_hybrid.serve.funnel_tuning import memboost_weight
+
+    rng = np.random.default_rng(0)
+    plain = (rng.random(900) < 0.3).astype(float)
+    noisy = plain.copy()
+    noisy[np.flatnonzero(plain == 0)[:5]] = 1  # five users gained, three lost: noise
+    noisy[np.flatnonzero(plain == 1)[:3]] = 0
+    assert memboost_weight({(0.0, 0.0): plain, (1.0, 0.0): noisy, (2.0, 0.0): noisy}) == (0, 0)
+    better = plain.copy()
+    better[np.flatnonzero(plain == 0)[:60]] = 1
+    found = {(0.0, 0.0): plain, (0.0, 1.0): plain, (0.5, 0.0): better, (0.5, 1.0): better,
+             (0.5, float("inf")): plain, (2.0, 0.0): np.maximum(better, noisy)}
+    assert memboost_weight(found) == (0.5, 1.0)

@@ -286,3 +286,34 @@ def test_pixie_query_bad_inputs_are_one_line_errors(graph_folder, tmp_path):
         result = query(graph_folder, *args)
         assert result.returncode == 2 and expected in result.stderr, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_pixie_query_logs_what_it_showed_for_memboost(graph_folder, tmp_path):
+    """--log-impressions appends an item query's rows (query: the query items) and a user's;
+    --random-share 1 shows the same items in another order and logs them as random; bad
+    settings are one line and write nothing."""
+    from dlrm_hybrid.serve.impressions import read_impressions
+
+    log = tmp_path / "shown.tsv"
+    plain = json.loads(query(graph_folder, "--items", "a0,a1", "--k", "3", "--json",
+                             "--log-impressions", str(log)).stdout)
+    shuffled = [json.loads(query(graph_folder, "--items", "a0,a1", "--k", "3", "--json",
+                                 "--random-share", "1", "--seed", str(s)).stdout)
+                for s in range(4)]
+    assert all(sorted(s["items"]) == sorted(plain["items"]) and s["random_order"]
+               for s in shuffled) and any(s["items"] != plain["items"] for s in shuffled)
+    result = query(graph_folder, "--user", "bu0", "--random-share", "1", "--log-impressions",
+                   str(log))
+    assert result.returncode == 0, failure(result)
+    rows = read_impressions(str(log))
+    assert rows.item.tolist()[:3] == plain["items"] and rows.query.tolist()[0] == "a0,a1"
+    assert rows.kind.tolist() == [1, 1, 1, 0] and rows.query.tolist()[3] == "bu0"
+    assert rows.random.tolist() == [False] * 3 + [True] and rows.position.tolist() == [1, 2, 3, 1]
+    for args, says in ((["--random-share", "2"], "--random-share must be between 0 and 1"),
+                       (["--log-impressions", str(graph_folder / "items.txt")],
+                        "--log-impressions")):
+        before = sorted(p.name for p in graph_folder.iterdir())
+        result = query(graph_folder, "--items", "a0", *args)
+        assert result.returncode == 2 and says in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert sorted(p.name for p in graph_folder.iterdir()) == before

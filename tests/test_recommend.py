@@ -382,6 +382,14 @@ BAD = [
                                               "incoming order), got nan"),
     (["--user", "u0", "--first-stage-prior", "2"], "recommend: --first-stage-prior weighs"),
     (["--users", "{root}/users.txt"], "recommend: --users needs --out"),
+    (["--user", "u0", "--memboost-weight", "1"], "--memboost-weight: give --memboost STATS"),
+    (["--user", "u0", "--memboost-weight", "-1"], "--memboost-weight: must be a number 0 or "
+                                                  "more"),
+    (["--user", "u0", "--random-share", "1.5"], "--random-share: must be between 0 and 1"),
+    (["--user", "u0", "--memboost", "{root}/users.txt"], "--memboost: {root}/users.txt: not "
+                                                         "Memboost statistics"),
+    (["--user", "u0", "--log-impressions", "{root}/R/users.txt"],
+     "recommend: --log-impressions {root}/R/users.txt would replace a file inside --retrieval"),
     (["--users", "{root}/users.txt", "--out", "{root}/R/users.txt"],
      "recommend: --out {root}/R/users.txt"),
 ]
@@ -493,3 +501,76 @@ def test_a_request_made_earlier_reads_the_history_before_it(served, sequence_ran
     history = [features.item_names[ids[0, features.names.index(f"user_history{j}")]]
                for j in range(SLOTS)]
     assert history == [r[1] for r in mine[:-2]][-SLOTS:]
+
+
+def memboost_log(path: Path, boosted: dict) -> None:
+    """An impression log: for each user of `boosted` three random-order requests showing its
+    item first, clicked each time, and one showing it second, beside an item of no clicks;
+    position 1's curve from them and from 40 requests of other items clicked one time in four."""
+    rows = ["request\ttime\tquery_kind\tquery\titem\tposition\trandom\tclicked"]
+    for n, (user, item) in enumerate(sorted(boosted.items())):
+        for r in range(3):
+            rows.append(f"b{n}-{r}\t{n}\tuser\t{user}\t{item}\t1\t1\t1")
+        rows += [f"c{n}\t{n}\tuser\t{user}\ti0\t1\t1\t0", f"c{n}\t{n}\tuser\t{user}\t{item}\t2\t1\t1"]
+    for r in range(40):
+        rows.append(f"o{r}\t{r}\tuser\tzz\ti{r % 7}\t1\t1\t{int(r % 4 == 0)}")
+    path.write_text("\n".join(rows) + "\n")
+
+
+def test_memboost_lifts_an_engaged_item_and_recommend_logs_what_it_showed(served):
+    """`recommend --memboost S --memboost-weight G` adds G x MB to the value (the item clicked
+    wherever it was shown comes first); weight 0 leaves the list as it was; --log-impressions
+    appends the rows `memboost update` reads, --random-share 1 shows the same items in random
+    order and logs them so."""
+    root = served.root
+    log = root / "shown.tsv"
+    plain = recommend(served, "--user", "u1", *FUNNEL, "--k", "5", "--log-impressions", str(log))
+    last = plain["items"][-1]
+    memboost_log(root / "mb.tsv", {"u1": last})
+    cli("memboost", "update", "--impressions", str(root / "mb.tsv"), "--out", str(root / "S.npz"))
+    boosted = recommend(served, "--user", "u1", *FUNNEL, "--k", "5", "--memboost",
+                        str(root / "S.npz"), "--memboost-weight", "100")
+    assert boosted["items"][0] == last and boosted["memboost"][0] > 0.3
+    assert boosted["values"][0] > plain["values"][0] + 30  # value + 100 x MB
+    still = recommend(served, "--user", "u1", *FUNNEL, "--k", "5", "--memboost",
+                      str(root / "S.npz"))
+    assert still["items"] == plain["items"] and still["values"] == plain["values"]
+    shuffled = [recommend(served, "--user", "u1", *FUNNEL, "--k", "5", "--random-share", "1",
+                          "--seed", str(s), "--log-impressions", str(log)) for s in range(4)]
+    assert all(sorted(a["items"]) == sorted(plain["items"]) and a["random_order"]
+               for a in shuffled)
+    assert any(a["items"] != plain["items"] for a in shuffled)
+    rows = [line.split("\t") for line in log.read_text().splitlines()[1:]]
+    assert len(rows) == 25 and [r[4] for r in rows[:5]] == plain["items"]
+    assert [r[5] for r in rows[:5]] == ["1", "2", "3", "4", "5"]
+    assert {r[6] for r in rows[:5]} == {"0"} and {r[6] for r in rows[5:]} == {"1"}
+    assert {(r[2], r[3], r[7]) for r in rows} == {("user", "u1", "0")}
+    said = cli("memboost", "update", "--impressions", str(log), "--stats", str(root / "S.npz"),
+               "--out", str(root / "S2.npz")).stdout
+    assert "rows_added=25" in said and "logs=2" in said
+
+
+def test_recommend_tune_chooses_the_memboost_weight_recommend_reads(served):
+    """`recommend-tune --memboost S` chooses gamma on the validation pairs: statistics that
+    engage each user's validation item lift HR@1, so a weight above 0 is chosen and written
+    with the statistics; `recommend --settings` reads both."""
+    import yaml
+
+    root = served.root
+    by_user: dict = {}
+    for user, item, _, _, _ in planted_log():
+        by_user.setdefault(user, []).append(item)
+    memboost_log(root / "val.tsv", {u: items[-2] for u, items in by_user.items()})
+    cli("memboost", "update", "--impressions", str(root / "val.tsv"), "--out",
+        str(root / "V.npz"))
+    out = root / "tuned.yaml"
+    said = cli("recommend-tune", *served.inputs, *FUNNEL, "--k", "1", "--users", "120",
+               "--steps", "2000", "--memboost", str(root / "V.npz"), "--out", str(out)).stdout
+    tuned = yaml.safe_load(out.read_text())
+    assert tuned["memboost"] == str((root / "V.npz").resolve())
+    assert tuned["settings"]["memboost_weight"] > 0 and "memboost_weight=" in said
+    assert tuned["validation"]["hr_memboost"] > tuned["validation"]["hr_ranked"] + 0.1
+    answer = json.loads(cli("recommend", "--retrieval", str(root / "R"), "--pixie",
+                            str(root / "G"), "--settings", str(out), "--user", "u5", "--steps",
+                            "2000", "--json").stdout)
+    assert by_user["u5"][-2] in answer["items"] and answer["memboost"]

@@ -1,10 +1,13 @@
 """`pixie build` (an interaction dataset -> a graph folder) and `pixie query` (a walk's top
-items for some items or a user). torch is imported only by `query`."""
+items for some items or a user; with --log-impressions, what it showed, for Memboost). torch is
+imported only by `query`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
+import uuid
 from pathlib import Path
 from typing import List, Tuple
 
@@ -13,7 +16,8 @@ import numpy as np
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph.bipartite import (Pruning, check_out, graph_from_dataset, read_graph,
                                         write_graph)
-from dlrm_hybrid.output_paths import refuse_overwriting_inputs
+from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
+from dlrm_hybrid.serve.impressions import append_impressions, served
 from dlrm_hybrid.serve.retrieve import lookup_id, read_raw_ids
 
 
@@ -48,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     query.add_argument("--dense-ids", action="store_true",
                        help="ids are the dataset's dense ids, in and out")
     query.add_argument("--json", action="store_true", help="print one JSON object")
+    query.add_argument("--random-share", type=float, default=0.0, metavar="F",
+                       help="the chance that the K items are shown in random order (Memboost "
+                            "measures the position effect on them; default 0)")
+    query.add_argument("--log-impressions", metavar="FILE", help="append what is shown to this "
+                       "impression log (docs/memboost.md): query item:I1,I2,... or user:ID")
 
 
 def add_walk_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +118,13 @@ def run_query(args: argparse.Namespace) -> None:
 
     if args.k < 1:
         raise UserError("pixie query: --k must be at least 1")
+    if not 0 <= args.random_share <= 1:  # NaN fails too
+        raise UserError(f"pixie query: --random-share must be between 0 and 1 (the share of "
+                        f"queries shown in random order), got {args.random_share}")
+    if args.log_impressions:
+        refuse_overwriting_inputs([("--log-impressions", args.log_impressions)],
+                                  [("--graph", args.graph)], "pixie query")
+        require_file_target("--log-impressions", args.log_impressions)
     params = walk_params(args)
     graph = read_graph(args.graph)
     names = RawIds(args.graph, args.dense_ids)
@@ -122,9 +138,21 @@ def run_query(args: argparse.Namespace) -> None:
     else:
         queries, weights = parse_items(args.items, names, graph.items)
     result = PixieWalker(graph, args.device).walk(queries, weights, params, k=args.k)
-    answer = {"items": [names.item_name(int(i)) for i in result.items],
-              "scores": [round(float(s), 3) for s in result.scores],
-              "steps": int(result.walked.sum()), "steps_saved": result.steps_saved}
+    shown = np.arange(len(result.items))
+    shuffle = np.random.default_rng(args.seed)
+    random = bool(args.random_share) and shuffle.random() < args.random_share
+    if random:
+        shown = shuffle.permutation(shown)
+    answer = {"items": [names.item_name(int(i)) for i in result.items[shown]],
+              "scores": [round(float(s), 3) for s in result.scores[shown]],
+              "steps": int(result.walked.sum()), "steps_saved": result.steps_saved,
+              **({"random_order": True} if random else {})}
+    if args.log_impressions:
+        query = (("user", args.user) if args.user is not None else
+                 ("item", ",".join(names.item_name(int(i)) for i in queries)))
+        append_impressions(args.log_impressions, served(
+            uuid.uuid4().hex, time.time(), *query, answer["items"], random),
+            "--log-impressions")
     if args.json:
         print(json.dumps(answer))
         return

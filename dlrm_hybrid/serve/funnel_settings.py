@@ -1,5 +1,6 @@
 """The funnel's settings file (YAML): what `recommend-tune` chose on validation (the sources and
-their merge weights, the candidate counts, the ranker and its value model, each stage's prior),
+their merge weights, the candidate counts, the ranker and its value model, each stage's prior,
+Memboost's weight and statistics),
 written whole or not at all, and read by `recommend --settings`, each key checked."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dlrm_hybrid.output_paths import temporary_beside
 FORMAT = "dlrm_hybrid funnel settings 1"
 # what the file sets, each also a `recommend` flag that overrides it
 TUNED = ("sources", "per_source", "rank_top", "first_stage_keep", "fusion", "value",
-         "rank_prior", "first_stage_prior")
+         "rank_prior", "first_stage_prior", "memboost_weight")
 
 
 def write_settings(target: Path, content: dict) -> None:
@@ -52,8 +53,9 @@ def read_settings(path: str) -> dict:
     unknown = sorted(set(tuned) - set(TUNED))
     if unknown:
         raise bad(f"settings.{unknown[0]} is not a setting (known: {', '.join(TUNED)})")
-    out = {"ranker": content.get("ranker"), "first_stage": content.get("first_stage")}
-    for key in ("ranker", "first_stage"):
+    out = {"ranker": content.get("ranker"), "first_stage": content.get("first_stage"),
+           "memboost": content.get("memboost")}
+    for key in ("ranker", "first_stage", "memboost"):
         if out[key] is not None and not isinstance(out[key], str):
             raise bad(f"{key} is not a path")
     for key, value in tuned.items():
@@ -106,3 +108,5 @@ def tuned_inputs(args: argparse.Namespace, tuned: dict) -> None:
                             f"with recommend-tune")
     if args.ranker is None:
         raise UserError(f"--settings: {args.settings} names no ranker; give --ranker")
+    if getattr(args, "memboost", None) is None:  # newer statistics may replace the tuned ones
+        args.memboost = tuned.get("memboost")

@@ -10,7 +10,9 @@ the paired per-user difference): the simplest setting within one standard error 
 so a source earns weight and a stage reorders what it was handed only where validation shows
 more than noise. A ranker's setting is picked on one half of the validation users and its
 prior judged on the other (`halves`): the best of many settings on the users that picked it is
-high by chance."""
+high by chance. Memboost's weight gamma (value + gamma * MB) with the ranker's prior beside it: the smallest gamma
+within one standard error of the best (`memboost_weight`), so it is 0 where the statistics add
+only noise."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ FUSION_GRID = (0.0, 0.25, 0.5, 1.0)  # each source's merge weight; the largest i
 # the incoming order's weight beside a stage's own; inf: the stage keeps the incoming order
 PRIORS = (0.0, 0.5, 1.0, 2.0, 4.0, float("inf"))
 Key = Tuple[Hashable, int, int, float]  # (ranker group, steps or position, value model, prior)
+MEMBOOST_GRID = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0)  # gamma of value + gamma * MB
 
 
 @dataclass
@@ -263,3 +266,34 @@ def with_ranker(rec, path: str, ranker_data: Optional[str] = None):
     other = copy.copy(rec)
     other.ranker, other.tasks = module, list(description["tasks"])
     return other, description
+
+
+def memboost_found(rec, asked: Requests, k: int = 10, grid: Sequence[float] = MEMBOOST_GRID,
+                   priors: Sequence[float] = PRIORS) -> Dict[Tuple[float, float], np.ndarray]:
+    """Per (gamma of `grid`, rank prior of `priors`), per-user hits at k of `rec`'s funnel (its
+    ranker, value model and Memboost statistics) with each handed item's value + gamma * MB,
+    that order fused with the handed one at the prior: the funnel asked once per user, the
+    ranked list re-sorted per setting as `recommend` sorts it."""
+    weight, rec.settings.memboost_weight = rec.settings.memboost_weight, 0.0
+    found: Dict[Tuple[float, float], List[float]] = {(g, p): [] for g in grid for p in priors}
+    try:
+        for u, h, e, t, at, item in zip(asked.users, asked.histories, asked.excludes,
+                                        asked.timelines, asked.times or [None] * len(asked.users),
+                                        asked.wanted):
+            answer = rec.recommend_dense(int(u), h, e, t, at)
+            handed, boost = answer.handed, rec.boost(int(u), answer.handed)
+            for g, p in found:
+                own = handed[np.argsort(-(answer.handed_value + g * boost), kind="stable")]
+                found[g, p].append(float(item in own[with_prior(own, handed, p)][:k]))
+    finally:
+        rec.settings.memboost_weight = weight
+    return {key: np.array(hit) for key, hit in found.items()}
+
+
+def memboost_weight(found: Dict[Tuple[float, float], np.ndarray]) -> Tuple[float, float]:
+    """(gamma, rank prior) (per-user hits of each): among the settings within one standard
+    error of the best, the smallest gamma, then the largest prior (the ranker's own order
+    deferring most to the order it was handed)."""
+    best = found[max(found, key=lambda key: (found[key].mean(), -key[0], key[1]))]
+    return min((key for key in found if within_noise(best, found[key])),
+               key=lambda key: (key[0], -key[1]))

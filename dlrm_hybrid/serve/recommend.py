@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -15,6 +17,7 @@ from dlrm_hybrid.graph.commands import add_walk_arguments, walk_params
 from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_target,
                                       temporary_beside)
 from dlrm_hybrid.serve.funnel_settings import TUNED, read_settings, tuned_inputs
+from dlrm_hybrid.serve.impressions import Impressions, append_impressions, concat, served
 from dlrm_hybrid.serve.recommender import (SOURCES, STAGES, Recommendation, Recommender,
                                            RecommendSettings)
 
@@ -70,6 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--diversity", choices=("auto", "on", "off"), default="auto",
                         help="no two items of one category in a row (auto: on where the graph "
                              "knows categories)")
+    parser.add_argument("--memboost", metavar="STATS", help="Memboost statistics (`memboost "
+                        "update`): each item's value gains --memboost-weight x MB(user, item)")
+    parser.add_argument("--memboost-weight", type=float, metavar="GAMMA", help="gamma of value + "
+                        "gamma * MB (default 0, or the settings file's)")
+    parser.add_argument("--random-share", type=float, default=0.0, metavar="F",
+                        help="the share of requests whose K items are shown in random order "
+                             "(Memboost measures the position effect on them; default 0)")
+    parser.add_argument("--log-impressions", metavar="FILE", help="append what is shown to this "
+                        "impression log (docs/memboost.md), engagements 0 until filled in")
     add_walk_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -92,25 +104,35 @@ def run(args: argparse.Namespace) -> None:
     if settings.first_stage_prior and not args.first_stage:
         raise UserError("recommend: --first-stage-prior weighs the merged order beside a first "
                         "stage's; give --first-stage DIR too, or leave it out")
+    inputs = [("--users", args.users), ("--retrieval", args.retrieval), ("--pixie", args.pixie),
+              ("--ranker", args.ranker), ("--ranker-data", args.ranker_data),
+              ("--first-stage", args.first_stage), ("--settings", args.settings),
+              ("--blocklist", args.blocklist), ("--memboost", args.memboost)]
+    if args.log_impressions:
+        refuse_overwriting_inputs([("--log-impressions", args.log_impressions)],
+                                  inputs + [("--out", args.out)], "recommend")
+        require_file_target("--log-impressions", args.log_impressions)
     if args.out:
         refuse_overwriting_inputs([("--out", args.out)], [
             ("--users", args.users), ("--retrieval", args.retrieval), ("--pixie", args.pixie),
             ("--ranker", args.ranker), ("--ranker-data", args.ranker_data),
             ("--first-stage", args.first_stage), ("--settings", args.settings),
-            ("--blocklist", args.blocklist)], "recommend")
+            ("--blocklist", args.blocklist), ("--memboost", args.memboost)], "recommend")
         require_file_target("--out", args.out)
     names = _lines("--users", args.users) if args.users else [args.user]
     recommender = Recommender(args.retrieval, args.pixie, args.ranker, args.ranker_data, settings,
-                              args.first_stage)
+                              args.first_stage, args.memboost)
     if recommender.unknown_blocklist:
         print(f"warning: --blocklist: {len(recommender.unknown_blocklist)} items are not the "
               f"retrieval model's (e.g. {recommender.unknown_blocklist[0]!r}); nothing to block "
               f"there", file=sys.stderr)
     if args.users:
-        return _run_batch(recommender, names, args.out)
+        return _run_batch(recommender, names, args.out, args.log_impressions)
     history = None if args.history is None else [
         i.strip() for i in args.history.split(",") if i.strip()]
     answer = recommender.recommend(args.user, history)
+    if args.log_impressions:
+        append_impressions(args.log_impressions, _shown(args.user, answer), "--log-impressions")
     if args.json:
         print(json.dumps(_answer(args.user, answer)))
         return
@@ -132,7 +154,8 @@ def settings_of(args: argparse.Namespace, tuned: Optional[dict] = None) -> Recom
              "first_stage_keep": args.first_stage_keep,
              "fusion": parse_weights("--fusion", args.fusion, "pixie"),
              "value": parse_weights("--value", args.value, "liked"),
-             "first_stage_prior": args.first_stage_prior, "rank_prior": args.rank_prior}
+             "first_stage_prior": args.first_stage_prior, "rank_prior": args.rank_prior,
+             "memboost_weight": args.memboost_weight}
     plain = RecommendSettings()  # what a flag left out means without a settings file
     defaults = {**{k: getattr(plain, k) for k in TUNED}, "sources": ",".join(plain.sources)}
     s = {key: flag if flag is not None else (tuned or {}).get(key, defaults[key])
@@ -144,7 +167,7 @@ def settings_of(args: argparse.Namespace, tuned: Optional[dict] = None) -> Recom
         s["per_source"], s["rank_top"], s["value"], not args.keep_seen,
         tuple(_lines("--blocklist", args.blocklist)) if args.blocklist else (), args.diversity,
         walk_params(args), args.device, s["first_stage_keep"], s["fusion"],
-        s["first_stage_prior"], s["rank_prior"])
+        s["first_stage_prior"], s["rank_prior"], s["memboost_weight"], args.random_share)
     settings.check()
     return settings
 
@@ -181,21 +204,36 @@ def _lines(flag: str, path: str) -> List[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def _run_batch(recommender: Recommender, names: List[str], out: str) -> None:
+def _run_batch(recommender: Recommender, names: List[str], out: str,
+               log: Optional[str] = None) -> None:
     target = Path(out)
     partial = temporary_beside(target)
+    shown = []
     try:
         with open(partial, "w") as stream:
             for name in names:
-                stream.write(json.dumps(_answer(name, recommender.recommend(name))) + "\n")
+                answer = recommender.recommend(name)
+                shown.append(_shown(name, answer))
+                stream.write(json.dumps(_answer(name, answer)) + "\n")
+        if log:  # the batch's rows in one write, before the answers appear
+            append_impressions(log, concat(shown), "--log-impressions")
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
     print(f"recommend: wrote {out} users={len(names)} k={recommender.settings.k}")
 
 
+def _shown(user: str, answer: Recommendation) -> Impressions:
+    """The request's impression rows: a new request id, now, the user, the items in the order
+    shown, whether in random order; engagements 0."""
+    return served(uuid.uuid4().hex, time.time(), "user", user, answer.names, answer.random)
+
+
 def _answer(user: str, answer: Recommendation) -> dict:
-    return {"user": user, "items": answer.names,
+    extra = {"memboost": [round(float(b), 6) for b in answer.boost]} if len(answer.boost) and \
+        answer.boost.any() else {}
+    extra.update({"random_order": True} if answer.random else {})
+    return {"user": user, "items": answer.names, **extra,
             "values": [round(float(v), 6) for v in answer.value],
             "probabilities": {t: [round(float(p), 6) for p in answer.probabilities[:, j]]
                               for j, t in enumerate(answer.tasks)},

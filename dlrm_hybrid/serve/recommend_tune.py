@@ -5,6 +5,7 @@ funnel on their own log the way benchmarks/recommend.py configures it on MovieLe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from dlrm_hybrid.errors import UserError
@@ -46,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--value", action="append", default=[], metavar="TASK=W,...",
                         help="a value model to choose among (repeat; default: the ranker's "
                              "exported value_model)")
+    parser.add_argument("--memboost", metavar="STATS", help="Memboost statistics (`memboost "
+                        "update`): choose the weight gamma of value + gamma * MB too")
     add_walk_arguments(parser)
     return parser
 
@@ -53,12 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     from dlrm_hybrid.serve import funnel_tuning
     from dlrm_hybrid.serve.recommend import parse_weights
+    from dlrm_hybrid.serve.recommend_inputs import value_model_weights
     from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
 
 
     refuse_overwriting_inputs([("--out", args.out)], [
         ("--retrieval", args.retrieval), ("--pixie", args.pixie), ("--first-stage",
-        args.first_stage), ("--data", args.data), *(("--ranker", r) for r in args.ranker)],
+        args.first_stage), ("--data", args.data), ("--memboost", args.memboost),
+        *(("--ranker", r) for r in args.ranker)],
         "recommend-tune")
     require_file_target("--out", args.out)
     if len(set(args.ranker)) < len(args.ranker):
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
         pixie=walk_params(args), device=args.device, first_stage_keep=args.first_stage_keep,
         fusion=fusion)
     rec = Recommender(args.retrieval, args.pixie, args.ranker[0], args.ranker_data, settings,
-                      args.first_stage)
+                      args.first_stage, args.memboost)
     data = args.data or (rec.retriever.description.get("source") or {}).get("data")
     if not data:
         raise UserError(f"recommend-tune: {args.retrieval} does not say which dataset its model "
@@ -92,14 +97,26 @@ def run(args: argparse.Namespace) -> None:
     if found.first_stage_prior is not None:
         measured["first_stage_keeps_held_out"] = float(
             found.first_found[found.first_stage_prior].mean())
+    if args.memboost:
+        chosen_rec, description = funnel_tuning.with_ranker(rec, args.ranker[best],
+                                                            args.ranker_data)
+        chosen_rec.weights = value_model_weights(values[value], chosen_rec.tasks, description)
+        chosen_rec.settings = dataclasses.replace(
+            settings, fusion=found.fusion, first_stage_prior=found.first_stage_prior or 0.0)
+        boosted = funnel_tuning.memboost_found(chosen_rec, asked, args.k)
+        gamma, prior = funnel_tuning.memboost_weight(boosted)
+        tuned.update(memboost_weight=gamma, rank_prior=prior)
+        measured["hr_memboost"] = float(boosted[gamma, prior].mean())
     write_settings(Path(args.out), {
         "format": FORMAT, "ranker": str(Path(args.ranker[best]).resolve()),
         "first_stage": str(Path(args.first_stage).resolve()) if args.first_stage else None,
+        "memboost": str(Path(args.memboost).resolve()) if args.memboost else None,
         "retrieval": str(Path(args.retrieval).resolve()), "data": str(data),
         "settings": tuned, "validation": measured})
     print(f"recommend-tune: wrote {args.out} users={len(asked.users)} ranker={args.ranker[best]} "
           + " ".join(f"{key}={_text(tuned[key])}" for key in
-                     ("fusion", "value", "rank_prior", "first_stage_prior"))
+                     ("fusion", "value", "rank_prior", "first_stage_prior")
+                     + (("memboost_weight",) if args.memboost else ()))
           + f" hr@{args.k}_merged={measured['hr_merged']:.4f} "
             f"hr@{args.k}_ranked={measured['hr_ranked']:.4f}")
 

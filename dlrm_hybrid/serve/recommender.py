@@ -16,9 +16,12 @@ hundred best, a value model, final rules.
    order they came in). `first_stage_prior`, `rank_prior` (default 0): each of the two
    orders fused with the order its stage was handed, with that weight; inf keeps the handed
    order (rank_fusion.with_prior: a benchmark chooses them on validation).
+   With Memboost statistics (memboost.py) and `memboost_weight` gamma > 0, each item's value
+   is value + gamma * MB(user, item) before the order (and its prior) is taken.
 4. Rules: the blocklist out; diversity, no two items of one category in a row (greedily the next
    best item whose category differs from the last taken; when none is left, the rest in order);
-   the first K.
+   the first K. A `random_share` of requests (drawn by a generator seeded with the walk's seed)
+   shows those K in random order: the unbiased traffic Memboost's position curve is measured on.
 
 Ids are the retrieval folder's dense ids throughout: the graph must come from the same dataset
 (graph.yaml's dataset digest is checked against the folder's seen items). The ranker reads its
@@ -70,6 +73,8 @@ class RecommendSettings:
     fusion: Optional[Dict[str, float]] = None  # source -> merge weight (None: 1 each)
     first_stage_prior: float = 0.0  # the merged order's weight beside the first stage's
     rank_prior: float = 0.0  # the incoming order's weight beside the value model's
+    memboost_weight: float = 0.0  # gamma: value + gamma * MB (with Memboost statistics)
+    random_share: float = 0.0  # the share of requests shown in random order
 
     def check(self) -> None:
         if self.k < 1:
@@ -96,6 +101,12 @@ class RecommendSettings:
             if not prior >= 0:  # NaN fails too; inf keeps the incoming order
                 raise UserError(f"{flag}: must be 0 or more (inf: keep the incoming order), "
                                 f"got {prior}")
+        if not (np.isfinite(self.memboost_weight) and self.memboost_weight >= 0):
+            raise UserError(f"--memboost-weight: must be a number 0 or more (gamma of "
+                            f"value + gamma * MB), got {self.memboost_weight}")
+        if not 0 <= self.random_share <= 1:  # NaN fails too
+            raise UserError(f"--random-share: must be between 0 and 1 (the share of requests "
+                            f"shown in random order), got {self.random_share}")
         if self.diversity not in DIVERSITY:
             raise UserError(f"--diversity: {self.diversity!r}; give one of {', '.join(DIVERSITY)}")
         self.pixie.check()
@@ -106,7 +117,9 @@ class Recommendation:
     """One request's answer: `items` (dense ids, final order) with their `value`, their tasks'
     `probabilities` [K, T] and the `sources` that found each; `stages`: each stage's list, best
     first (a source left out, or no first stage: empty); `ms`: each stage's milliseconds;
-    `names`: the raw ids of `items` (from `recommend`)."""
+    `names`: the raw ids of `items` (from `recommend`); `boost`: each item's MB (zeros
+    without Memboost); `random`: shown in random order; `handed`, `handed_value`: the items
+    the ranker scored, in the order it was handed them, and their values without Memboost."""
 
     items: np.ndarray
     value: np.ndarray
@@ -116,6 +129,10 @@ class Recommendation:
     stages: Dict[str, np.ndarray]
     ms: Dict[str, float]
     names: List[str] = field(default_factory=list)
+    boost: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    random: bool = False
+    handed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    handed_value: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 class Recommender:
@@ -124,7 +141,7 @@ class Recommender:
 
     def __init__(self, retrieval: str, pixie: str, ranker: str, ranker_data: Optional[str] = None,
                  settings: Optional[RecommendSettings] = None,
-                 first_stage: Optional[str] = None) -> None:
+                 first_stage: Optional[str] = None, memboost: Optional[str] = None) -> None:
         from dlrm_hybrid.graph.bipartite import read_graph
         from dlrm_hybrid.graph.pixie import PixieWalker
         from dlrm_hybrid.serve.ranking_features import RankingFeatures
@@ -162,6 +179,15 @@ class Recommender:
                  if n in self.retriever.item_of]
         self.blocked = np.unique(np.array(known, np.int64))
         self.unknown_blocklist = [n for n in settings.blocklist if n not in self.retriever.item_of]
+        self.memboost = None
+        if memboost:
+            from dlrm_hybrid.serve.memboost import load_stats
+
+            self.memboost = load_stats(memboost, "--memboost")
+        elif settings.memboost_weight:
+            raise UserError("--memboost-weight: give --memboost STATS, the statistics "
+                            "`memboost update` wrote")
+        self.shuffle = np.random.default_rng(settings.pixie.seed)
         # what `ms` measures stages with: wall time; a benchmark on a shared machine may set
         # time.thread_time (the request's own CPU time: one thread does all its work)
         self.clock = time.perf_counter
@@ -239,6 +265,18 @@ class Recommender:
             ms["first_stage"] = self._since(start)
         start = self.clock()
         stages["ranked"], probabilities, value = self._rank(user, to_rank, lists, history, at)
+        at_handed = {int(i): n for n, i in enumerate(to_rank)}
+        slot = np.array([at_handed[int(i)] for i in stages["ranked"]], np.int64)
+        handed_value = np.zeros(len(to_rank), np.float64)
+        handed_value[slot] = value
+        boost = self.boost(user, stages["ranked"])
+        if s.memboost_weight:  # the value model's order again, from the handed order
+            total = np.zeros(len(to_rank))
+            total[slot] = value + s.memboost_weight * boost
+            resort = np.argsort(slot, kind="stable")[np.argsort(-total, kind="stable")]
+            stages["ranked"], probabilities, boost = (
+                stages["ranked"][resort], probabilities[resort], boost[resort])
+            value = total[slot[resort]]
         order = with_prior(stages["ranked"], to_rank, s.rank_prior)
         stages["ranked"], probabilities, value = (stages["ranked"][order], probabilities[order],
                                                   value[order])
@@ -248,10 +286,23 @@ class Recommender:
         if self.category is not None:
             keep = keep[diversify(self.category[stages["ranked"][keep]], s.k)]
         keep = keep[:s.k]
+        shuffled = bool(s.random_share) and self.shuffle.random() < s.random_share
+        if shuffled:
+            keep = self.shuffle.permutation(keep)
         ms["rules"] = self._since(start)
         items = stages["ranked"][keep]
         return Recommendation(items, value[keep], probabilities[keep], self.tasks,
-                              [found_by[int(i)] for i in items], stages, ms)
+                              [found_by[int(i)] for i in items], stages, ms,
+                              boost=boost[keep], random=shuffled, handed=to_rank,
+                              handed_value=handed_value)
+
+    def boost(self, user: int, items: np.ndarray) -> np.ndarray:
+        """MB(user, item) of each of `items` (dense ids) from the Memboost statistics (zeros
+        without them): the query is the user, by raw id."""
+        if self.memboost is None:
+            return np.zeros(len(items))
+        return self.memboost.scores("user", self.retriever.user_names[user],
+                                    [self.retriever.item_names[int(i)] for i in items])
 
     def _since(self, start: float) -> float:
         return round((self.clock() - start) * 1000, 3)
