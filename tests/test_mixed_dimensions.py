@@ -218,3 +218,34 @@ def test_one_and_two_ranks_reshard_resume_eval_and_export_alike(tmp_path):
                            f"train.run_dir={tmp_path / 'two'}", "train.max_steps=14")])
     assert other.returncode == 2
     assert "model.mixed_dimensions.temperature (0.2 there, 0.3 here)" in other.stderr
+
+
+@pytest.mark.parametrize("precision, within", [("int8", 0.01), ("int4", 0.05)])
+def test_quantized_serving_of_narrow_tables_scores_near_the_trained_model(precision, within):
+    """Row-wise int8/int4 rows of 4-wide tables, projected after dequantisation: the served
+    probabilities stay near the fp32 model's (the fp32 export's are exact: test_serving.py)."""
+    from dlrm_hybrid.model.embeddings import table_order
+    from dlrm_hybrid.serve.export import scoring_model, table_precisions
+
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), ["model.mixed_dimensions.temperature=0.3"])
+    data = SyntheticClicks(cfg.data)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
+    for table in model.embedding_bags.parameters():
+        torch.nn.init.uniform_(table, -0.3, 0.3)
+    model.eval()
+    batch, columns = data.batch("val", 0, 512), data.columns("val", 0, 512)
+    with torch.no_grad():
+        expected = torch.sigmoid(model(batch.dense, batch.sparse))
+    unsharded = build_model(cfg.model, data.spec)
+    assert any(p.projected == 16 and p.dim == 4 for p in table_order(unsharded.lookups))
+    precisions = table_precisions([p.table for p in table_order(unsharded.lookups)], precision, [])
+    served = torch.jit.script(scoring_model(unsharded, model.state_dict(), precisions))
+    ids = torch.zeros(512, len(columns.ids), 3, dtype=torch.int64)
+    lengths = torch.zeros(512, len(columns.ids), dtype=torch.int64)
+    for f, feature_ids in enumerate(columns.ids):
+        ids[:, f, :feature_ids.shape[1]] = torch.from_numpy(feature_ids)
+        lengths[:, f] = feature_ids.shape[1]
+    got = served(torch.from_numpy(columns.dense), ids, lengths)
+    error = (got - expected).abs().max().item()
+    assert 0 < error < within, error

@@ -156,7 +156,7 @@ def projection_units(lookups) -> List[Unit]:
     """Mixed-dimension tables' projections (model/mixed_dimensions.py), one [out, in] weight
     per narrowed table; none without them."""
     shapes = [(p.projected, p.dim) for lookup in lookups for p in lookup.parts if p.projected]
-    return [Unit("mixed-dimension projections", {"projection": shapes})] if shapes else []
+    return [Unit("table projections", {"projection": shapes})] if shapes else []
 
 
 def hstu_units(model_cfg, length: int, time_buckets: int, candidate: bool = False
