@@ -185,6 +185,31 @@ def test_stats_files_round_trip_and_the_commands_write_whole(tmp_path):
     assert not list(tmp_path.glob(".*partial*"))
 
 
+def test_memboost_features_gives_each_row_the_statistics_before_its_time(tmp_path):
+    (tmp_path / "log.tsv").write_text(HAND)
+    rows = tmp_path / "rows.tsv"
+    rows.write_text("query_kind\tquery\titem\ttime\nuser\tu1\ta\t1\nuser\tu1\ta\t2.5\n"
+                    "item\ta\tc\t4\nitem\ta\tc\t4.5\n")
+    result = run_cli(["memboost", "features", "--impressions", str(tmp_path / "log.tsv"),
+                      "--rows", str(rows), "--out", str(tmp_path / "f.tsv")])
+    assert result.returncode == 0, failure(result)
+    got = [line.split("\t")[4:] for line in (tmp_path / "f.tsv").read_text().splitlines()]
+    assert got[0] == ["memboost_clicks", "memboost_expected", "memboost"]
+    assert [float(v) for v in got[1]] == [0, 0, 0]  # nothing before time 1
+    # before 2.5: r1, r2 (the curve 1, 0.5): C 2, E 1.5; before 4.5: (a, c) once at 1, C 2
+    assert [float(v) for v in got[2]] == pytest.approx([np.log1p(2), np.log1p(1.5),
+                                                        np.log(3 / 2.5)], abs=1e-5)
+    assert [float(v) for v in got[3]] == [0, 0, 0]  # its own impression is at time 4
+    assert [float(v) for v in got[4]] == pytest.approx([np.log1p(2), np.log1p(1),
+                                                        np.log(3 / 2)], abs=1e-5)
+    rows.write_text("query_kind\tquery\titem\ttime\nuser\tu1\ta\tsoon\n")
+    result = run_cli(["memboost", "features", "--impressions", str(tmp_path / "log.tsv"),
+                      "--rows", str(rows), "--out", str(tmp_path / "g.tsv")])
+    assert result.returncode == 2 and result.stderr == (
+        f"error: --rows: {rows} row 2 column time: 'soon' is not a number\n")
+    assert not (tmp_path / "g.tsv").exists()
+
+
 BAD = [
     ("request\ttime\n", [], "--impressions: {log}: the first line is not the impression log's "
                             "header"),

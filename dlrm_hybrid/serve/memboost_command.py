@@ -1,18 +1,24 @@
 """`memboost update` (impression logs into Memboost statistics, earlier statistics updated
-without their logs) and `memboost show` (the position curve, a query's pairs)."""
+without their logs), `memboost show` (the position curve, a query's pairs) and `memboost
+features` (a ranker's rows given the statistics of the impressions before each)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import numpy as np
 
 from dlrm_hybrid.errors import UserError
-from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
-from dlrm_hybrid.serve.impressions import QUERY_KINDS, apply_clicks, read_impressions
+from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_target,
+                                      temporary_beside)
+from dlrm_hybrid.serve.impressions import QUERY_KINDS, apply_clicks, concat, read_impressions
 from dlrm_hybrid.serve.memboost import (MemboostSettings, MemboostStats, digest_of, load_stats,
                                         save_stats)
+from dlrm_hybrid.serve.memboost_features import FEATURES, features_before
+
+ROW_COLUMNS = ("query_kind", "query", "item", "time")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "alpha)), in engagements (default 1; with --stats: theirs)")
     update.add_argument("--max-pairs", type=int, help="pairs kept per query, those with the "
                         "most impressions (default 1000; with --stats: theirs)")
+    features = actions.add_parser("features", help="Memboost's features of a ranker's rows, "
+                                  "each from the impressions before its time")
+    features.add_argument("--impressions", required=True, action="append", metavar="LOG",
+                          help="impression logs (repeat for several)")
+    features.add_argument("--rows", required=True, metavar="FILE", help="tab-separated, header "
+                          "`query_kind query item time`: the ranker's rows")
+    features.add_argument("--out", required=True, metavar="FILE", help="the rows with "
+                          f"{', '.join(FEATURES)} after them (tab-separated)")
+    features.add_argument("--prior", type=float, default=1.0, help="alpha (default 1)")
     show = actions.add_parser("show", help="the position curve and the top pairs of a query")
     show.add_argument("--stats", required=True, help="statistics `memboost update` wrote")
     show.add_argument("--query", metavar="KIND:ID", help="a query's pairs by MB, e.g. user:196")
@@ -37,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    return {"update": run_update, "show": run_show}[args.action](args)
+    return {"update": run_update, "show": run_show, "features": run_features}[args.action](args)
 
 
 def run_update(args: argparse.Namespace) -> None:
@@ -75,6 +90,61 @@ def run_update(args: argparse.Namespace) -> None:
     print(f"memboost: wrote {args.out} rows_added={rows} pairs={len(stats.keys)} "
           f"logs={len(stats.logs)} random_impressions={random} prior={stats.settings.prior:g} "
           f"max_pairs={stats.settings.max_pairs}")
+
+
+def run_features(args: argparse.Namespace) -> None:
+    refuse_overwriting_inputs([("--out", args.out)], [
+        ("--rows", args.rows), *(("--impressions", log) for log in args.impressions)],
+        "memboost features")
+    require_file_target("--out", args.out)
+    log = concat([read_impressions(path) for path in args.impressions])
+    kinds, queries, items, times, lines = _rows(args.rows)
+    found = features_before(log, kinds, queries, items, times, args.prior)
+    target = Path(args.out)
+    partial = temporary_beside(target)
+    try:
+        partial.write_text("\t".join((*ROW_COLUMNS, *FEATURES)) + "\n" + "".join(
+            f"{line}\t" + "\t".join(f"{v:.6g}" for v in row) + "\n"
+            for line, row in zip(lines, found.tolist())), encoding="utf-8")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    print(f"memboost: wrote {args.out} rows={len(lines)} impressions={len(log)} "
+          f"rows_with_history={int((found[:, 1] > 0).sum())}")
+
+
+def _rows(path: str):
+    """The --rows file's columns (kind indices, queries, items, times) and its lines."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--rows: cannot read {path} ({getattr(e, 'strerror', None) or e})"
+                        ) from None
+    lines = text.splitlines()
+    if not lines or lines[0].strip().split("\t") != list(ROW_COLUMNS):
+        raise UserError(f"--rows: {path}: the first line is not the header "
+                        f"{' '.join(ROW_COLUMNS)} (tab-separated)")
+    kinds, queries, items, times = [], [], [], []
+    for n, line in enumerate(lines[1:]):
+        fields = line.split("\t")
+        if len(fields) != len(ROW_COLUMNS):
+            raise UserError(f"--rows: {path} row {n + 2}: {len(fields)} fields, the header has "
+                            f"{len(ROW_COLUMNS)}")
+        if fields[0] not in QUERY_KINDS:
+            raise UserError(f"--rows: {path} row {n + 2} column query_kind: {fields[0]!r} is not "
+                            f"one of {', '.join(QUERY_KINDS)}")
+        try:
+            times.append(float(fields[3]))
+        except ValueError:
+            times.append(float("nan"))
+        if not np.isfinite(times[-1]):
+            raise UserError(f"--rows: {path} row {n + 2} column time: {fields[3]!r} is not a "
+                            f"number")
+        kinds.append(QUERY_KINDS.index(fields[0]))
+        queries.append(fields[1])
+        items.append(fields[2])
+    return (np.array(kinds, np.int8), np.array(queries, dtype=str), np.array(items, dtype=str),
+            np.array(times), lines[1:])
 
 
 def run_show(args: argparse.Namespace) -> None:
