@@ -2,12 +2,13 @@
 at equal steps, on the planted data and on a Criteo-format sample.
 
     .venv/bin/python benchmarks/mixed_dimensions.py [--width 64] [--steps 2000] [--seeds 2]
-        [--temperatures 0.1 0.2 0.3] [--criteo-rows 1000000] [--criteo-steps 1000]
+        [--temperatures 0.1 0.15 0.2 0.3] [--round-dims] [--criteo-rows 1000000] [--criteo-steps 1000]
 
 1. Planted: the teacher's click logs (data/synthetic.py; its latent vectors are 8 wide) over
    three large Zipf tables (200,000, 100,000 and 50,000 rows) and five small ones, as
    benchmarks/compositional.py; the demo's model at width `--width` (`dot`). Each temperature's
-   widths are md_solver's (powers of two, tables of at most 200 rows kept full); every run
+   widths are md_solver's (multiples of 4, or with `--round-dims` powers of two; tables of at
+   most 200 rows kept full); every run
    trains the same model on the same batches, from each seed (train.seed), in one process, then
    evaluates on 65,536 validation samples.
 2. Criteo-format: the planted teacher's rows over 26 tables shaped as Criteo 1TB's FL15 ones
@@ -88,8 +89,10 @@ def run(overrides, env) -> dict:
             "oracle": metrics.get("oracle_auc")}
 
 
-def mixed(temperature: float):
-    return [f"model.mixed_dimensions.temperature={temperature}"] if temperature else []
+def mixed(temperature: float, round_dims: bool):
+    return ([f"model.mixed_dimensions.temperature={temperature}",
+             f"model.mixed_dimensions.round_dims={str(round_dims).lower()}"] if temperature
+            else [])
 
 
 def planted(args, env, scratch: str) -> dict:
@@ -100,9 +103,8 @@ def planted(args, env, scratch: str) -> dict:
     print("|---|---|---|---|---|---|---|")
     results = {}
     for t in [0.0, *args.temperatures]:
-        runs = [run(planted_settings(args.width, args.steps, seed,
-                                     f"{scratch}/planted_{t}_{seed}") + mixed(t), env)
-                for seed in range(args.seeds)]
+        runs = [run(planted_settings(args.width, args.steps, seed, f"{scratch}/planted_{t}_{seed}")
+                    + mixed(t, args.round_dims), env) for seed in range(args.seeds)]
         aucs = [r["auc"] for r in runs]
         results[t] = {"auc": statistics.mean(aucs), "bytes": runs[0]["bytes"]}
         full = results[0.0]
@@ -152,7 +154,7 @@ def criteo(args, env, scratch: str) -> None:
     full = None
     for t in [0.0, *args.temperatures]:
         r = run(model + common_settings(args.criteo_steps, 0, f"{scratch}/criteo_{t}")
-                + mixed(t), env)
+                + mixed(t, args.round_dims), env)
         full = full or r
         print(f"| {t:g} | {r['bytes'] / 2**20:.2f} MiB | {r['bytes'] / full['bytes']:.3f} | "
               f"{r['auc']:.5f} | {r['auc'] - full['auc']:+.5f} | {r['seconds']:.0f} |",
@@ -164,7 +166,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="planted: steps per run")
     parser.add_argument("--seeds", type=int, default=2, help="planted: train.seed 0..N-1")
     parser.add_argument("--width", type=int, default=64, help="planted: model.embedding_dim")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.1, 0.2, 0.3])
+    parser.add_argument("--round-dims", action="store_true",
+                        help="model.mixed_dimensions.round_dims=true (powers of two)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.1, 0.15, 0.2, 0.3])
     parser.add_argument("--criteo-rows", type=int, default=1_000_000,
                         help="Criteo-format sample's rows (0: skip it)")
     parser.add_argument("--criteo-steps", type=int, default=1000)

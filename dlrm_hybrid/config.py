@@ -45,7 +45,8 @@ class MixedDimensionsConfig:
     brings its pooled vectors to model.embedding_dim."""
 
     temperature: float = 0.0  # alpha; 0: every table model.embedding_dim wide (off)
-    round_dims: bool = True  # widths rounded to a power of two (md_solver's round_dim)
+    # widths rounded to a power of two (md_solver's round_dim); false: to a multiple of 4
+    round_dims: bool = False
     base_width: int = 0  # d0, the smallest table's width; 0: model.embedding_dim
     # tables of at most this many rows keep model.embedding_dim (facebookresearch/dlrm's
     # --md-threshold)
