@@ -2,7 +2,8 @@
 at equal steps, on the planted data and on a Criteo-format sample.
 
     .venv/bin/python benchmarks/mixed_dimensions.py [--width 64] [--steps 2000] [--seeds 2]
-        [--temperatures 0.1 0.15 0.2 0.3] [--round-dims] [--criteo-rows 1000000] [--criteo-steps 1000]
+        [--temperatures 0.1 0.15 0.2 0.3] [--round-dims] [--criteo-rows 1000000]
+        [--criteo-steps 1000]
 
 1. Planted: the teacher's click logs (data/synthetic.py; its latent vectors are 8 wide) over
    three large Zipf tables (200,000, 100,000 and 50,000 rows) and five small ones, as
