@@ -548,6 +548,11 @@ def test_memboost_lifts_an_engaged_item_and_recommend_logs_what_it_showed(served
     said = cli("memboost", "update", "--impressions", str(log), "--stats", str(root / "S.npz"),
                "--out", str(root / "S2.npz")).stdout
     assert "rows_added=25" in said and "logs=2" in said
+    lists = batch(served, "mb.jsonl", *FUNNEL, "--k", "5", "--log-impressions",
+                  str(root / "batch.tsv"))  # a batch's rows: each user's list, in one write
+    rows = [line.split("\t") for line in (root / "batch.tsv").read_text().splitlines()[1:]]
+    assert [(r[3], r[4]) for r in rows] == [(a["user"], i) for a in lists for i in a["items"]]
+    assert len({r[0] for r in rows}) == len(TARGETS)
 
 
 def test_recommend_tune_chooses_the_memboost_weight_recommend_reads(served):
