@@ -2,13 +2,13 @@
 known, users clicking what they are shown, rounds of serve -> log -> update.
 
     .venv/bin/python benchmarks/memboost.py [--seeds 0,1,2] [--rounds 8] [--requests 50000]
-        [--random-share 0.08] [--gamma G] [--quick]
+        [--random-share 0.08] [--pair-std 0.8] [--gamma G] [--features] [--quick]
 
 The world (drawn from its seed): Q queries (users) with Zipf(0.8) traffic, I items, latent
 vectors u_q, v_i (d = 8, <u, v> of variance 1), an item effect b_i ~ N(0, 0.5^2) and, on each
 query's M = 100 candidates (the top M of a retrieval-like score <u, v> + b_i + N(0, 1)), a
-pair effect e_qi ~ N(0, 0.8^2) that no feature shows (what only memorisation can learn).
-Relevance r_qi = sigmoid(-5 + <u, v> + b_i + e_qi); the position effect theta_p = p^-eta,
+pair effect e_qi ~ N(0, 0.8^2) (--pair-std) that no feature shows (what only memorisation can
+learn). Relevance r_qi = sigmoid(-5 + <u, v> + b_i + e_qi); the position effect theta_p = p^-eta,
 eta ~ U(0.5, 1.0); a shown item is clicked with probability theta_p r_qi (the position-based
 click model). K = 10 items shown per request.
 
@@ -76,7 +76,7 @@ class World:
     items: int
 
 
-def draw_world(seed: int, queries: int, items: int) -> World:
+def draw_world(seed: int, queries: int, items: int, pair_std: float = 0.8) -> World:
     rng = np.random.default_rng(seed)
     u = rng.normal(0, D ** -0.25, (queries, D))
     v = rng.normal(0, D ** -0.25, (items, D))
@@ -84,7 +84,7 @@ def draw_world(seed: int, queries: int, items: int) -> World:
     affinity = u @ v.T + b
     retrieval = affinity + rng.normal(0, 1.0, affinity.shape)
     candidates = np.argsort(-retrieval, 1)[:, :M]
-    pair = rng.normal(0, 0.8, (queries, M))
+    pair = rng.normal(0, pair_std, (queries, M))
     logit = -5.0 + np.take_along_axis(affinity, candidates, 1) + pair
     eta = rng.uniform(0.5, 1.0)
     traffic = (1.0 + np.arange(queries)) ** -0.8
@@ -226,7 +226,7 @@ def serve(world: World, order: np.ndarray, queries: np.ndarray, shuffled: np.nda
 
 def simulate(seed: int, args, gammas: Dict[str, float], features: bool = False
              ) -> Dict[str, object]:
-    world = draw_world(seed, args.queries, args.items)
+    world = draw_world(seed, args.queries, args.items, args.pair_std)
     policies = {"funnel": Policy(world, 0.0, True, args.prior),
                 "memboost": Policy(world, gammas["memboost"], True, args.prior),
                 "uncorrected": Policy(world, gammas["uncorrected"], False, args.prior)}
@@ -290,6 +290,8 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--items", type=int, default=2000)
     parser.add_argument("--random-share", type=float, default=0.08)
+    parser.add_argument("--pair-std", type=float, default=0.8, help="the pair effect's standard "
+                        "deviation in the relevance logit (what only memorisation learns)")
     parser.add_argument("--prior", type=float, default=1.0, help="Memboost's alpha")
     parser.add_argument("--gamma", type=float, help="both policies' gamma (default: chosen on "
                         "the validation world)")
@@ -302,6 +304,7 @@ def main() -> None:
     started = time.time()
     print(f"memboost benchmark on {cpu_name()}: rounds={args.rounds} requests={args.requests} "
           f"queries={args.queries} items={args.items} random_share={args.random_share} "
+          f"pair_std={args.pair_std} "
           f"prior={args.prior}", flush=True)
     gammas = ({"memboost": args.gamma, "uncorrected": args.gamma} if args.gamma is not None
               else choose_gammas(args))

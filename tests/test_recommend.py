@@ -511,7 +511,8 @@ def memboost_log(path: Path, boosted: dict) -> None:
     for n, (user, item) in enumerate(sorted(boosted.items())):
         for r in range(3):
             rows.append(f"b{n}-{r}\t{n}\tuser\t{user}\t{item}\t1\t1\t1")
-        rows += [f"c{n}\t{n}\tuser\t{user}\ti0\t1\t1\t0", f"c{n}\t{n}\tuser\t{user}\t{item}\t2\t1\t1"]
+        rows += [f"c{n}\t{n}\tuser\t{user}\ti0\t1\t1\t0",
+                 f"c{n}\t{n}\tuser\t{user}\t{item}\t2\t1\t1"]
     for r in range(40):
         rows.append(f"o{r}\t{r}\tuser\tzz\ti{r % 7}\t1\t1\t{int(r % 4 == 0)}")
     path.write_text("\n".join(rows) + "\n")

@@ -10,9 +10,9 @@ the paired per-user difference): the simplest setting within one standard error 
 so a source earns weight and a stage reorders what it was handed only where validation shows
 more than noise. A ranker's setting is picked on one half of the validation users and its
 prior judged on the other (`halves`): the best of many settings on the users that picked it is
-high by chance. Memboost's weight gamma (value + gamma * MB) with the ranker's prior beside it: the smallest gamma
-within one standard error of the best (`memboost_weight`), so it is 0 where the statistics add
-only noise."""
+high by chance. Memboost's weight gamma (value + gamma * MB), with the ranker's prior beside it:
+the smallest gamma within one standard error of the best (`memboost_weight`), so it is 0 where
+the statistics add only noise."""
 
 from __future__ import annotations
 

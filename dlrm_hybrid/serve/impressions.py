@@ -157,8 +157,8 @@ def lines(log: Impressions) -> List[str]:
         column = getattr(log, name)
         bad = [str(v) for v in column if any(c in v for c in "\t\n\r\x1f")]
         if bad:
-            raise UserError(f"impressions: the {name} id {bad[0]!r} holds a tab, line break or \\x1f, "
-                            f"which the log's format cannot hold")
+            raise UserError(f"impressions: the {name} id {bad[0]!r} holds a tab, line break or "
+                            f"\\x1f, which the log's format cannot hold")
     return [f"{r}\t{t!r}\t{QUERY_KINDS[k]}\t{q}\t{i}\t{p}\t{int(x)}\t{c:g}\n" for r, t, k, q, i, p,
             x, c in zip(log.request.tolist(), log.time.tolist(), log.kind.tolist(),
                         log.query.tolist(), log.item.tolist(), log.position.tolist(),
