@@ -520,9 +520,11 @@ def memboost_log(path: Path, boosted: dict) -> None:
 
 def test_memboost_lifts_an_engaged_item_and_recommend_logs_what_it_showed(served):
     """`recommend --memboost S --memboost-weight G` adds G x MB to the value (the item clicked
-    wherever it was shown comes first); weight 0 leaves the list as it was; --log-impressions
-    appends the rows `memboost update` reads, --random-share 1 shows the same items in random
-    order and logs them so."""
+    wherever it was shown comes first; with a rank prior each item keeps its own MB); weight 0
+    leaves the list as it was; --log-impressions appends the rows `memboost update` reads,
+    --random-share 1 shows the same items in random order and logs them so."""
+    from dlrm_hybrid.serve.memboost import load_stats
+
     root = served.root
     log = root / "shown.tsv"
     plain = recommend(served, "--user", "u1", *FUNNEL, "--k", "5", "--log-impressions", str(log))
@@ -536,6 +538,10 @@ def test_memboost_lifts_an_engaged_item_and_recommend_logs_what_it_showed(served
     still = recommend(served, "--user", "u1", *FUNNEL, "--k", "5", "--memboost",
                       str(root / "S.npz"))
     assert still["items"] == plain["items"] and still["values"] == plain["values"]
+    fused = recommend(served, "--user", "u1", *FUNNEL, "--k", "5", "--memboost",
+                      str(root / "S.npz"), "--memboost-weight", "1", "--rank-prior", "1")
+    mb = load_stats(str(root / "S.npz")).scores("user", "u1", fused["items"])
+    assert fused["memboost"] == pytest.approx(mb.tolist(), abs=1e-6) and mb.any()
     shuffled = [recommend(served, "--user", "u1", *FUNNEL, "--k", "5", "--random-share", "1",
                           "--seed", str(s), "--log-impressions", str(log)) for s in range(4)]
     assert all(sorted(a["items"]) == sorted(plain["items"]) and a["random_order"]

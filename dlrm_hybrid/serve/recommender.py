@@ -278,8 +278,8 @@ class Recommender:
                 stages["ranked"][resort], probabilities[resort], boost[resort])
             value = total[slot[resort]]
         order = with_prior(stages["ranked"], to_rank, s.rank_prior)
-        stages["ranked"], probabilities, value = (stages["ranked"][order], probabilities[order],
-                                                  value[order])
+        stages["ranked"], probabilities, value, boost = (
+            stages["ranked"][order], probabilities[order], value[order], boost[order])
         ms["rank"] = self._since(start)
         start = self.clock()
         keep = np.flatnonzero(~np.isin(stages["ranked"], self.blocked))
