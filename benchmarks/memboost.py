@@ -30,8 +30,9 @@ order to all (one shared log). gamma of each Memboost policy is chosen on a vali
 (seed 1000) among GAMMAS by the one-standard-error rule (the smallest within one SE of the best
 mean clicks per request over the last half of the rounds), unless --gamma is given.
 
-Printed: per seed and round, clicks per request of each policy; the estimated position curve
-(memboost's statistics after the last round) against the true one at positions 1-10; last:
+Printed: per seed and round, clicks per request of each policy and the largest relative error
+of the estimated position curve (memboost's statistics after that round, relative to position
+1) at positions 1-10; the curve after the last round against the true one; last:
 
     memboost: rounds=R clicks_funnel=X clicks_memboost=X clicks_uncorrected=X position_curve_error=X
 
@@ -233,6 +234,7 @@ def simulate(seed: int, args, gammas: Dict[str, float], features: bool = False
     if features:
         policies["features"] = Policy(world, 0.0, True, args.prior, features=True)
     rng = np.random.default_rng(seed + 10_000)
+    true = world.theta / world.theta[0]
     per_round: List[Dict[str, float]] = []
     for r in range(args.rounds):
         queries = rng.choice(len(world.traffic), args.requests, p=world.traffic)
@@ -251,9 +253,10 @@ def simulate(seed: int, args, gammas: Dict[str, float], features: bool = False
             clicks[name + "_se"] = log.clicked.reshape(-1, K).sum(1).std() / np.sqrt(
                 args.requests)
             policy.learn(log, slot)
+        clicks["curve_error"] = float(np.max(np.abs(
+            policies["memboost"].stats.relative_curve(K) / true - 1)))
         per_round.append(clicks)
     estimated = policies["memboost"].stats.relative_curve(K)
-    true = world.theta / world.theta[0]
     return {"rounds": per_round, "estimated": estimated, "true": true,
             "curve_error": float(np.max(np.abs(estimated / true - 1)))}
 
@@ -315,11 +318,11 @@ def main() -> None:
         results.append(result)
         print(f"\nseed {seed} ({time.time() - t:.0f} s): clicks per request (standard error)")
         shown = [p for p in (*POLICIES, "features") if p in result["rounds"][0]]
-        print("| round | " + " | ".join(shown) + " | memboost / funnel |")
-        print("|---:|" + "---:|" * (len(shown) + 1))
+        print("| round | " + " | ".join(shown) + " | memboost / funnel | curve error |")
+        print("|---:|" + "---:|" * (len(shown) + 2))
         for r, c in enumerate(result["rounds"]):
             print(f"| {r} | " + " | ".join(f"{c[p]:.4f} ({c[p + '_se']:.4f})" for p in shown)
-                  + f" | {c['memboost'] / c['funnel']:.3f} |")
+                  + f" | {c['memboost'] / c['funnel']:.3f} | {c['curve_error']:.3f} |")
         print("position curve (relative to position 1), true / estimated: " + " ".join(
             f"{t:.3f}/{e:.3f}" for t, e in zip(result["true"], result["estimated"])))
         last = result["rounds"][-1]
