@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from conftest import failure, run_cli
 from dlrm_hybrid.errors import UserError
-from dlrm_hybrid.serve.impressions import (HEADER, Impressions, concat, read_impressions,
-                                           served, write_impressions)
+from dlrm_hybrid.serve.impressions import (HEADER, Impressions, append_impressions, concat,
+                                           read_impressions, served, write_impressions)
 from dlrm_hybrid.serve.memboost import (MemboostSettings, MemboostStats, load_stats,
                                         save_stats)
 from dlrm_hybrid.serve.memboost_features import features_before
@@ -170,6 +170,10 @@ def test_stats_files_round_trip_and_the_commands_write_whole(tmp_path):
     assert np.array_equal(again.boost(), stats.boost()) and again.settings.prior == 2.0
     log = read_impressions(str(tmp_path / "log.tsv"))
     write_impressions(str(tmp_path / "copy.tsv"), log)
+    (tmp_path / "added.tsv").write_text(HAND.rstrip("\n"))  # its last line unended
+    append_impressions(str(tmp_path / "added.tsv"), served("r9", 9, "item", "b", ["a"], True),
+                       "--log-impressions")
+    assert len(read_impressions(str(tmp_path / "added.tsv"))) == len(log) + 1
     assert (tmp_path / "copy.tsv").read_text().splitlines()[0] == HEADER
     assert read_impressions(str(tmp_path / "copy.tsv")).clicked.tolist() == log.clicked.tolist()
     (tmp_path / "clicks.tsv").write_text("r3\ta\n")

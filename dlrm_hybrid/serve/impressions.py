@@ -188,9 +188,16 @@ def append_impressions(path: str, log: Impressions, flag: str) -> None:
             if stream.readline().rstrip("\n") != HEADER:
                 raise UserError(f"{flag}: {path} is not an impression log (its first line is "
                                 f"not the header); give a new file or a log `recommend` wrote")
-    text = (HEADER + "\n" if fresh else "") + "".join(lines(log))
+    ended = fresh or _last_byte(target) == b"\n"  # a file edited by hand may lack it
+    text = (HEADER + "\n" if fresh else "" if ended else "\n") + "".join(lines(log))
     with open(target, "a", encoding="utf-8") as stream:
         stream.write(text)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as stream:
+        stream.seek(-1, os.SEEK_END)
+        return stream.read(1)
 
 
 def apply_clicks(log: Impressions, path: str, flag: str = "--clicks") -> Impressions:
