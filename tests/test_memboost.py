@@ -31,7 +31,7 @@ r4\t4\titem\ta\tc\t1\t0\t2
 
 
 def test_coec_on_a_hand_computed_log(tmp_path):
-    (tmp_path / "log.tsv").write_text(HAND)
+    (tmp_path / "log.tsv").write_bytes(b"\xef\xbb\xbf" + HAND.replace("\n", "\r\n").encode())
     stats = MemboostStats(MemboostSettings(prior=1.0))
     stats.update(read_impressions(str(tmp_path / "log.tsv")))
     # random-order rows r1, r2: position 1 shown twice, clicked twice; position 2 twice, once

@@ -76,7 +76,7 @@ def concat(parts: Sequence[Impressions]) -> Impressions:
 def read_impressions(path: str, flag: str = "--impressions") -> Impressions:
     """The file's rows, each field checked: a bad one is one line naming file, row and column."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark is fine
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{flag}: cannot read {path} ({getattr(e, 'strerror', None) or e})"
                         ) from None
@@ -204,7 +204,7 @@ def apply_clicks(log: Impressions, path: str, flag: str = "--clicks") -> Impress
     """The log with a clicks file joined: each line `request<TAB>item` adds one engagement to
     that row; a line naming no row of the log is refused."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{flag}: cannot read {path} ({getattr(e, 'strerror', None) or e})"
                         ) from None

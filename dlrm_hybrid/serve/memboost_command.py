@@ -116,7 +116,7 @@ def run_features(args: argparse.Namespace) -> None:
 def _rows(path: str):
     """The --rows file's columns (kind indices, queries, items, times) and its lines."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--rows: cannot read {path} ({getattr(e, 'strerror', None) or e})"
                         ) from None
