@@ -69,14 +69,15 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(jobs):
 
 
 def test_parameters_and_optimizer_state_are_sharded(jobs):
-    """On 4 ranks, each DHEN layer is a group of its own and DDP leaves the dense modules to
+    """On 4 ranks, each DHEN layer is a group of its own (and so are the mixed-dimension
+    tables' projections) and DDP leaves the dense modules to
     FSDP2 (every table is sharded: DDP wraps nothing); rank 0 holds all dense bytes under ddp, about 1/4 under fsdp and 1/2 under hsdp
     2x2; Adagrad's sum is a DTensor shard (replicated across hsdp's groups)."""
     held = jobs[4]["held"]
     assert held["ddp"]["groups"] == [] and held["ddp"]["ddp"]
     assert not held["fsdp"]["ddp"] and not held["hsdp"]["ddp"]
     assert held["fsdp"]["groups"] == held["hsdp"]["groups"] == [
-        "dense_arch", "interaction.layers.0", "interaction.layers.1", "over_arch"]
+        "dense_arch", "widen_parts", "interaction.layers.0", "interaction.layers.1", "over_arch"]
     full = held["ddp"]["full_bytes"]
     assert held["ddp"]["dense_bytes"] == full and held["ddp"]["sum_type"] == "Tensor"
     for mode, shards, placements in (("fsdp", 4, ["S(0)"]), ("hsdp", 2, ["R", "S(0)"])):

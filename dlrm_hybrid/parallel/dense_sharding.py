@@ -21,15 +21,16 @@ from torch.distributed.fsdp import fully_shard
 
 
 def dense_units(model: nn.Module) -> List[nn.Module]:
-    """The modules sharded as one group each, bottom-up: the bottom MLP, the interaction (a
-    stack's `layers` one by one, then the interaction itself if it holds parameters besides
-    them; a parameter-free one is left out; model.task_dot_dim's per-task dots wrap a stack),
-    the top MLP."""
+    """The modules sharded as one group each, bottom-up: mixed-dimension tables' projections
+    (where the model has them), the bottom MLP, the interaction (a stack's `layers` one by one,
+    then the interaction itself if it holds parameters besides them; a parameter-free one is
+    left out; model.task_dot_dim's per-task dots wrap a stack), the top MLP."""
     interaction = model.interaction
     layers = getattr(getattr(interaction, "inner", interaction), "layers", None)
     layers = list(layers) if isinstance(layers, nn.ModuleList) else []
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    units = [model.dense_arch, *layers]
+    widen = getattr(model, "widen_parts", None)
+    units = ([widen] if widen is not None else []) + [model.dense_arch, *layers]
     if any(id(p) not in in_layers for p in interaction.parameters()):
         units.append(interaction)
     return [*units, model.over_arch]
@@ -38,7 +39,7 @@ def dense_units(model: nn.Module) -> List[nn.Module]:
 def dense_param_names(model: nn.Module) -> List[str]:
     """The dense modules' parameter names in `model` (what DDP must leave to FSDP2)."""
     return [name for name, _ in model.named_parameters()
-            if name.split(".")[0] in ("dense_arch", "interaction", "over_arch")]
+            if name.split(".")[0] in ("widen_parts", "dense_arch", "interaction", "over_arch")]
 
 
 def shard_dense(model: nn.Module, mode: str, device: torch.device,
