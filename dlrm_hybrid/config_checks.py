@@ -14,6 +14,7 @@ from typing import Any
 from dlrm_hybrid.config import (CHOICES, DHEN_MODULES, POSITIVE, QR_OPERATIONS,
                                 RETRIEVAL_KINDS, TASK_NAME, TECHNIQUES, CompositionalRule, Config,
                                 ConfigError, parse_bytes, task_names)
+from dlrm_hybrid.model.mixed_dimensions import check_mixed_dimensions
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -41,7 +42,7 @@ def validate(cfg: Config, world_size: int) -> None:
     elif m.sequence != "none":
         raise ConfigError(f"model.sequence: is the ranker's sequence feature (model.kind dlrm); "
                           f"a {m.kind} model has none, leave it at none")
-    _validate_mixed_dimensions(cfg)
+    check_mixed_dimensions(cfg)
     _validate_two_tower(cfg, world_size)
     _validate_exchange(cfg)
     _validate_dense(cfg)
@@ -116,34 +117,6 @@ def _validate_rule(rule: CompositionalRule, key: str, dim: int) -> None:
             raise ConfigError(f"{key}.operation: concat gives each part half of "
                               f"model.embedding_dim ({dim}), which fbgemm needs to be a multiple "
                               f"of 4; use an embedding_dim divisible by 8, or mult or add")
-
-
-def _validate_mixed_dimensions(cfg: Config) -> None:
-    """model.mixed_dimensions: its values, and the models whose tables it can narrow."""
-    m = cfg.model
-    md = m.mixed_dimensions
-    if md.temperature < 0:
-        raise ConfigError(f"model.mixed_dimensions.temperature: must be >= 0 (0: off), got "
-                          f"{md.temperature}")
-    if md.threshold < 0:
-        raise ConfigError(f"model.mixed_dimensions.threshold: must be >= 0, got {md.threshold}")
-    if md.base_width < 0 or md.base_width % 4 or md.base_width > m.embedding_dim:
-        raise ConfigError(f"model.mixed_dimensions.base_width: {md.base_width} must be a "
-                          f"multiple of 4 (fbgemm's tables) up to model.embedding_dim "
-                          f"({m.embedding_dim}); 0 means model.embedding_dim")
-    if md.temperature == 0:
-        return
-    refused = {"model.kind": (m.kind != "dlrm", "mixed dimensions narrow the ranker's tables"),
-               "model.sequence": (m.sequence != "none", "HSTU reads whole item vectors"),
-               "model.interaction": (m.interaction == "fm", "fm reads its tables' vectors "
-                                     "and first-order weights unprojected"),
-               "parallel.exchange": (cfg.parallel.exchange == "des", "des sends partial sums "
-                                     "of unprojected vectors")}
-    for key, (bad, why) in refused.items():
-        if bad:
-            raise ConfigError(f"{key}: {_get(cfg, key)!r} does not run with "
-                              f"model.mixed_dimensions ({why}); set "
-                              f"model.mixed_dimensions.temperature=0 or change {key}")
 
 
 def _validate_dhen(cfg: Config) -> None:

@@ -249,3 +249,27 @@ def test_int8_serving_of_narrow_tables_scores_near_the_trained_model():
     got = served(torch.from_numpy(columns.dense), ids, lengths)
     error = (got - expected).abs().max().item()
     assert 0 < error < 0.01, error
+
+
+def test_fp16_loss_scaling_trains_the_projections_as_fp32_does(tmp_path):
+    """fp16's scaler cuts the backward at the lookup's output: the projections are part of the
+    dense step whose gradients it unscales once (cut after them, they would get an unscaled
+    gradient unscaled again: steps 1/65,536 of fp32's)."""
+    from dlrm_hybrid.train.inference import read_model_state
+
+    moved = {}
+    for precision in ("fp32", "fp16"):
+        run_dir = tmp_path / precision
+        result = run_cli(["train", "--config", "configs/demo.yaml", *sets(
+            "model.mixed_dimensions.temperature=0.3", "train.max_steps=3", "train.eval_every=0",
+            "train.progress_bar=false", "optim.dense=sgd", "optim.dense_lr=0.5",
+            "optim.warmup_steps=0", f"train.precision={precision}", "checkpoint.every=1",
+            "checkpoint.keep=3", "train.precision_fallback=false", "checkpoint.resume=none",
+            f"train.run_dir={run_dir}")])
+        assert result.returncode == 0, failure(result)
+        first, last = (read_model_state(run_dir / "checkpoints" / f"step_{n}") for n in (1, 3))
+        names = [k for k in last if k.startswith("widen_parts.")]
+        moved[precision] = torch.cat([(last[k] - first[k]).flatten() for k in names])
+    assert moved["fp32"].norm() > 0
+    error = (moved["fp16"] - moved["fp32"]).norm() / moved["fp32"].norm()
+    assert error < 0.1, error

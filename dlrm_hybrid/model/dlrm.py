@@ -94,23 +94,36 @@ class DLRM(nn.Module):
         (training)."""
         if is_fx_symbolic_tracing():  # torchrec's train pipeline: it looks for the lookup's input
             return self.embedding_bags(self._lookup_input(sparse))
-        pooled = (self.pooled_embeddings(sparse) if self.exchange == "pooled"
-                  else self.embedding_bags(self._lookup_input(sparse)).values())
+        if self.exchange == "pooled":
+            values = self.lookup_values(sparse)
+            pooled = self.vectors(values if labels is None else self._cut(values), sparse)
+        else:
+            pooled = self.embedding_bags(self._lookup_input(sparse)).values()
+            pooled = pooled if labels is None else self._cut(pooled)
         if labels is None:
             return self.logits(dense, pooled)
-        if self.embedding_grad_transform is not None and pooled.requires_grad:
-            pooled = self.embedding_grad_transform(pooled)
         return self.dense_loss(dense, pooled, labels)
+
+    def _cut(self, values: torch.Tensor) -> torch.Tensor:
+        """fp16's loss scaling cuts the backward here, at the lookup's output: everything after
+        it (projections, the sequence feature's HSTU, the MLPs) is the dense part, whose
+        gradients the scaler checks and unscales."""
+        if self.embedding_grad_transform is not None and values.requires_grad:
+            return self.embedding_grad_transform(values)
+        return values
 
     def _lookup_input(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return sparse if self.lookup_ids is None else self.lookup_ids(sparse)
 
     def pooled_embeddings(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """[B, F, D] in feature order (fm: flat, then the first-order columns). A sharded
-        collection returns its keys grouped by owner rank: one gather puts them back in lookup
-        order (none when it already matches), in pieces as wide as the narrowest key (D, or
-        D/2 with `concat` parts, 4 with fm); then mixed-dimension tables' vectors are projected
-        to their width, and compositional features combine their parts."""
+        """[B, F, D] in feature order (fm: flat, then the first-order columns)."""
+        return self.vectors(self.lookup_values(sparse), sparse)
+
+    def lookup_values(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """[B, the keys' widths] pooled, in lookup order. A sharded collection returns its keys
+        grouped by owner rank: one gather puts them back in lookup order (none when it already
+        matches), in pieces as wide as the narrowest key (D, or D/2 with `concat` parts, 4 with
+        fm or mixed-dimension tables)."""
         pooled = self.embedding_bags(self._lookup_input(sparse))
         values = pooled.values()
         if pooled.keys() != self._pooled_keys:
@@ -119,8 +132,14 @@ class DLRM(nn.Module):
         if self._pooled_order is not None:
             piece = values.shape[1] // len(self._pooled_order)
             values = values.view(values.shape[0], -1, piece).index_select(1, self._pooled_order)
+        return values.reshape(values.shape[0], -1)
+
+    def vectors(self, values: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """The lookup's values as the interaction's vectors: mixed-dimension tables' projected
+        to their width, compositional features' parts combined, the sequence feature's HSTU
+        output in its slot."""
         if isinstance(self.interaction, FactorizationMachine):
-            return values.reshape(values.shape[0], -1)
+            return values
         if self.widen_parts is not None:
             values = self.widen_parts(values)
         slots = values.reshape(values.shape[0], -1, self.embedding_dim)

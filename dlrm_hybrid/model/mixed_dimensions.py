@@ -24,6 +24,8 @@ from typing import List, Sequence
 
 import numpy as np
 
+from dlrm_hybrid.config import ConfigError
+
 FBGEMM_WIDTH_STEP = 4  # fbgemm's tables (CPU and CUDA) are multiples of 4 wide
 
 
@@ -68,3 +70,34 @@ def mixed_widths(lookups: list, cfg) -> list:
     return [replace(lookup, parts=tuple(
         replace(p, dim=width[p.table], projected=p.dim) if width[p.table] < p.dim else p
         for p in lookup.parts)) for lookup in lookups]
+
+
+def check_mixed_dimensions(cfg) -> None:
+    """model.mixed_dimensions (config_checks): its values, and the models whose tables it can
+    narrow."""
+    m = cfg.model
+    md = m.mixed_dimensions
+    if md.temperature < 0:
+        raise ConfigError(f"model.mixed_dimensions.temperature: must be >= 0 (0: off), got "
+                          f"{md.temperature}")
+    if md.threshold < 0:
+        raise ConfigError(f"model.mixed_dimensions.threshold: must be >= 0, got {md.threshold}")
+    if md.base_width < 0 or md.base_width % 4 or md.base_width > m.embedding_dim:
+        raise ConfigError(f"model.mixed_dimensions.base_width: {md.base_width} must be a "
+                          f"multiple of 4 (fbgemm's tables) up to model.embedding_dim "
+                          f"({m.embedding_dim}); 0 means model.embedding_dim")
+    if md.temperature == 0:
+        return
+    refused = {"model.kind": (m.kind, m.kind != "dlrm", "mixed dimensions narrow the ranker's "
+                              "tables"),
+               "model.sequence": (m.sequence, m.sequence != "none", "HSTU reads whole item "
+                                  "vectors"),
+               "model.interaction": (m.interaction, m.interaction == "fm", "fm reads its tables' "
+                                     "vectors and first-order weights unprojected"),
+               "parallel.exchange": (cfg.parallel.exchange, cfg.parallel.exchange == "des",
+                                     "des sends partial sums of unprojected vectors")}
+    for key, (value, bad, why) in refused.items():
+        if bad:
+            raise ConfigError(f"{key}: {value!r} does not run with model.mixed_dimensions "
+                              f"({why}); set model.mixed_dimensions.temperature=0 or change "
+                              f"{key}")
