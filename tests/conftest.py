@@ -211,6 +211,29 @@ def assert_eval_and_export_reproduce(checkpoint: Path, val_auc: float, exported:
     assert abs(binary_auroc(torch.sigmoid(logits), labels.long()).item() - val_auc) < 1e-5
 
 
+def assert_one_two_and_resumed_alike(root: Path, common: List[str], plan: Path) -> None:
+    """The demo config with `common` overrides (12 steps, a checkpoint at step 6) trained on 2
+    ranks with `plan`, on 1 rank, and resumed on 1 rank from the 2-rank step 6: the same loss
+    at every step (1e-4); `eval` and the export of the final checkpoint reproduce its AUC."""
+    losses = {}
+    for name, nproc, extra in (("two", 2, [f"parallel.plan={plan}"]), ("one", 0, []),
+                               ("resumed", 0, [f"checkpoint.resume={root / 'two' / 'checkpoints' / 'step_6'}"])):
+        overrides = [*common, f"train.run_dir={root / name}", *extra]
+        result = run_cli(["train", "--config", "configs/demo.yaml",
+                          *(f"--set={o}" for o in overrides)], nproc=nproc)
+        assert result.returncode == 0, failure(result)
+        losses[name] = {e["step"]: e["loss"] for e in read_metrics(root / name) if "loss" in e}
+    assert sorted(losses["two"]) == sorted(losses["one"]) == list(range(1, 13))
+    assert sorted(losses["resumed"]) == list(range(7, 13))
+    for step, loss in losses["two"].items():
+        assert abs(losses["one"][step] - loss) <= 1e-4 * loss, (step, losses)
+        if step > 6:
+            assert abs(losses["resumed"][step] - loss) <= 1e-4 * loss, (step, losses)
+    final = [e for e in read_metrics(root / "two") if "val_auc" in e][-1]
+    assert_eval_and_export_reproduce(root / "two" / "checkpoints" / "step_12", final["val_auc"],
+                                     root / "m.pt")
+
+
 def train_with_each_loader(data_path, run_root: Path, env, batch: int, steps: int) -> dict:
     """{loader: TrainResult} of the demo model trained on `data_path`, shuffled, same seeds."""
     from dlrm_hybrid.config_loading import load_config

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from conftest import ROOT, assert_eval_and_export_reproduce, failure, read_metrics, run_cli
+from conftest import ROOT, assert_one_two_and_resumed_alike, failure, read_metrics, run_cli
 from dlrm_hybrid.config import CompositionalRule, ConfigError
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.model.composed_lookup import LookupIds
@@ -230,10 +230,6 @@ def test_mlperf_dcnv2_qr_fits_one_80gib_gpu(tmp_path):
     assert full.returncode == 2 and "ranks of 76.0GiB would hold them" in full.stderr
 
 
-def sets(*overrides):
-    return [arg for o in overrides for arg in ("--set", o)]
-
-
 def test_one_and_two_ranks_reshard_resume_eval_and_export_alike(tmp_path):
     """With every technique on, parts split column-wise too: 1 and 2 ranks give the same
     per-step losses; a 2-rank checkpoint
@@ -251,21 +247,4 @@ def test_one_and_two_ranks_reshard_resume_eval_and_export_alike(tmp_path):
     plan["tables"]["t_cat_0_q"].update(sharding="column_wise", ranks=[0, 1], columns=[8, 8])
     plan["tables"]["t_cat_1_q"].update(sharding="column_wise", ranks=[1, 0], columns=[4, 4])
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    split = [f"parallel.plan={tmp_path / 'plan.json'}"]
-    losses = {}
-    for name, nproc, extra in (("two", 2, split), ("one", 0, []),
-                               ("resumed", 0, [f"checkpoint.resume={tmp_path / 'two' / 'checkpoints' / 'step_6'}"])):
-        result = run_cli(["train", "--config", "configs/demo.yaml",
-                          *sets(*common, f"train.run_dir={tmp_path / name}", *extra)], nproc=nproc)
-        assert result.returncode == 0, failure(result)
-        losses[name] = {e["step"]: e["loss"] for e in read_metrics(tmp_path / name) if "loss" in e}
-    assert sorted(losses["two"]) == sorted(losses["one"]) == list(range(1, 13))
-    assert sorted(losses["resumed"]) == list(range(7, 13))
-    for step, loss in losses["two"].items():
-        assert abs(losses["one"][step] - loss) <= 1e-4 * loss, (step, losses)
-        if step > 6:
-            assert abs(losses["resumed"][step] - loss) <= 1e-4 * loss, (step, losses)
-
-    final = [e for e in read_metrics(tmp_path / "two") if "val_auc" in e][-1]
-    assert_eval_and_export_reproduce(tmp_path / "two" / "checkpoints" / "step_12",
-                                     final["val_auc"], tmp_path / "m.pt")
+    assert_one_two_and_resumed_alike(tmp_path, common, tmp_path / "plan.json")

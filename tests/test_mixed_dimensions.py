@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, assert_eval_and_export_reproduce, failure, read_metrics, run_cli
+from conftest import ROOT, assert_one_two_and_resumed_alike, failure, run_cli
 from dlrm_hybrid.config import ConfigError, MixedDimensionsConfig
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.synthetic import SyntheticClicks
@@ -197,58 +197,12 @@ def test_one_and_two_ranks_reshard_resume_eval_and_export_alike(tmp_path):
     plan["tables"]["t_cat_1"].update(sharding="column_wise", ranks=[1, 0], columns=[4, 4])
     plan["tables"]["t_cat_0"].update(sharding="table_wise", ranks=[1], columns=[4])
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    split = [f"parallel.plan={tmp_path / 'plan.json'}"]
-    losses = {}
-    for name, nproc, extra in (("two", 2, split), ("one", 0, []),
-                               ("resumed", 0, [f"checkpoint.resume={tmp_path / 'two' / 'checkpoints' / 'step_6'}"])):
-        result = run_cli(["train", "--config", "configs/demo.yaml",
-                          *sets(*common, f"train.run_dir={tmp_path / name}", *extra)], nproc=nproc)
-        assert result.returncode == 0, failure(result)
-        losses[name] = {e["step"]: e["loss"] for e in read_metrics(tmp_path / name) if "loss" in e}
-    assert sorted(losses["two"]) == sorted(losses["one"]) == list(range(1, 13))
-    assert sorted(losses["resumed"]) == list(range(7, 13))
-    for step, loss in losses["two"].items():
-        assert abs(losses["one"][step] - loss) <= 1e-4 * loss, (step, losses)
-        if step > 6:
-            assert abs(losses["resumed"][step] - loss) <= 1e-4 * loss, (step, losses)
-    final = [e for e in read_metrics(tmp_path / "two") if "val_auc" in e][-1]
-    assert_eval_and_export_reproduce(tmp_path / "two" / "checkpoints" / "step_12",
-                                     final["val_auc"], tmp_path / "m.pt")
+    assert_one_two_and_resumed_alike(tmp_path, common, tmp_path / "plan.json")
     other = run_cli(["train", "--config", "configs/demo.yaml",
                      *sets(*common[1:], "model.mixed_dimensions.temperature=0.3",
                            f"train.run_dir={tmp_path / 'two'}", "train.max_steps=14")])
     assert other.returncode == 2
     assert "model.mixed_dimensions.temperature (0.2 there, 0.3 here)" in other.stderr
-
-
-def test_int8_serving_of_narrow_tables_scores_near_the_trained_model():
-    """Row-wise int8 rows of 4-wide tables, projected after dequantisation: the served
-    probabilities stay near the fp32 model's (the fp32 export's are exact: test_serving.py)."""
-    from dlrm_hybrid.model.embeddings import table_order
-    from dlrm_hybrid.serve.export import scoring_model, table_precisions
-
-    cfg = load_config(str(ROOT / "configs/demo.yaml"), ["model.mixed_dimensions.temperature=0.3"])
-    data = SyntheticClicks(cfg.data)
-    torch.manual_seed(0)
-    model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
-    for table in model.embedding_bags.parameters():
-        torch.nn.init.uniform_(table, -0.3, 0.3)
-    model.eval()
-    batch, columns = data.batch("val", 0, 512), data.columns("val", 0, 512)
-    with torch.no_grad():
-        expected = torch.sigmoid(model(batch.dense, batch.sparse))
-    unsharded = build_model(cfg.model, data.spec)
-    assert any(p.projected == 16 and p.dim == 4 for p in table_order(unsharded.lookups))
-    precisions = table_precisions([p.table for p in table_order(unsharded.lookups)], "int8", [])
-    served = torch.jit.script(scoring_model(unsharded, model.state_dict(), precisions))
-    ids = torch.zeros(512, len(columns.ids), 3, dtype=torch.int64)
-    lengths = torch.zeros(512, len(columns.ids), dtype=torch.int64)
-    for f, feature_ids in enumerate(columns.ids):
-        ids[:, f, :feature_ids.shape[1]] = torch.from_numpy(feature_ids)
-        lengths[:, f] = feature_ids.shape[1]
-    got = served(torch.from_numpy(columns.dense), ids, lengths)
-    error = (got - expected).abs().max().item()
-    assert 0 < error < 0.01, error
 
 
 def test_fp16_loss_scaling_trains_the_projections_as_fp32_does(tmp_path):

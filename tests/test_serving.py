@@ -200,11 +200,11 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_every_interaction_and_lookup_kind_is_served_exactly_at_fp32(variant):
-    """The served model's id transform (hashing, QR parts and their id slots, fm's first-order
-    tables), combination and interaction reproduce the trained model's forward."""
-    cfg = load_config(str(ROOT / "configs/demo.yaml"), VARIANTS[variant])
+def served_and_trained(overrides, precision: str = "fp32"):
+    """The demo model under `overrides`, its tables U(-0.3, 0.3), exported at `precision` and
+    scripted: (served, its probabilities, the trained model's, ids, lengths, dense) on 512
+    validation rows."""
+    cfg = load_config(str(ROOT / "configs/demo.yaml"), overrides)
     data = SyntheticClicks(cfg.data)
     torch.manual_seed(0)
     model = build_model(cfg.model, data.spec, embedding_device=torch.device("cpu"))
@@ -215,7 +215,7 @@ def test_every_interaction_and_lookup_kind_is_served_exactly_at_fp32(variant):
     with torch.no_grad():
         expected = torch.sigmoid(model(batch.dense, batch.sparse))
     unsharded = build_model(cfg.model, data.spec)
-    precisions = table_precisions([p.table for p in table_order(unsharded.lookups)], "fp32", [])
+    precisions = table_precisions([p.table for p in table_order(unsharded.lookups)], precision, [])
     served = torch.jit.script(scoring_model(unsharded, model.state_dict(), precisions))
     widest = max(ids.shape[1] for ids in columns.ids)
     ids = torch.zeros(512, len(columns.ids), widest, dtype=torch.int64)
@@ -224,13 +224,29 @@ def test_every_interaction_and_lookup_kind_is_served_exactly_at_fp32(variant):
         ids[:, f, :feature_ids.shape[1]] = torch.from_numpy(feature_ids)
         lengths[:, f] = (feature_ids.shape[1] if columns.lengths is None
                          else torch.from_numpy(columns.lengths[f]))
-    got = served(torch.from_numpy(columns.dense), ids, lengths)
+    dense = torch.from_numpy(columns.dense)
+    return served, served(dense, ids, lengths), expected, ids, lengths, dense
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_interaction_and_lookup_kind_is_served_exactly_at_fp32(variant):
+    """The served model's id transform (hashing, QR parts and their id slots, fm's first-order
+    tables), projections of mixed-dimension tables, combination and interaction reproduce the
+    trained model's forward."""
+    served, got, expected, ids, lengths, dense = served_and_trained(VARIANTS[variant])
     assert torch.allclose(got, expected, atol=1e-6), (got - expected).abs().max()
     if "id slots" in variant:  # cat_2 (3 ids a bag) is looked up in 3 slots: a 4th id is refused
         longer = lengths.clone()
         longer[:, 2] = 4
         with pytest.raises(torch.jit.Error, match="feature cat_2 takes at most 3 ids per sample"):
-            served(torch.from_numpy(columns.dense), torch.cat([ids, ids[:, :, :1]], 2), longer)
+            served(dense, torch.cat([ids, ids[:, :, :1]], 2), longer)
+
+
+def test_int8_rows_of_narrow_mixed_dimension_tables_score_near_the_trained_model():
+    """Row-wise int8 rows of 4-wide tables, projected after dequantisation, stay near the
+    trained model's probabilities (the fp32 export's are exact, above)."""
+    served, got, expected, *_ = served_and_trained(VARIANTS["mixed dimensions"], "int8")
+    assert 0 < (got - expected).abs().max() < 0.01, (got - expected).abs().max()
 
 
 def test_predict_scores_split_binary_and_csv_rows_like_the_file_itself(exported, trained, tmp_path):
