@@ -14,7 +14,8 @@ from typing import List, Optional
 from dlrm_hybrid import curves, rank_failure
 from dlrm_hybrid.config_loading import load_config, world_size_from_env
 from dlrm_hybrid.data.criteo import day23, multi_hot, npy_days
-from dlrm_hybrid.data.interactions import first_stage_labels, preprocess_interactions
+from dlrm_hybrid.data.interactions import (first_stage_labels, impression_dataset,
+                                           preprocess_interactions)
 from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph import commands as pixie_commands
@@ -158,6 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     preprocess_interactions.add_arguments(formats.add_parser(
         "interactions", help="interaction logs (MovieLens, CSV/TSV) -> a retrieval dataset "
                              "(model.kind two_tower), or with --labels a ranking dataset"))
+    impression_dataset.add_arguments(formats.add_parser(
+        "impressions", help="impression logs (docs/memboost.md) -> a ranking dataset of what "
+                            "was shown, with Memboost's statistics before each row as features"))
     first_stage_labels.add_arguments(formats.add_parser(
         "first-stage", help="a first-stage ranker's two-tower dataset: the heavy ranker's top-K "
                             "labels (predict --top-k-label) as its training engagements"))
@@ -294,13 +298,14 @@ def run_synth(args) -> None:
 
 
 def run_preprocess(args) -> None:
-    if args.format not in ("day23", "first-stage"):  # day23: in place; first-stage: its own
+    # day23: in place; first-stage and impressions: their own inputs and check
+    if args.format not in ("day23", "first-stage", "impressions"):
         inputs = args.input if isinstance(args.input, list) else [args.input]
         refuse_overwriting_inputs([("--output", args.output)], [("--input", p) for p in inputs],
                                   f"preprocess {args.format}")
     {"criteo": criteo_preprocess, "npy": npy_days, "multihot": multi_hot,
      "day23": day23, "interactions": preprocess_interactions,
-     "first-stage": first_stage_labels}[args.format].run(args)
+     "first-stage": first_stage_labels, "impressions": impression_dataset}[args.format].run(args)
 
 
 def run_bench(args) -> None:
