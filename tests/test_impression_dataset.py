@@ -33,7 +33,8 @@ checkpoint: {resume: none}
 def tiny_log(seed: int = 0, requests: int = 60, first: int = 0, per: int = 4,
              queries: int = 6) -> Impressions:
     """`requests` requests at times first, first + 1, ... of a few users and item queries over
-    10 items, a fifth in random order; position 60 sometimes (past POSITIONS)."""
+    10 items, a fifth in random order; position 60 sometimes (past POSITIONS); engagements 0,
+    0.5, 1 or 2 (a weighted sum: any above 0 is a click)."""
     rng = np.random.default_rng(seed)
     parts = []
     for r in range(first, first + requests):
@@ -47,7 +48,7 @@ def tiny_log(seed: int = 0, requests: int = 60, first: int = 0, per: int = 4,
         parts.append(Impressions(
             np.full(n, f"r{r}"), np.full(n, float(r)), np.full(n, QUERY_KINDS.index(kind), np.int8),
             np.full(n, query), np.array([f"i{i}" for i in items]), positions.astype(np.int32),
-            np.full(n, rng.random() < 0.2), (rng.random(n) < 0.4).astype(np.float64)))
+            np.full(n, rng.random() < 0.2), (rng.random(n) < 0.4) * rng.choice([0.5, 1, 2], n)))
     return concat(parts)
 
 
