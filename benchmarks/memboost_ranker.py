@@ -2,8 +2,8 @@
 ranking dataset of logged impressions (`preprocess impressions`) with the three Memboost
 features, and on the same dataset with them zeroed; test AUC of both.
 
-    .venv/bin/python benchmarks/memboost_ranker.py [--seeds 0] [--rounds 4] [--requests 10000]
-        [--steps 600] [--quick]
+    .venv/bin/python benchmarks/memboost_ranker.py [--seeds 0,1,2] [--rounds 6] [--requests 10000]
+        [--steps 1000] [--quick]
 
 The world and the serving are benchmarks/memboost.py's (its docstring has every constant:
 1,000 queries with Zipf(0.8) traffic, 2,000 items, a pair effect N(0, 0.8^2) on each query's
@@ -95,13 +95,13 @@ def test_auc(data: Path, work: Path, name: str, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=10_000, help="requests per round")
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--items", type=int, default=2000)
     parser.add_argument("--random-share", type=float, default=0.08)
-    parser.add_argument("--steps", type=int, default=600, help="training steps of each model")
+    parser.add_argument("--steps", type=int, default=1000, help="training steps of each model")
     parser.add_argument("--quick", action="store_true", help="a small run that checks it works")
     args = parser.parse_args()
     if args.quick:
