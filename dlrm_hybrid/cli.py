@@ -17,6 +17,7 @@ from dlrm_hybrid.data.criteo import day23, multi_hot, npy_days
 from dlrm_hybrid.data.interactions import (first_stage_labels, impression_dataset,
                                            preprocess_interactions)
 from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
+from dlrm_hybrid.data.yambda import preprocess as yambda_preprocess
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph import commands as pixie_commands
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
@@ -165,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
     first_stage_labels.add_arguments(formats.add_parser(
         "first-stage", help="a first-stage ranker's two-tower dataset: the heavy ranker's top-K "
                             "labels (predict --top-k-label) as its training engagements"))
+    yambda_preprocess.add_arguments(formats.add_parser(
+        "yambda", help="Yambda's flat parquet log -> a ranking dataset (one row per listen, "
+                       "label listen_plus, split in time, --history L); --generate N: a "
+                       "synthetic Yambda-shaped log"))
     return parser
 
 
@@ -298,14 +303,15 @@ def run_synth(args) -> None:
 
 
 def run_preprocess(args) -> None:
-    # day23: in place; first-stage and impressions: their own inputs and check
-    if args.format not in ("day23", "first-stage", "impressions"):
+    # day23: in place; first-stage, impressions and yambda: their own inputs and check
+    if args.format not in ("day23", "first-stage", "impressions", "yambda"):
         inputs = args.input if isinstance(args.input, list) else [args.input]
         refuse_overwriting_inputs([("--output", args.output)], [("--input", p) for p in inputs],
                                   f"preprocess {args.format}")
     {"criteo": criteo_preprocess, "npy": npy_days, "multihot": multi_hot,
      "day23": day23, "interactions": preprocess_interactions,
-     "first-stage": first_stage_labels, "impressions": impression_dataset}[args.format].run(args)
+     "first-stage": first_stage_labels, "impressions": impression_dataset,
+     "yambda": yambda_preprocess}[args.format].run(args)
 
 
 def run_bench(args) -> None:

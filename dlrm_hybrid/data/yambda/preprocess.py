@@ -1,0 +1,246 @@
+"""`preprocess yambda`: Yambda's flat parquet log (events.py) -> a ranking dataset the ranker
+reads (split-binary, the layout `preprocess interactions --labels ... --history L` writes), one
+row per listen; `--generate N` writes a small Yambda-shaped log instead (synthetic.py).
+
+- Label `listen_plus`: a listen with played_ratio_pct >= --listen-plus (default 50, the Yambda
+  paper's "listen+"; the MLPerf DLRMv4 reference's threshold is still to confirm).
+- Order: events by (timestamp, file order); ids dense, by raw id (users.txt, items.txt: line n
+  holds id n's raw id).
+- Splits, global in time (Yambda's global temporal split): with E the last event's time + 1,
+  listens in the last --test-days before E are test, the --val-days before those validation,
+  the rest train; every split in time order, each row's timestamp kept in
+  `<split>/timestamp.bin` (uint32) for a windowed loader.
+- History (`--history L`): each row's user's last L events of any type strictly before it (time,
+  then file order; ranking_history.py), with actions 1 + bits: listen_plus 1, like 2, dislike 4,
+  unlike 8, undislike 16 (a plain listen: 1).
+- Features: user_id, item_id, the history; dense is_organic and log1p(track_length_seconds).
+- Held in memory (about 100 bytes an event at the peak, printed), not bounded; the dataset
+  appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import namedtuple
+from typing import Dict
+
+import numpy as np
+
+from dlrm_hybrid.data.criteo.budget import own_peak_rss
+from dlrm_hybrid.data.feature_spec import SPLITS
+from dlrm_hybrid.data.interactions.ranking_history import (action_rows, engagement_histories,
+                                                           history_features, history_note)
+from dlrm_hybrid.data.spec import DataSpec
+from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter, check_new_output
+from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events, read_events
+from dlrm_hybrid.errors import DataError, UserError
+from dlrm_hybrid.output_paths import refuse_overwriting_inputs
+
+LABEL = "listen_plus"
+ACTIONS = (LABEL, "like", "dislike", "unlike", "undislike")  # action bit t: ACTIONS[t]
+DENSE = ("is_organic", "log1p_track_length_seconds")
+TIMES = "timestamp.bin"
+CHUNK = 1 << 20  # rows written at a time
+Action = namedtuple("Action", "name")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--input", metavar="DIR", help="Yambda's flat files (multi_event.parquet, "
+                        "or listens.parquet and likes/dislikes/unlikes/undislikes)")
+    parser.add_argument("--output", required=True, metavar="DIR", help="new dataset folder (with "
+                        "--generate: new log folder)")
+    parser.add_argument("--history", type=int, default=0, metavar="L",
+                        help="each row's user's last L events before it, with their actions "
+                             "(model.sequence: hstu reads them; default 0: none)")
+    parser.add_argument("--listen-plus", type=int, default=50, metavar="PCT",
+                        help="listen_plus = a listen with played_ratio_pct >= PCT (default 50)")
+    parser.add_argument("--val-days", type=float, default=1.0, metavar="D",
+                        help="validation: the D days before test (default 1)")
+    parser.add_argument("--test-days", type=float, default=1.0, metavar="D",
+                        help="test: the log's last D days (default 1)")
+    parser.add_argument("--time-unit", type=float, default=5.0, metavar="S",
+                        help="seconds per timestamp unit (default 5, Yambda's)")
+    generator = parser.add_argument_group("--generate: a synthetic Yambda-shaped log")
+    generator.add_argument("--generate", type=int, metavar="EVENTS",
+                           help="write a planted log of EVENTS events to --output, not a dataset")
+    generator.add_argument("--users", type=int, default=1000)
+    generator.add_argument("--items", type=int, default=2000)
+    generator.add_argument("--clusters", type=int, default=20, help="the items' genres")
+    generator.add_argument("--days", type=float, default=30.0, help="the log's time span")
+    generator.add_argument("--seed", type=int, default=0)
+
+
+def listen_plus(kind: np.ndarray, played: np.ndarray, threshold: int) -> np.ndarray:
+    """The label: a listen played at least `threshold` percent; False for any other event."""
+    return (kind == LISTEN) & (played >= threshold)
+
+
+def action_bits(kind: np.ndarray, plus: np.ndarray) -> np.ndarray:
+    """[events, len(ACTIONS)] 0/1: listen_plus, then one column per other event type."""
+    columns = [plus] + [kind == EVENT_TYPES.index(name) for name in ACTIONS[1:]]
+    return np.stack(columns, axis=1).astype(np.uint8)
+
+
+def time_splits(times: np.ndarray, end: int, val_units: float, test_units: float
+                ) -> np.ndarray:
+    """Each time's split (0 train, 1 validation, 2 test): test from end - test_units on,
+    validation the val_units before it."""
+    test_cut = end - test_units
+    return np.where(times >= test_cut, 2, np.where(times >= test_cut - val_units, 1, 0)
+                    ).astype(np.int8)
+
+
+def _check(args) -> None:
+    for flag, value in (("--val-days", args.val_days), ("--test-days", args.test_days),
+                        ("--time-unit", args.time_unit)):
+        if not value > 0:
+            raise UserError(f"{flag}: a number above 0; got {value}")
+    if args.history < 0:
+        raise UserError(f"--history: the slots of each row's history, 0 (none) or more; got "
+                        f"{args.history}")
+    if not 0 <= args.listen_plus <= 100:
+        raise UserError(f"--listen-plus: a played_ratio_pct in 0..100; got {args.listen_plus}")
+
+
+def run(args) -> None:
+    """`preprocess yambda`: read, label, order, split, histories, write; one summary."""
+    start = time.perf_counter()
+    if args.generate is not None:
+        from dlrm_hybrid.data.yambda.synthetic import write_log
+
+        rows = write_log(args.output, args.generate, args.users, args.items, args.clusters,
+                         args.days, args.seed)
+        print(f"wrote {args.output}: a synthetic Yambda-shaped log, "
+              + ", ".join(f"{name}.parquet {n:,}" for name, n in rows.items()))
+        return
+    if not args.input:
+        raise UserError("preprocess yambda: give --input DIR (Yambda's flat files), or "
+                        "--generate EVENTS for a synthetic log")
+    refuse_overwriting_inputs([("--output", args.output)], [("--input", args.input)],
+                              "preprocess yambda")
+    check_new_output(args.output)
+    _check(args)
+    events = read_events(args.input)
+    made = build(events, args)
+    write(events, made, args)
+    seconds = time.perf_counter() - start
+    print(summary(events, made, args.output, seconds))
+
+
+def build(events: Events, args) -> dict:
+    """Ids, labels, actions, each event's place in time, the listens' splits and histories."""
+    if not (events.kind == LISTEN).any():
+        raise DataError(f"--input: {args.input} holds no listen (events read: "
+                        f"{sum(events.read.values()):,}); give a Yambda log with listens")
+    raw_users, users = np.unique(events.uid, return_inverse=True)
+    raw_items, items = np.unique(events.item, return_inverse=True)
+    order = np.argsort(events.time, kind="stable")  # time, then file order
+    positions = np.empty(len(events), np.int64)
+    positions[order] = np.arange(len(events))
+    plus = listen_plus(events.kind, events.played, args.listen_plus)
+    end = int(events.time.max()) + 1
+    unit_day = 86400 / args.time_unit
+    split = time_splits(events.time, end, args.val_days * unit_day, args.test_days * unit_day)
+    listens = order[events.kind[order] == LISTEN]  # in time order
+    rows = {name: listens[split[listens] == s] for s, name in enumerate(SPLITS)}
+    for name, r in rows.items():
+        if not len(r):
+            raise DataError(f"--input: {args.input}: no listen falls in {name} (the log spans "
+                            f"{(end - int(events.time.min())) / unit_day:.2f} days; validation "
+                            f"{args.val_days:g} and test {args.test_days:g} before its end); "
+                            f"give smaller --val-days/--test-days or a longer log")
+    histories = (engagement_histories(positions, users.astype(np.int64), items.astype(np.int64),
+                                      action_bits(events.kind, plus), len(raw_users),
+                                      events.time)
+                 if args.history else None)
+    return {"users": users, "items": items, "raw_users": raw_users, "raw_items": raw_items,
+            "plus": plus, "rows": rows, "histories": histories, "end": end,
+            "cuts": [end - (args.test_days + args.val_days) * unit_day,
+                     end - args.test_days * unit_day]}
+
+
+def write(events: Events, made: dict, args) -> None:
+    """The split-binary dataset, its notes, the rows' times, the ids' raw values, the report."""
+    slots = args.history
+    users, items, histories = made["users"], made["items"], made["histories"]
+    names = ["user_id", "item_id", *history_features(slots)]
+    spec = DataSpec(len(DENSE), [len(made["raw_users"]), len(made["raw_items"]),
+                                 *[len(made["raw_items"])] * slots,
+                                 *[action_rows(len(ACTIONS))] * slots], [1] * len(names))
+    with SplitBinaryWriter(args.output, spec, labels=[LABEL]) as writer:
+        for name, rows in made["rows"].items():
+            with open(writer.tmp / name / TIMES, "wb") as times:
+                for lo in range(0, len(rows), CHUNK):
+                    r = rows[lo:lo + CHUNK]
+                    dense = np.stack([events.organic[r].astype(np.float32),
+                                      np.log1p(events.length[r].astype(np.float32))], axis=1)
+                    past = (histories.before(r, users[r], slots) if slots else
+                            (np.zeros((len(r), 0), np.int64),) * 2)
+                    cats = [users[r], items[r], *past[0].T, *past[1].T]
+                    writer.write(name, made["plus"][r], dense, [c[:, None] for c in cats])
+                    times.write(events.time[r].astype(np.uint32).tobytes())
+        for key, value in notes(events, made, args, names).items():
+            writer.note(key, value)
+        if slots:
+            histories.save(writer.tmp)
+        for file, raw in (("users.txt", made["raw_users"]), ("items.txt", made["raw_items"])):
+            writer.add_file(file, "".join(f"{v}\n" for v in raw.tolist()))
+        made["report"] = report(events, made)
+        writer.add_file(REPORT, json.dumps(made["report"], indent=1) + "\n")
+
+
+def notes(events: Events, made: dict, args, names) -> Dict[str, object]:
+    """feature_spec.yaml's metadata: where the data came from and what each part is."""
+    return {
+        "source": {"yambda": events.files},
+        "dataset": "yambda: one row per listen",
+        "labels": {LABEL: f"a listen with played_ratio_pct >= {args.listen_plus}"},
+        "categorical_features": names,
+        "numerical_features": list(DENSE),
+        "history": history_note(args.history, [Action(a) for a in ACTIONS])
+        if args.history else None,
+        "split_rule": (f"global in time: listens from {made['cuts'][1]:g} (the last "
+                       f"{args.test_days:g} days) test, from {made['cuts'][0]:g} validation "
+                       f"({args.val_days:g} days), the rest train; timestamps in "
+                       f"{args.time_unit:g}-second units; every split in time order"),
+        "row_times": {name: f"{name}/{TIMES}" for name in SPLITS},
+        "request_feature": "user_id",
+    }
+
+
+def report(events: Events, made: dict) -> dict:
+    """preprocess_report.json: rows read per file, bad rows by kind, each split's rows."""
+    return {"files": events.read, "events_read": sum(events.read.values()),
+            "events_kept": len(events),
+            "events_by_type": {t: int((events.kind == k).sum())
+                               for k, t in enumerate(EVENT_TYPES)},
+            "bad_rows": dict(events.bad),
+            "rows": {name: int(len(r)) for name, r in made["rows"].items()},
+            "listen_plus_rate": {name: float(made["plus"][r].mean())
+                                 for name, r in made["rows"].items()},
+            "users": len(made["raw_users"]), "items": len(made["raw_items"]),
+            "memory": "in memory (not bounded)", "peak_rss_bytes": own_peak_rss()}
+
+
+def summary(events: Events, made: dict, output: str, seconds: float) -> str:
+    """What was read, skipped and written; a `done:` line."""
+    r = made["report"]
+    bad = sum(events.bad.values())
+    lines = [f"wrote {output} in {seconds:.1f} s (a Yambda ranking dataset: split-binary, one "
+             f"row per listen)",
+             f"  read       {r['events_read']:,} events = {len(events):,} kept + {bad:,} bad "
+             f"rows skipped" + "".join(f", {k} {v:,}" for k, v in events.bad.items() if v),
+             "  kept       " + ", ".join(f"{t} {n:,}" for t, n in r["events_by_type"].items())
+             + f"; {r['users']:,} users, {r['items']:,} items"]
+    for name in SPLITS:
+        lines.append(f"  {name:<10} {r['rows'][name]:,} rows, listen_plus rate "
+                     f"{r['listen_plus_rate'][name]:.4f}")
+    lines.append(f"  memory     in memory (not bounded): peak RSS "
+                 f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB; "
+                 f"{r['events_read'] / max(seconds, 1e-9):,.0f} events/s")
+    lines.append(f"done: events={r['events_read']} kept={len(events)} skipped={bad} "
+                 + " ".join(f"{k}={v}" for k, v in r["rows"].items())
+                 + f" peak_rss_bytes={r['peak_rss_bytes']} seconds={seconds:.2f}")
+    return "\n".join(lines)
+
