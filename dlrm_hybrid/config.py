@@ -260,6 +260,10 @@ class OptimConfig:
     dense: str = "sgd"  # sgd | adagrad | adam
     dense_lr: float = 0.1
     eps: float = 1e-8  # adagrad/adam epsilon
+    dense_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # dense adam's beta1, beta2
+    # > 0: the dense parameters' gradients scaled to this global L2 norm at most before each
+    # dense step (after DDP's all-reduce and fp16's unscale); 0: no clipping
+    dense_clip_norm: float = 0.0
     warmup_steps: int = 0  # linear warmup from 0 to the base LR
     decay_start_step: int = 0  # polynomial decay begins here (0: no decay)
     decay_steps: int = 0  # ...and lasts this many steps

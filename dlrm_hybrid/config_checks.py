@@ -47,6 +47,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_exchange(cfg)
     _validate_dense(cfg)
     _validate_schedule(cfg)
+    _validate_optim(cfg.optim)
     from dlrm_hybrid.parallel.cost_model import device_constants  # numpy: not before it is needed
 
     device_constants("h100" if cfg.parallel.device == "auto" else cfg.parallel.device,
@@ -397,6 +398,17 @@ def _validate_dense(cfg: Config) -> None:
         raise ConfigError(f"parallel.exchange: des reads the top MLP's first weight outside its "
                           f"forward, which parallel.dense={p.dense} shards; use pooled or auto, "
                           f"or parallel.dense=ddp")
+
+
+# --- optim -----------------------------------------------------------------------------------
+
+def _validate_optim(o) -> None:
+    if len(o.dense_betas) != 2 or not all(0 <= b < 1 for b in o.dense_betas):
+        raise ConfigError(f"optim.dense_betas: {o.dense_betas} is not two values in [0, 1) "
+                          f"(Adam's beta1, beta2); use e.g. [0.9, 0.999]")
+    if o.dense_clip_norm < 0:
+        raise ConfigError(f"optim.dense_clip_norm: must be >= 0 (0: no clipping), got "
+                          f"{o.dense_clip_norm}")
 
 
 # --- train -----------------------------------------------------------------------------------

@@ -62,3 +62,87 @@ def test_the_grid_is_the_rule_files_on_any_batch(batch, train_samples):
     grid = EvalGrid.of(batch, train_samples)
     assert grid.samples_count(grid.first) == s["first_eval_samples"]
     assert grid.samples_count(grid.every) == s["eval_interval_samples"]
+
+
+# --- the optimizer settings the rules fix ------------------------------------------------------
+
+SMALL = ["train.progress_bar=false", "data.val_samples=1024", "data.global_batch_size=256",
+         "train.eval_every=0", "optim.embedding=sgd", "optim.dense=sgd", "optim.dense_lr=0.5",
+         "optim.warmup_steps=0", "optim.decay_steps=0", "optim.decay_start_step=0"]
+
+
+def _one_step(tmp_path, process_group, *overrides):
+    """One training step of the demo ranker on its first batch: (the dense parameters before,
+    after, and their gradients as the step left them, i.e. as the dense optimizer used them)."""
+    import torch
+
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.data.source import make_loader, open_dataset
+    from dlrm_hybrid.train.loop import build_sharded_model
+    from dlrm_hybrid.train.optim import build_optimizer
+    from dlrm_hybrid.train.step import TrainStep
+
+    cfg = load_config(str(Path(__file__).parents[1] / "configs/demo.yaml"),
+                      [*SMALL, f"train.run_dir={tmp_path}", *overrides])
+    dataset = open_dataset(cfg.data)
+    torch.manual_seed(0)
+    dmp, _ = build_sharded_model(cfg, dataset.spec, process_group, lambda line: None)
+    optimizer, schedule = build_optimizer(dmp, cfg.optim)
+    step = TrainStep(dmp, optimizer, schedule, cfg.train, process_group.device)
+    dense = list(optimizer.optimizers[-1][1].params.values())
+    before = [p.detach().clone() for p in dense]
+    batches = make_loader(cfg.data, dataset, "train", process_group)
+    try:
+        step(batches)
+    finally:
+        batches.close()
+    return before, [p.detach().clone() for p in dense], [p.grad.clone() for p in dense]
+
+
+def _norm(tensors) -> float:
+    import torch
+
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
+
+
+def test_the_clip_bounds_the_dense_gradient_norm_and_the_step_uses_it(tmp_path, process_group):
+    """SGD at lr 0.5: the update is -0.5 x the clipped gradient, which is the unclipped one
+    (norm 0.4) scaled to norm 0.05."""
+    _, _, free = _one_step(tmp_path / "free", process_group)
+    before, after, clipped = _one_step(tmp_path / "clip", process_group,
+                                       "optim.dense_clip_norm=0.05")
+    assert _norm(free) > 0.2
+    assert _norm(clipped) == pytest.approx(0.05, rel=1e-5)
+    scale = 0.05 / (_norm(free) + 1e-6)  # torch's clip_grad_norm_ coefficient
+    for g, c, b, a in zip(free, clipped, before, after):
+        assert (c.double() - g.double() * scale).abs().max() < 1e-9
+        assert (b - a - 0.5 * c).abs().max() < 1e-7
+
+
+def test_under_fp16_the_clip_sees_the_unscaled_gradient(tmp_path, process_group):
+    """The loss scaler multiplies gradients by 2^16: clipped before its unscale, the update
+    would be 2^16 times too small."""
+    before, after, clipped = _one_step(tmp_path, process_group, "train.precision=fp16",
+                                       "train.precision_fallback=false",
+                                       "optim.dense_clip_norm=0.05")
+    assert _norm(clipped) == pytest.approx(0.05, rel=1e-4)
+    assert _norm([b - a for b, a in zip(before, after)]) == pytest.approx(0.025, rel=1e-4)
+
+
+def test_adams_betas_and_epsilon_reach_torchs_optimizer(process_group, tmp_path):
+    import torch
+
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.data.source import open_dataset
+    from dlrm_hybrid.train.loop import build_sharded_model
+    from dlrm_hybrid.train.optim import build_optimizer
+
+    cfg = load_config(str(Path(__file__).parents[1] / "configs/demo.yaml"),
+                      [*SMALL, f"train.run_dir={tmp_path}", "optim.dense=adam",
+                       "optim.dense_betas=[0.95, 0.999]", "optim.dense_clip_norm=1.0"])
+    dmp, _ = build_sharded_model(cfg, open_dataset(cfg.data).spec, process_group,
+                                 lambda line: None)
+    dense = build_optimizer(dmp, cfg.optim)[0].optimizers[-1][1]._optimizer
+    assert isinstance(dense, torch.optim.Adam) and dense.max_norm == 1.0
+    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in dense.param_groups] == [
+        ((0.95, 0.999), 1e-8, 0)] * len(dense.param_groups)

@@ -1,6 +1,7 @@
 """Optimizers: fused in-backward for the sharded embeddings (fbgemm via torchrec), the same
-algorithm as a torch optimizer for the replicated ones, torch.optim for the MLPs, one LR schedule
-(linear warmup, then polynomial decay) driving all three.
+algorithm as a torch optimizer for the replicated ones, torch.optim for the MLPs (their gradient
+norm clipped where `optim.dense_clip_norm` asks), one LR schedule (linear warmup, then
+polynomial decay) driving all three.
 
 A replicated (torchrec `data_parallel`) table is a slice of a dense table batch that DDP wraps:
 torchrec gives it no fused optimizer, and its gradient, dense and averaged over ranks in the
@@ -48,6 +49,14 @@ def _kwargs(name: str, lr: float, eps: float) -> dict:
     return {"lr": lr} if name == "sgd" else {"lr": lr, "eps": eps}
 
 
+def _dense_kwargs(optim_cfg) -> dict:
+    """The dense optimizer's settings; Adam's betas are `optim.dense_betas`."""
+    kwargs = _kwargs(optim_cfg.dense, optim_cfg.dense_lr, optim_cfg.eps)
+    if optim_cfg.dense == "adam":
+        kwargs["betas"] = tuple(optim_cfg.dense_betas)
+    return kwargs
+
+
 GPU_ONLY_EMBEDDING_OPTIMIZERS = ("adam",)  # fbgemm's CPU kernels lack them
 
 
@@ -77,7 +86,9 @@ def build_optimizer(dmp, optim_cfg) -> Tuple[CombinedOptimizer, LambdaLR]:
     embedding_cls = EMBEDDING_OPTIMIZERS[optim_cfg.embedding]
     dense_cls = DENSE_OPTIMIZERS[optim_cfg.dense]
     embedding_kwargs = _kwargs(optim_cfg.embedding, optim_cfg.embedding_lr, optim_cfg.eps)
-    dense_kwargs = _kwargs(optim_cfg.dense, optim_cfg.dense_lr, optim_cfg.eps)
+    dense_kwargs = _dense_kwargs(optim_cfg)
+    if optim_cfg.dense_clip_norm:
+        dense_cls = _clipped(dense_cls, optim_cfg.dense_clip_norm)
     optimizers = [dmp.fused_optimizer]
     if replicated:
         optimizers.append(KeyedOptimizerWrapper(
@@ -140,6 +151,31 @@ class _Fp32Update(torch.optim.Optimizer):
 
 
 _FP32_UPDATES: dict = {}
+
+
+def _clipped(optimizer_cls: type, max_norm: float) -> type:
+    """`optimizer_cls` whose step first scales its parameters' gradients to `max_norm` at most
+    (`optim.dense_clip_norm`; its state names unchanged, so checkpoints keep their layout)."""
+    return type(f"Clipped{optimizer_cls.__name__}", (_ClipGradNorm, optimizer_cls),
+                {"max_norm": max_norm})
+
+
+class _ClipGradNorm(torch.optim.Optimizer):
+    """Clips in the step itself, so every driver of the step (the plain one, torchrec's
+    pipeline, fp16's loss scaler) clips at the right moment: after DDP's all-reduce, when every
+    rank holds the same averaged gradients and so computes the same global norm, and after the
+    scaler's unscale (GradScaler.step unscales, then calls step, which it skips on an
+    overflow). FSDP's gradients are DTensors, whose norm clip_grad_norm_ reduces over the
+    shards."""
+
+    max_norm = 0.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch.nn.utils.clip_grad_norm_(grads, self.max_norm)
+        return super().step(closure)
 
 
 def advance_schedule(schedule: LambdaLR, step: int) -> None:
