@@ -1,0 +1,237 @@
+"""Yambda's input (data/yambda/): the listen_plus label on hand-made rows, the split global in
+time, each row's history strictly before it with its actions, rows out = listens in, bad parquet
+refused in one line with nothing written, bad rows counted, the generator's files and dtypes,
+multi_event and the per-event files giving the same dataset, and the ranker training on a
+generated log with model.sequence=hstu."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import failure, run_cli
+from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.data.yambda.events import DTYPES, EVENT_FILES
+from dlrm_hybrid.data.yambda.preprocess import action_bits, listen_plus
+
+# uid, item_id, timestamp (days: --time-unit 86400), event_type, played_ratio_pct; the log ends
+# at day 9, so day 9 is test and day 8 validation (--val-days 1 --test-days 1)
+LOG = [(1, 10, 0, "listen", 49), (1, 11, 0, "listen", 50), (1, 11, 0, "like", None),
+       (2, 10, 1, "listen", 100), (1, 12, 2, "dislike", None), (2, 12, 3, "listen", 0),
+       (1, 13, 4, "listen", 75), (2, 11, 5, "like", None), (1, 11, 6, "unlike", None),
+       (2, 13, 7, "listen", 60), (1, 10, 8, "listen", 20), (2, 12, 8, "undislike", None),
+       (2, 14, 9, "listen", 55), (1, 14, 9, "listen", 99), (1, 15, 9, "like", None)]
+BITS = {"like": 2, "dislike": 4, "unlike": 8, "undislike": 16}
+SLOTS = 3
+DAYS = ["--time-unit", "86400", "--val-days", "1", "--test-days", "1"]
+
+
+def multi_event(rows, **overrides) -> pa.Table:
+    columns = {"uid": pa.array([r[0] for r in rows], pa.uint32()),
+               "item_id": pa.array([r[1] for r in rows], pa.uint32()),
+               "timestamp": pa.array([r[2] for r in rows], pa.uint32()),
+               "is_organic": pa.array([1] * len(rows), pa.uint8()),
+               "event_type": pa.array([r[3] for r in rows], pa.string()),
+               "played_ratio_pct": pa.array([r[4] for r in rows], pa.uint16()),
+               "track_length_seconds": pa.array([200 if r[3] == "listen" else None
+                                                 for r in rows], pa.uint32())}
+    columns.update(overrides)
+    return pa.table({k: v for k, v in columns.items() if v is not None})
+
+
+def preprocess(log_dir: Path, out: Path, *extra: str):
+    return run_cli(["preprocess", "yambda", "--input", str(log_dir), "--output", str(out),
+                    *extra])
+
+
+def read_rows(folder: Path) -> dict:
+    """split -> (user raw, item raw, label, time, [(history item raw, action)...]) per row."""
+    fspec = load_feature_spec(str(folder))
+    users = (folder / "users.txt").read_text().split()
+    items = (folder / "items.txt").read_text().split()
+    names = fspec.notes["categorical_features"]
+    out = {}
+    for split, files in fspec.splits.items():
+        cats = {n: np.fromfile(p, d) for n, p, d in zip(names, files.categorical,
+                                                        fspec.categorical_dtypes)}
+        labels = np.fromfile(files.labels[0], np.int8)
+        times = np.fromfile(folder / split / "timestamp.bin", np.uint32)
+        slots = sum(n.startswith("user_history") for n in names)
+        out[split] = [(int(users[cats["user_id"][k]]), int(items[cats["item_id"][k]]),
+                       int(labels[k]), int(times[k]),
+                       [(int(items[cats[f"user_history{j}"][k]]), int(cats[f"user_action{j}"][k]))
+                        for j in range(slots) if cats[f"user_action{j}"][k]])
+                      for k in range(len(labels))]
+    return out
+
+
+def expected_history(row: int) -> list:
+    """(item, action) of the user's last SLOTS events before LOG[row], by time then file order."""
+    order = sorted(range(len(LOG)), key=lambda r: (LOG[r][2], r))
+    mine = [r for r in order if LOG[r][0] == LOG[row][0]]
+    earlier = mine[:mine.index(row)][-SLOTS:]
+    return [(LOG[r][1], 1 + (BITS.get(LOG[r][3], 0) if LOG[r][3] != "listen"
+                             else int(LOG[r][4] >= 50))) for r in earlier]
+
+
+@pytest.fixture(scope="module")
+def hand_made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("yambda")
+    (root / "log").mkdir()
+    pq.write_table(multi_event(LOG), root / "log" / "multi_event.parquet")
+    result = preprocess(root / "log", root / "data", "--history", str(SLOTS), *DAYS)
+    assert result.returncode == 0, failure(result)
+    return read_rows(root / "data"), result.stdout
+
+
+def test_listen_plus_is_a_listen_played_at_least_half():
+    kind = np.array([0, 0, 0, 1, 2])  # listen, listen, listen, like, dislike
+    played = np.array([49, 50, 100, 90, 90])
+    assert listen_plus(kind, played, 50).tolist() == [False, True, True, False, False]
+    bits = action_bits(np.array([0, 0, 1, 2, 3, 4]), np.array([0, 1, 0, 0, 0, 0], bool))
+    assert (1 + bits @ (1 << np.arange(5))).tolist() == [1, 2, 3, 5, 9, 17]
+
+
+def test_each_listen_is_one_row_with_its_label_and_history_before_it(hand_made):
+    rows, _ = hand_made
+    listens = [r for r in range(len(LOG)) if LOG[r][3] == "listen"]
+    got = [row for split in ("train", "validation", "test") for row in rows[split]]
+    assert len(got) == len(listens)  # rows out = listens in
+    by_key = {(u, i, t): (label, history) for u, i, label, t, history in got}
+    for r in listens:
+        uid, item, when, _, played = LOG[r]
+        assert by_key[(uid, item, when)] == (int(played >= 50), expected_history(r)), LOG[r]
+
+
+def test_the_split_is_global_in_time(hand_made):
+    rows, stdout = hand_made
+    times = {split: [t for _, _, _, t, _ in rows[split]] for split in rows}
+    assert set(times["test"]) == {9} and set(times["validation"]) == {8}
+    assert max(times["train"]) < min(times["validation"]) <= max(times["validation"]) < \
+        min(times["test"])
+    for split in times:  # each split in time order, for a loader that streams it
+        assert times[split] == sorted(times[split])
+    assert "done: events=15 kept=15 skipped=0 train=6 validation=1 test=2" in stdout
+
+
+def test_bad_rows_are_counted_and_skipped(tmp_path):
+    rows = LOG + [(3, 10, 2, "listen", 70), (3, 11, 3, "listen", 70), (3, 12, 4, "skip", None),
+                  (4, 10, 5, "listen", None)]
+    items = [r[1] for r in LOG] + [None, 11, 12, 10]
+    uids = [r[0] for r in LOG] + [3, None, 3, 4]
+    (tmp_path / "log").mkdir()
+    pq.write_table(multi_event(rows, item_id=pa.array(items, pa.uint32()),
+                               uid=pa.array(uids, pa.uint32())),
+                   tmp_path / "log" / "multi_event.parquet")
+    result = preprocess(tmp_path / "log", tmp_path / "data", *DAYS)
+    assert result.returncode == 0, failure(result)
+    import json
+
+    report = json.loads((tmp_path / "data" / "preprocess_report.json").read_text())
+    assert report["bad_rows"] == {"null_uid": 1, "null_item_id": 1, "null_timestamp": 0,
+                                  "null_played_ratio": 1, "unknown_event_type": 1}
+    assert report["events_read"] == len(rows) and report["events_kept"] == len(LOG)
+    assert sum(report["rows"].values()) == sum(r[3] == "listen" for r in LOG)
+
+
+BAD = {
+    "missing column": (lambda d: pq.write_table(multi_event(LOG, is_organic=None),
+                                                d / "multi_event.parquet"),
+                       "has no column is_organic"),
+    "wrong type": (lambda d: pq.write_table(multi_event(
+        LOG, timestamp=pa.array([str(r[2]) for r in LOG])), d / "multi_event.parquet"),
+        "column timestamp is string, not an integer"),
+    "empty file": (lambda d: (d / "multi_event.parquet").write_bytes(b""), "is empty (0 bytes)"),
+    "not parquet": (lambda d: (d / "multi_event.parquet").write_text("uid,item_id\n1,2\n"),
+                    "is not a parquet file"),
+    "no listens file": (lambda d: pq.write_table(multi_event(LOG), d / "likes.parquet"),
+                        "has neither multi_event.parquet nor listens.parquet"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_parquet_is_one_line_and_nothing_is_written(tmp_path, case):
+    make, message = BAD[case]
+    (tmp_path / "log").mkdir()
+    make(tmp_path / "log")
+    result = preprocess(tmp_path / "log", tmp_path / "data", *DAYS)
+    assert result.returncode == 2, failure(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]  # no output, no partial
+
+
+def test_an_empty_split_is_refused_before_writing(tmp_path):
+    (tmp_path / "log").mkdir()
+    pq.write_table(multi_event(LOG), tmp_path / "log" / "multi_event.parquet")
+    result = preprocess(tmp_path / "log", tmp_path / "data", "--time-unit", "86400",
+                        "--test-days", "0.5", "--val-days", "0.4")
+    assert result.returncode == 2 and "no listen falls in validation" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("yambda_generated")
+    result = run_cli(["preprocess", "yambda", "--generate", "20000", "--users", "200",
+                      "--items", "400", "--days", "10", "--seed", "3", "--output",
+                      str(root / "log")])
+    assert result.returncode == 0, failure(result)
+    return root
+
+
+def test_the_generator_writes_yambdas_files_and_dtypes(generated, tmp_path):
+    log = generated / "log"
+    multi = pq.read_table(log / "multi_event.parquet")
+    assert multi.num_rows == 20000
+    assert sum(pq.read_metadata(log / f"{f}.parquet").num_rows for f in EVENT_FILES) == 20000
+    for name, dtype in DTYPES.items():
+        assert multi.schema.field(name).type == pa.from_numpy_dtype(np.dtype(dtype)), name
+    listens = pq.read_table(log / "listens.parquet")
+    assert listens.column_names == ["uid", "item_id", "timestamp", "is_organic",
+                                    "played_ratio_pct", "track_length_seconds"]
+    assert pq.read_table(log / "likes.parquet").column_names == ["uid", "item_id", "timestamp",
+                                                                 "is_organic"]
+    import pyarrow.compute as pc
+
+    other = multi.filter(pc.not_equal(multi.column("event_type"), "listen"))
+    assert other.column("played_ratio_pct").null_count == other.num_rows
+    again = run_cli(["preprocess", "yambda", "--generate", "20000", "--users", "200", "--items",
+                     "400", "--days", "10", "--seed", "3", "--output", str(tmp_path / "again")])
+    assert again.returncode == 0 and pq.read_table(tmp_path / "again" /
+                                                   "multi_event.parquet").equals(multi)
+
+
+def test_multi_event_and_the_per_event_files_give_the_same_dataset(generated, tmp_path):
+    (tmp_path / "split").mkdir()
+    for name in EVENT_FILES:
+        (tmp_path / "split" / f"{name}.parquet").write_bytes(
+            (generated / "log" / f"{name}.parquet").read_bytes())
+    for source, out in ((generated / "log", tmp_path / "a"), (tmp_path / "split", tmp_path / "b")):
+        result = preprocess(source, out, "--history", "4")
+        assert result.returncode == 0, failure(result)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.bin"))
+    assert len(files) > 10
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_the_ranker_trains_on_a_generated_log_with_the_sequence_feature(generated):
+    data = generated / "data"
+    result = preprocess(generated / "log", data, "--history", "8")
+    assert result.returncode == 0, failure(result)
+    result = run_cli(["train", "--config", "configs/multitask_demo.yaml", "--set",
+                      f"data.path={data}", "--set", "model.sequence=hstu", "--set",
+                      "model.embedding_dim=8", "--set", "model.bottom_mlp=[16,8]", "--set",
+                      "model.top_mlp=[16,1]", "--set", "model.tasks=[{name: click}]", "--set",
+                      "value_model={}", "--set", "data.label_missing=0", "--set",
+                      "data.global_batch_size=128", "--set", "train.max_steps=20", "--set",
+                      "train.eval_every=20", "--set", "train.progress_bar=false", "--set",
+                      f"train.run_dir={generated / 'run'}", "--set", "checkpoint.resume=none"])
+    assert result.returncode == 0, failure(result)
+    assert "sequence: HSTU over the user's last 8 engagements" in result.stdout
+    assert "val_auc_click=" in result.stdout.splitlines()[-1]
