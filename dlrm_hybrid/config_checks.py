@@ -272,14 +272,11 @@ def _validate_hstu(cfg: Config) -> None:
 
 def _validate_sequence(cfg: Config) -> None:
     """The ranker's sequence feature (model.sequence hstu): HSTU's settings, and what it
-    cannot run with."""
+    cannot run with. Its data (a dataset with history; `plan`: data.cardinalities) is checked
+    where it is read: model/compositional.sequence_lookups, parallel/dry_run.planned_spec."""
     m = cfg.model
     if m.sequence == "none":
         return
-    if not cfg.data.path:
-        raise ConfigError("model.sequence: hstu reads each row's history, which the planted click "
-                          "data has not; set data.path to a ranking dataset made by `preprocess "
-                          "interactions --labels ... --history L`")
     refused = {"model.interaction": m.interaction == "fm",
                "model.compositional": bool(m.compositional),
                "parallel.exchange": cfg.parallel.exchange == "des",

@@ -146,3 +146,60 @@ def test_adams_betas_and_epsilon_reach_torchs_optimizer(process_group, tmp_path)
     assert isinstance(dense, torch.optim.Adam) and dense.max_norm == 1.0
     assert [(g["betas"], g["eps"], g["weight_decay"]) for g in dense.param_groups] == [
         ((0.95, 0.999), 1e-8, 0)] * len(dense.param_groups)
+
+
+# --- the config and its plan -------------------------------------------------------------------
+
+CONFIG = Path(__file__).parents[1] / "configs/mlperf_dlrmv4.yaml"
+
+
+def test_the_config_holds_what_the_rules_fix():
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.train.mlperf_dlrmv4 import EVAL_SAMPLES, MAX_SEQUENCE_LENGTH
+
+    cfg = load_config(str(CONFIG), world_size=8)
+    o, d, h = cfg.optim, cfg.data, cfg.model.hstu
+    assert (o.dense, o.dense_betas, o.eps, o.dense_clip_norm) == ("adam", [0.95, 0.999], 1e-8, 1.0)
+    assert (o.embedding, o.embedding_lr, o.warmup_steps) == ("rowwise_adagrad", o.dense_lr, 24000)
+    assert 0.5e-6 * d.global_batch_size / 8192 <= o.dense_lr <= 1.5e-6 * d.global_batch_size / 8192
+    assert (d.train_samples, d.val_samples) == (TRAIN_SAMPLES, EVAL_SAMPLES)
+    assert h.max_length + 1 == MAX_SEQUENCE_LENGTH  # the history and the candidate
+    assert cfg.train.eval_every == EvalGrid.of(d.global_batch_size).every
+    assert (cfg.model.embedding_dim, h.layers, h.heads, h.attention_dim, h.linear_dim) == (
+        512, 5, 4, 128, 128)
+
+
+@pytest.mark.parametrize("ranks,memory,per_node", [(8, "80GiB", None), (8, "141GiB", None),
+                                                   (64, "80GiB", 8)])
+def test_plan_places_every_table_within_each_ranks_memory(tmp_path, ranks, memory, per_node):
+    import json
+
+    from conftest import failure, run_cli
+
+    out = tmp_path / "plan.json"
+    hosts = ["--gpus-per-node", str(per_node)] if per_node else []
+    result = run_cli(["plan", "--config", str(CONFIG), "--world-size", str(ranks),
+                      "--gpu-memory", memory, *hosts, "--out", str(out)])
+    assert result.returncode == 0, failure(result)
+    plan = json.loads(out.read_text())
+    assert set(plan["tables"]) == {"t_user_id", "t_item_id", "t_user_action"}
+    for name, table in plan["tables"].items():
+        assert table["sharding"] == "data_parallel" or table["ranks"], f"{name} is not placed"
+    assert plan["tables"]["t_item_id"]["rows"] == 9_390_000
+    assert plan["tables"]["t_item_id"]["bags"] == 4096  # the candidate and 4095 history slots
+    budget = plan["budget_bytes"]
+    assert budget == int(memory[:-3]) * 2**30 - 8 * 2**30  # less parallel.reserve_per_rank
+    assert len(plan["ranks"]) == ranks
+    assert all(0 < r["bytes"] <= budget for r in plan["ranks"])
+    assert "dense part fits in parallel.reserve_per_rank 8GiB" in result.stdout
+
+
+def test_a_sequence_ranker_plans_without_a_dataset_only_from_three_cardinalities():
+    from conftest import run_cli
+
+    result = run_cli(["plan", "--config", str(CONFIG), "--set", "data.cardinalities=[10, 20]"])
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: model.sequence: hstu reads each row's history, which the planted click data has "
+        "not; set data.path to a ranking dataset made by `preprocess interactions --labels ... "
+        "--history L`, or, to plan without one, data.cardinalities to [users, items, action "
+        "rows] (not [10, 20])"]

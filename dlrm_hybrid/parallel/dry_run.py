@@ -12,6 +12,9 @@ from dlrm_hybrid.config import RETRIEVAL_KINDS, ConfigError, parse_bytes
 
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.configured_spec import data_spec
+from dlrm_hybrid.data.interactions.interaction_meta import ITEM_ID, USER_ID
+from dlrm_hybrid.data.interactions.ranking_history import history_features
+from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.parallel.dense_memory import describe_dense
 from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
 from dlrm_hybrid.parallel.cost_model import DEVICES, device_constants
@@ -66,7 +69,7 @@ def run(args) -> None:
     if budget <= 0:
         raise ConfigError(f"--gpu-memory: {args.gpu_memory} is not more than "
                           f"parallel.reserve_per_rank ({cfg.parallel.reserve_per_rank})")
-    spec = data_spec(cfg.data, cfg.model)
+    spec = planned_spec(cfg)
     lookups = lookups_of(cfg.model, spec)  # once: 10,000 features' take ~0.03 s
     specs = table_specs(cfg, spec, lookups)
     if args.explain and args.explain not in {t.name for t in specs}:
@@ -100,6 +103,26 @@ def run(args) -> None:
     if args.plot:
         _write("--plot", args.plot, lambda path: plot(plans, path))
         print(f"wrote {args.plot}")
+
+
+def planned_spec(cfg) -> DataSpec:
+    """The configured data's shape (configured_spec.data_spec); for a sequence ranker without a
+    dataset, the one `preprocess interactions --history L` or `preprocess yambda --history L`
+    would write, L = model.hstu.max_length, from data.cardinalities = [users, items, action
+    rows]: user_id, item_id, L history slots of items, L of actions."""
+    if cfg.model.sequence == "none" or cfg.data.path:
+        return data_spec(cfg.data, cfg.model)
+    if len(cfg.data.cardinalities) != 3:
+        raise ConfigError(f"model.sequence: hstu reads each row's history, which the planted "
+                          f"click data has not; set data.path to a ranking dataset made by "
+                          f"`preprocess interactions --labels ... --history L`, or, to plan "
+                          f"without one, data.cardinalities to [users, items, action rows] (not "
+                          f"{cfg.data.cardinalities})")
+    users, items, actions = cfg.data.cardinalities
+    length = cfg.model.hstu.max_length
+    names = (USER_ID, ITEM_ID, *history_features(length))
+    return DataSpec(cfg.data.num_dense, [users, items, *[items] * length, *[actions] * length],
+                    [1] * len(names), names=names)
 
 
 def _check_outputs(args, data_path: str) -> None:
