@@ -155,7 +155,7 @@ CONFIG = Path(__file__).parents[1] / "configs/mlperf_dlrmv4.yaml"
 
 def test_the_config_holds_what_the_rules_fix():
     from dlrm_hybrid.config_loading import load_config
-    from dlrm_hybrid.train.mlperf_dlrmv4 import EVAL_SAMPLES, MAX_SEQUENCE_LENGTH
+    from dlrm_hybrid.train.mlperf_dlrmv4 import EVAL_SAMPLES, MAX_SEQUENCE_LENGTH, TARGET_AUC
 
     cfg = load_config(str(CONFIG), world_size=8)
     o, d, h = cfg.optim, cfg.data, cfg.model.hstu
@@ -165,6 +165,7 @@ def test_the_config_holds_what_the_rules_fix():
     assert (d.train_samples, d.val_samples) == (TRAIN_SAMPLES, EVAL_SAMPLES)
     assert h.max_length + 1 == MAX_SEQUENCE_LENGTH  # the history and the candidate
     assert cfg.train.eval_every == EvalGrid.of(d.global_batch_size).every
+    assert cfg.train.target_auc == TARGET_AUC
     assert (cfg.model.embedding_dim, h.layers, h.heads, h.attention_dim, h.linear_dim) == (
         512, 5, 4, 128, 128)
 

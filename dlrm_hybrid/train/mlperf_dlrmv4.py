@@ -21,7 +21,6 @@ TARGET_AUC = 0.75
 def eval_interval_samples(global_batch: int, train_samples: int = TRAIN_SAMPLES) -> int:
     """Samples between evaluations: 0.1% of train_samples divided once by the global batch,
     rounded up (at least one batch), back in samples."""
-    _positive(global_batch=global_batch, train_samples=train_samples)
     return max(1, int(math.ceil(EVAL_EVERY_DATA_PCT * train_samples / global_batch))) * global_batch
 
 
@@ -63,9 +62,3 @@ class EvalGrid:
     def samples_count(self, step: int) -> int:
         """eval_accuracy's samples_count metadata after `step` steps: samples trained."""
         return step * self.batch
-
-
-def _positive(**values: int) -> None:
-    for name, value in values.items():
-        if value <= 0:
-            raise ValueError(f"{name}: must be positive, got {value}")
