@@ -41,7 +41,7 @@ LABEL = "listen_plus"
 ACTIONS = (LABEL, "like", "dislike", "unlike", "undislike")  # action bit t: ACTIONS[t]
 DENSE = ("is_organic", "log1p_track_length_seconds")
 TIMES = "timestamp.bin"
-CHUNK = 1 << 20  # rows written at a time
+CHUNK = 1 << 16  # rows written at a time (a history of 50 slots: 52 MiB of ids)
 Action = namedtuple("Action", "name")
 
 
