@@ -96,7 +96,13 @@ def _one_step(tmp_path, process_group, *overrides):
         step(batches)
     finally:
         batches.close()
-    return before, [p.detach().clone() for p in dense], [p.grad.clone() for p in dense]
+    local = [_local(p) for p in dense]
+    return [_local(b) for b in before], local, [_local(p.grad) for p in dense]
+
+
+def _local(tensor):
+    """A copy of this rank's part: of a DTensor (FSDP's parameters and gradients) its shard."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().clone()
 
 
 def _norm(tensors) -> float:
@@ -105,11 +111,13 @@ def _norm(tensors) -> float:
     return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
 
 
-def test_the_clip_bounds_the_dense_gradient_norm_and_the_step_uses_it(tmp_path, process_group):
+@pytest.mark.parametrize("dense", ["ddp", "fsdp"])
+def test_the_clip_bounds_the_dense_gradient_norm_and_the_step_uses_it(tmp_path, process_group,
+                                                                     dense):
     """SGD at lr 0.5: the update is -0.5 x the clipped gradient, which is the unclipped one
-    (norm 0.4) scaled to norm 0.05."""
-    _, _, free = _one_step(tmp_path / "free", process_group)
-    before, after, clipped = _one_step(tmp_path / "clip", process_group,
+    (norm 0.4) scaled to norm 0.05; under FSDP the gradients are DTensors."""
+    _, _, free = _one_step(tmp_path / "free", process_group, f"parallel.dense={dense}")
+    before, after, clipped = _one_step(tmp_path / "clip", process_group, f"parallel.dense={dense}",
                                        "optim.dense_clip_norm=0.05")
     assert _norm(free) > 0.2
     assert _norm(clipped) == pytest.approx(0.05, rel=1e-5)
