@@ -168,6 +168,15 @@ def test_bad_parquet_is_one_line_and_nothing_is_written(tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]  # no output, no partial
 
 
+def test_a_log_above_the_memory_limit_is_refused_before_reading(tmp_path):
+    (tmp_path / "log").mkdir()
+    pq.write_table(multi_event(LOG), tmp_path / "log" / "multi_event.parquet")
+    result = preprocess(tmp_path / "log", tmp_path / "data", *DAYS, "--memory-limit", "100M")
+    assert result.returncode == 2 and "16 events need about 0.3 GiB" in result.stderr \
+        and "above --memory-limit 100M" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
+
+
 def test_an_empty_split_is_refused_before_writing(tmp_path):
     (tmp_path / "log").mkdir()
     pq.write_table(multi_event(LOG), tmp_path / "log" / "multi_event.parquet")

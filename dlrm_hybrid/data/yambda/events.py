@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
@@ -132,10 +132,12 @@ def _kinds(batch) -> np.ndarray:
     return pc.fill_null(index, -1).to_numpy(zero_copy_only=False).astype(np.int8)
 
 
-def read_events(folder: str) -> Events:
-    """Every event of the folder's files (each checked first), bad rows counted and skipped."""
+def read_events(folder: str, fits: Callable[[int], None] = lambda rows: None) -> Events:
+    """Every event of the folder's files, bad rows counted and skipped. Each file is checked
+    first, then `fits` is given the rows of all (it raises if they cannot be held)."""
     files = input_files(folder)
     opened = [(path, kind, *_open(path, kind)) for path, kind in files]
+    fits(sum(handle.metadata.num_rows for _, _, handle, _ in opened))
     parts: Dict[str, List[np.ndarray]] = {k: [] for k in STORED}
     events = Events(*[np.zeros(0)] * 7, files=[str(p) for p, _ in files])
     for path, kind, handle, columns in opened:

@@ -14,8 +14,9 @@ row per listen; `--generate N` writes a small Yambda-shaped log instead (synthet
   then file order; ranking_history.py), with actions 1 + bits: listen_plus 1, like 2, dislike 4,
   unlike 8, undislike 16 (a plain listen: 1).
 - Features: user_id, item_id, the history; dense is_organic and log1p(track_length_seconds).
-- Held in memory (about 100 bytes an event at the peak, printed), not bounded; the dataset
-  appears whole or not at all.
+- Held in memory (about 170 bytes an event at the peak, printed), not bounded: a log whose
+  estimate is above --memory-limit (default: the memory available) is refused before any row
+  is read. The dataset appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Dict
 
 import numpy as np
 
-from dlrm_hybrid.data.criteo.budget import own_peak_rss
+from dlrm_hybrid.data.criteo.budget import available_memory, own_peak_rss, parse_size
 from dlrm_hybrid.data.feature_spec import SPLITS
 from dlrm_hybrid.data.interactions.ranking_history import (action_rows, engagement_histories,
                                                            history_features, history_note)
@@ -43,6 +44,8 @@ DENSE = ("is_organic", "log1p_track_length_seconds")
 TIMES = "timestamp.bin"
 CHUNK = 1 << 16  # rows written at a time (a history of 50 slots: 52 MiB of ids)
 Action = namedtuple("Action", "name")
+# the peak RSS: measured 170 bytes an event (10M events, --history 50, AMD EPYC), some margin
+EVENT_BYTES, BASE_BYTES = 200, 256 << 20
 
 
 def add_arguments(parser) -> None:
@@ -61,6 +64,9 @@ def add_arguments(parser) -> None:
                         help="test: the log's last D days (default 1)")
     parser.add_argument("--time-unit", type=float, default=5.0, metavar="S",
                         help="seconds per timestamp unit (default 5, Yambda's)")
+    parser.add_argument("--memory-limit", metavar="SIZE", help="refuse a log whose estimated "
+                        "peak (the log is held in memory) is above SIZE, e.g. 8G (default: the "
+                        "memory available)")
     generator = parser.add_argument_group("--generate: a synthetic Yambda-shaped log")
     generator.add_argument("--generate", type=int, metavar="EVENTS",
                            help="write a planted log of EVENTS events to --output, not a dataset")
@@ -103,6 +109,17 @@ def _check(args) -> None:
         raise UserError(f"--listen-plus: a played_ratio_pct in 0..100; got {args.listen_plus}")
 
 
+def check_memory(rows: int, limit: int, given: str = "") -> None:
+    """Refuse, before reading a row, a log whose estimated peak RSS is above `limit`."""
+    need = BASE_BYTES + rows * EVENT_BYTES
+    if need > limit:
+        raise UserError(f"--input: {rows:,} events need about {need / 2**30:.1f} GiB (preprocess "
+                        f"yambda holds the log in memory, ~{EVENT_BYTES} bytes an event), above "
+                        + (f"--memory-limit {given}" if given else
+                           f"the {limit / 2**30:.1f} GiB available")
+                        + "; use a machine with more memory, or a smaller log (flat/50m)")
+
+
 def run(args) -> None:
     """`preprocess yambda`: read, label, order, split, histories, write; one summary."""
     start = time.perf_counter()
@@ -121,7 +138,8 @@ def run(args) -> None:
                               "preprocess yambda")
     check_new_output(args.output)
     _check(args)
-    events = read_events(args.input)
+    limit = parse_size(args.memory_limit) if args.memory_limit else available_memory()
+    events = read_events(args.input, lambda rows: check_memory(rows, limit, args.memory_limit))
     made = build(events, args)
     write(events, made, args)
     seconds = time.perf_counter() - start
