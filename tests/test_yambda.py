@@ -123,11 +123,11 @@ def test_the_split_is_global_in_time(hand_made):
 
 def test_bad_rows_are_counted_and_skipped(tmp_path):
     rows = LOG + [(3, 10, 2, "listen", 70), (3, 11, 3, "listen", 70), (3, 12, 4, "skip", None),
-                  (4, 10, 5, "listen", None), (5, 10, 5, "listen", 70)]
-    items = [r[1] for r in LOG] + [None, 11, 12, 10, None]  # the last: two problems, counted once
-    uids = [r[0] for r in LOG] + [3, None, 3, 4, None]
+                  (4, 10, 5, "listen", None), (5, 10, 5, "listen", 70), (6, 10, 5, "like", 0)]
+    items = [r[1] for r in LOG] + [None, 11, 12, 10, None, -1]  # two problems: counted once
+    uids = [r[0] for r in LOG] + [3, None, 3, 4, None, 6]
     (tmp_path / "log").mkdir()
-    pq.write_table(multi_event(rows, item_id=pa.array(items, pa.uint32()),
+    pq.write_table(multi_event(rows, item_id=pa.array(items, pa.int64()),
                                uid=pa.array(uids, pa.uint32())),
                    tmp_path / "log" / "multi_event.parquet")
     result = preprocess(tmp_path / "log", tmp_path / "data", *DAYS)
@@ -136,7 +136,8 @@ def test_bad_rows_are_counted_and_skipped(tmp_path):
 
     report = json.loads((tmp_path / "data" / "preprocess_report.json").read_text())
     assert report["bad_rows"] == {"null_uid": 2, "null_item_id": 1, "null_timestamp": 0,
-                                  "null_played_ratio": 1, "unknown_event_type": 1}
+                                  "null_played_ratio": 1, "unknown_event_type": 1,
+                                  "out_of_range": 1}
     assert report["events_read"] == len(rows) and report["events_kept"] == len(LOG)
     assert sum(report["rows"].values()) == sum(r[3] == "listen" for r in LOG)
 

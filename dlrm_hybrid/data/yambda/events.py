@@ -10,7 +10,8 @@ offline, so written down here as assumed):
 Timestamps are integers (5-second units from an anonymized epoch). Integer columns of any
 width are read; a column of another type, a missing column, an empty or non-parquet file is
 refused in one line naming the file and column. Bad rows (a null id or time, a listen without
-its played ratio, an unknown event type) are counted by kind and skipped.
+its played ratio, an unknown event type, a negative value or one too large for the dtypes
+above) are counted by kind and skipped.
 
 A folder with `multi_event.parquet` is read from it alone; else `listens.parquet` and those of
 the other four present. File order (the tie-break of equal timestamps) is row order, the
@@ -37,7 +38,7 @@ LISTEN_ONLY = ("played_ratio_pct", "track_length_seconds")
 DTYPES = {"uid": "uint32", "item_id": "uint32", "timestamp": "uint32", "is_organic": "uint8",
           "played_ratio_pct": "uint16", "track_length_seconds": "uint32"}
 BAD_KINDS = ("null_uid", "null_item_id", "null_timestamp", "null_played_ratio",
-             "unknown_event_type")
+             "unknown_event_type", "out_of_range")  # out_of_range: a value its dtype cannot hold
 BATCH = 1 << 20  # rows converted at a time
 # an event held in memory: 20 bytes
 STORED = {"uid": np.uint32, "item": np.uint32, "time": np.uint32, "kind": np.uint8,
@@ -122,6 +123,13 @@ def _column(batch, name: str, dtype) -> Tuple[np.ndarray, np.ndarray]:
     return pc.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(dtype), nulls
 
 
+def _outside(*columns_then_dtype) -> np.ndarray:
+    """Where any of the int64 columns holds a value the dtype (the last argument) cannot."""
+    *columns, dtype = columns_then_dtype
+    top = np.iinfo(dtype).max
+    return np.logical_or.reduce([(c < 0) | (c > top) for c in columns])
+
+
 def _kinds(batch) -> np.ndarray:
     """multi_event's event_type as EVENT_TYPES' index, -1 for a null or unknown one."""
     import pyarrow as pa
@@ -167,7 +175,9 @@ def _add_batch(batch, kind: int, parts: Dict[str, List[np.ndarray]], bad: Dict[s
                                        np.zeros(n, np.int64))
     problems = [("null_uid", null_uid), ("null_item_id", null_item),
                 ("null_timestamp", null_time), ("unknown_event_type", kinds < 0),
-                ("null_played_ratio", null_played & listen)]
+                ("null_played_ratio", null_played & listen),
+                ("out_of_range", _outside(uid, item, time, length, np.uint32)
+                 | _outside(played, organic, np.uint16))]
     keep = np.ones(n, bool)
     for name, mask in problems:  # a row is counted once, by its first problem
         bad[name] += int((mask & keep).sum())

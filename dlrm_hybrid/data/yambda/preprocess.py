@@ -234,6 +234,8 @@ def report(events: Events, made: dict) -> dict:
             "events_by_type": {t: int((events.kind == k).sum())
                                for k, t in enumerate(EVENT_TYPES)},
             "bad_rows": dict(events.bad),
+            "listens_played_over_100": int(((events.kind == LISTEN) & (events.played > 100)
+                                            ).sum()),  # kept, as listen_plus
             "rows": {name: int(len(r)) for name, r in made["rows"].items()},
             "listen_plus_rate": {name: float(made["plus"][r].mean())
                                  for name, r in made["rows"].items()},
