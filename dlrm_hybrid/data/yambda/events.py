@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import numpy as np
 
@@ -140,20 +140,37 @@ def _kinds(batch) -> np.ndarray:
     return pc.fill_null(index, -1).to_numpy(zero_copy_only=False).astype(np.int8)
 
 
-def read_events(folder: str, fits: Callable[[int], None] = lambda rows: None) -> Events:
-    """Every event of the folder's files, bad rows counted and skipped. Each file is checked
-    first, then `fits` is given the rows of all (it raises if they cannot be held)."""
+def no_events() -> Events:
+    return Events(*[np.zeros(0, dtype) for dtype in STORED.values()])
+
+
+def event_batches(folder: str, events: Events, fits: Callable[[int], None] = lambda rows: None
+                  ) -> Iterator[Dict[str, np.ndarray]]:
+    """The folder's good events, a batch at a time in file order (STORED's columns). Each file
+    is checked first, then `fits` is given the rows of all (it raises if they cannot be
+    handled); the files, their rows and the bad rows by kind are recorded in `events`."""
     files = input_files(folder)
     opened = [(path, kind, *_open(path, kind)) for path, kind in files]
     fits(sum(handle.metadata.num_rows for _, _, handle, _ in opened))
-    parts: Dict[str, List[np.ndarray]] = {k: [] for k in STORED}
-    events = Events(*[np.zeros(0)] * 7, files=[str(p) for p, _ in files])
+    events.files = [str(p) for p, _ in files]
     for path, kind, handle, columns in opened:
         events.read[str(path)] = handle.metadata.num_rows
         for batch in handle.iter_batches(batch_size=BATCH, columns=columns):
+            parts: Dict[str, List[np.ndarray]] = {k: [] for k in STORED}
             _add_batch(batch, kind, parts, events.bad)
-    for name, dtype in STORED.items():
-        setattr(events, name, np.concatenate(parts[name]) if parts[name] else np.zeros(0, dtype))
+            yield {k: v[0] for k, v in parts.items()}
+
+
+def read_events(folder: str, fits: Callable[[int], None] = lambda rows: None) -> Events:
+    """Every event of the folder's files in memory (event_batches)."""
+    events = no_events()
+    parts: Dict[str, List[np.ndarray]] = {k: [] for k in STORED}
+    for batch in event_batches(folder, events, fits):
+        for name, values in batch.items():
+            parts[name].append(values)
+    for name in STORED:
+        if parts[name]:
+            setattr(events, name, np.concatenate(parts[name]))
     return events
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 from collections import namedtuple
+from pathlib import Path
 from typing import Dict
 
 import numpy as np
@@ -35,16 +36,14 @@ from dlrm_hybrid.data.interactions.ranking_history import (action_rows, engageme
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter, check_new_output
 from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events, read_events
+from dlrm_hybrid.data.yambda.rules import (ACTIONS, CHUNK, DENSE, LABEL, Prepared, action_bits,
+                                           listen_plus, listen_rows, time_splits)
 from dlrm_hybrid.errors import DataError, UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 
-LABEL = "listen_plus"
-ACTIONS = (LABEL, "like", "dislike", "unlike", "undislike")  # action bit t: ACTIONS[t]
-DENSE = ("is_organic", "log1p_track_length_seconds")
 TIMES = "timestamp.bin"
-CHUNK = 1 << 16  # rows written at a time (a history of 50 slots: 52 MiB of ids)
 Action = namedtuple("Action", "name")
-# the peak RSS: measured 170 bytes an event (10M events, --history 50, AMD EPYC), some margin
+# the peak RSS: measured 170-175 bytes an event (10M and 50M events, --history 50, AMD EPYC)
 EVENT_BYTES, BASE_BYTES = 200, 256 << 20
 
 
@@ -75,26 +74,6 @@ def add_arguments(parser) -> None:
     generator.add_argument("--clusters", type=int, default=20, help="the items' genres")
     generator.add_argument("--days", type=float, default=30.0, help="the log's time span")
     generator.add_argument("--seed", type=int, default=0)
-
-
-def listen_plus(kind: np.ndarray, played: np.ndarray, threshold: int) -> np.ndarray:
-    """The label: a listen played at least `threshold` percent; False for any other event."""
-    return (kind == LISTEN) & (played >= threshold)
-
-
-def action_bits(kind: np.ndarray, plus: np.ndarray) -> np.ndarray:
-    """[events, len(ACTIONS)] 0/1: listen_plus, then one column per other event type."""
-    columns = [plus] + [kind == EVENT_TYPES.index(name) for name in ACTIONS[1:]]
-    return np.stack(columns, axis=1).astype(np.uint8)
-
-
-def time_splits(times: np.ndarray, end: int, val_units: float, test_units: float
-                ) -> np.ndarray:
-    """Each time's split (0 train, 1 validation, 2 test): test from end - test_units on,
-    validation the val_units before it."""
-    test_cut = end - test_units
-    return np.where(times >= test_cut, 2, np.where(times >= test_cut - val_units, 1, 0)
-                    ).astype(np.int8)
 
 
 def _check(args) -> None:
@@ -140,13 +119,12 @@ def run(args) -> None:
     _check(args)
     limit = parse_size(args.memory_limit) if args.memory_limit else available_memory()
     events = read_events(args.input, lambda rows: check_memory(rows, limit, args.memory_limit))
-    made = build(events, args)
-    write(events, made, args)
+    done = write(events, build(events, args), args)
     seconds = time.perf_counter() - start
-    print(summary(events, made, args.output, seconds))
+    print(summary(events, done, args.output, seconds))
 
 
-def build(events: Events, args) -> dict:
+def build(events: Events, args) -> Prepared:
     """Ids, labels, actions, each event's place in time, the listens' splits and histories."""
     if not (events.kind == LISTEN).any():
         raise DataError(f"--input: {args.input} holds no listen (events read: "
@@ -158,57 +136,75 @@ def build(events: Events, args) -> dict:
     positions[order] = np.arange(len(events))
     plus = listen_plus(events.kind, events.played, args.listen_plus)
     end = int(events.time.max()) + 1
-    unit_day = 86400 / args.time_unit
-    split = time_splits(events.time, end, args.val_days * unit_day, args.test_days * unit_day)
+    cuts = split_cuts(args, end)
+    split = time_splits(events.time, end, cuts[1] - cuts[0], end - cuts[1])
     listens = order[events.kind[order] == LISTEN]  # in time order
     rows = {name: listens[split[listens] == s] for s, name in enumerate(SPLITS)}
-    for name, r in rows.items():
-        if not len(r):
-            raise DataError(f"--input: {args.input}: no listen falls in {name} (the log spans "
-                            f"{(end - int(events.time.min())) / unit_day:.2f} days; validation "
-                            f"{args.val_days:g} and test {args.test_days:g} before its end); "
-                            f"give smaller --val-days/--test-days or a longer log")
+    check_splits(args, {n: len(r) for n, r in rows.items()}, end, int(events.time.min()))
     histories = (engagement_histories(positions, users.astype(np.int64), items.astype(np.int64),
                                       action_bits(events.kind, plus), len(raw_users),
                                       events.time)
                  if args.history else None)
-    return {"users": users, "items": items, "raw_users": raw_users, "raw_items": raw_items,
-            "plus": plus, "rows": rows, "histories": histories, "end": end,
-            "cuts": [end - (args.test_days + args.val_days) * unit_day,
-                     end - args.test_days * unit_day]}
+
+    def chunks():
+        for name, r in rows.items():
+            for lo in range(0, len(r), CHUNK):
+                chunk = r[lo:lo + CHUNK]
+                yield (name, *listen_rows(events, chunk, users, items, plus, histories,
+                                          args.history), events.time[chunk])
+
+    return Prepared(raw_users, raw_items, {n: int(len(r)) for n, r in rows.items()},
+                    {n: float(plus[r].mean()) for n, r in rows.items()},
+                    {t: int((events.kind == k).sum()) for k, t in enumerate(EVENT_TYPES)},
+                    len(events), int(((events.kind == LISTEN) & (events.played > 100)).sum()),
+                    cuts, chunks, lambda folder: histories.save(folder))
 
 
-def write(events: Events, made: dict, args) -> None:
-    """The split-binary dataset, its notes, the rows' times, the ids' raw values, the report."""
+def split_cuts(args, end: int) -> list:
+    """[validation's first time, test's first time] for a log whose last time is end - 1."""
+    unit_day = 86400 / args.time_unit
+    return [end - (args.test_days + args.val_days) * unit_day, end - args.test_days * unit_day]
+
+
+def check_splits(args, rows: Dict[str, int], end: int, first: int) -> None:
+    """Refuse, before writing, a split without a listen."""
+    for name, n in rows.items():
+        if not n:
+            raise DataError(f"--input: {args.input}: no listen falls in {name} (the log spans "
+                            f"{(end - first) * args.time_unit / 86400:.2f} days; validation "
+                            f"{args.val_days:g} and test {args.test_days:g} before its end); "
+                            f"give smaller --val-days/--test-days or a longer log")
+
+
+def write(events: Events, made: Prepared, args) -> dict:
+    """The split-binary dataset, its notes, the rows' times, the ids' raw values, the report
+    (returned)."""
     slots = args.history
-    users, items, histories = made["users"], made["items"], made["histories"]
     names = ["user_id", "item_id", *history_features(slots)]
-    spec = DataSpec(len(DENSE), [len(made["raw_users"]), len(made["raw_items"]),
-                                 *[len(made["raw_items"])] * slots,
+    spec = DataSpec(len(DENSE), [len(made.raw_users), len(made.raw_items),
+                                 *[len(made.raw_items)] * slots,
                                  *[action_rows(len(ACTIONS))] * slots], [1] * len(names))
     with SplitBinaryWriter(args.output, spec, labels=[LABEL]) as writer:
-        for name, rows in made["rows"].items():
-            with open(writer.tmp / name / TIMES, "wb") as times:
-                for lo in range(0, len(rows), CHUNK):
-                    r = rows[lo:lo + CHUNK]
-                    dense = np.stack([events.organic[r].astype(np.float32),
-                                      np.log1p(events.length[r].astype(np.float32))], axis=1)
-                    past = (histories.before(r, users[r], slots) if slots else
-                            (np.zeros((len(r), 0), np.int64),) * 2)
-                    cats = [users[r], items[r], *past[0].T, *past[1].T]
-                    writer.write(name, made["plus"][r], dense, [c[:, None] for c in cats])
-                    times.write(events.time[r].astype(np.uint32).tobytes())
+        times = {name: open(writer.tmp / name / TIMES, "wb") for name in SPLITS}
+        try:
+            for name, label, dense, cats, when in made.chunks():
+                writer.write(name, label, dense, [c[:, None] for c in cats])
+                times[name].write(when.astype(np.uint32).tobytes())
+        finally:
+            for f in times.values():
+                f.close()
         for key, value in notes(events, made, args, names).items():
             writer.note(key, value)
         if slots:
-            histories.save(writer.tmp)
-        for file, raw in (("users.txt", made["raw_users"]), ("items.txt", made["raw_items"])):
+            made.save_timelines(Path(writer.tmp))
+        for file, raw in (("users.txt", made.raw_users), ("items.txt", made.raw_items)):
             writer.add_file(file, "".join(f"{v}\n" for v in raw.tolist()))
-        made["report"] = report(events, made)
-        writer.add_file(REPORT, json.dumps(made["report"], indent=1) + "\n")
+        done = report(events, made)
+        writer.add_file(REPORT, json.dumps(done, indent=1) + "\n")
+    return done
 
 
-def notes(events: Events, made: dict, args, names) -> Dict[str, object]:
+def notes(events: Events, made: Prepared, args, names) -> Dict[str, object]:
     """feature_spec.yaml's metadata: where the data came from and what each part is."""
     return {
         "source": {"yambda": events.files},
@@ -218,8 +214,8 @@ def notes(events: Events, made: dict, args, names) -> Dict[str, object]:
         "numerical_features": list(DENSE),
         "history": history_note(args.history, [Action(a) for a in ACTIONS])
         if args.history else None,
-        "split_rule": (f"global in time: listens from {made['cuts'][1]:g} (the last "
-                       f"{args.test_days:g} days) test, from {made['cuts'][0]:g} validation "
+        "split_rule": (f"global in time: listens from {made.cuts[1]:g} (the last "
+                       f"{args.test_days:g} days) test, from {made.cuts[0]:g} validation "
                        f"({args.val_days:g} days), the rest train; timestamps in "
                        f"{args.time_unit:g}-second units; every split in time order"),
         "row_times": {name: f"{name}/{TIMES}" for name in SPLITS},
@@ -227,29 +223,23 @@ def notes(events: Events, made: dict, args, names) -> Dict[str, object]:
     }
 
 
-def report(events: Events, made: dict) -> dict:
+def report(events: Events, made: Prepared) -> dict:
     """preprocess_report.json: rows read per file, bad rows by kind, each split's rows."""
     return {"files": events.read, "events_read": sum(events.read.values()),
-            "events_kept": len(events),
-            "events_by_type": {t: int((events.kind == k).sum())
-                               for k, t in enumerate(EVENT_TYPES)},
+            "events_kept": made.kept, "events_by_type": made.by_type,
             "bad_rows": dict(events.bad),
-            "listens_played_over_100": int(((events.kind == LISTEN) & (events.played > 100)
-                                            ).sum()),  # kept, as listen_plus
-            "rows": {name: int(len(r)) for name, r in made["rows"].items()},
-            "listen_plus_rate": {name: float(made["plus"][r].mean())
-                                 for name, r in made["rows"].items()},
-            "users": len(made["raw_users"]), "items": len(made["raw_items"]),
+            "listens_played_over_100": made.played_over_100,  # kept, as listen_plus
+            "rows": made.rows, "listen_plus_rate": made.rates,
+            "users": len(made.raw_users), "items": len(made.raw_items),
             "memory": "in memory (not bounded)", "peak_rss_bytes": own_peak_rss()}
 
 
-def summary(events: Events, made: dict, output: str, seconds: float) -> str:
-    """What was read, skipped and written; a `done:` line."""
-    r = made["report"]
+def summary(events: Events, r: dict, output: str, seconds: float) -> str:
+    """What was read, skipped and written (`r`: the report); a `done:` line."""
     bad = sum(events.bad.values())
     lines = [f"wrote {output} in {seconds:.1f} s (a Yambda ranking dataset: split-binary, one "
              f"row per listen)",
-             f"  read       {r['events_read']:,} events = {len(events):,} kept + {bad:,} bad "
+             f"  read       {r['events_read']:,} events = {r['events_kept']:,} kept + {bad:,} bad "
              f"rows skipped" + "".join(f", {k} {v:,}" for k, v in events.bad.items() if v),
              "  kept       " + ", ".join(f"{t} {n:,}" for t, n in r["events_by_type"].items())
              + f"; {r['users']:,} users, {r['items']:,} items"]
@@ -259,7 +249,7 @@ def summary(events: Events, made: dict, output: str, seconds: float) -> str:
     lines.append(f"  memory     in memory (not bounded): peak RSS "
                  f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB; "
                  f"{r['events_read'] / max(seconds, 1e-9):,.0f} events/s")
-    lines.append(f"done: events={r['events_read']} kept={len(events)} skipped={bad} "
+    lines.append(f"done: events={r['events_read']} kept={r['events_kept']} skipped={bad} "
                  + " ".join(f"{k}={v}" for k, v in r["rows"].items())
                  + f" peak_rss_bytes={r['peak_rss_bytes']} seconds={seconds:.2f}")
     return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""What `preprocess yambda` makes of events, held or bounded alike: the listen_plus label, the
+action bits of a history, the time split, a listen row's columns, and `Prepared`, the dataset
+about to be written (its ids, counts and rows in order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from dlrm_hybrid.data.interactions.ranking_history import Histories
+from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events
+
+LABEL = "listen_plus"
+ACTIONS = (LABEL, "like", "dislike", "unlike", "undislike")  # action bit t: ACTIONS[t]
+DENSE = ("is_organic", "log1p_track_length_seconds")
+CHUNK = 1 << 16  # rows made at a time (a history of 50 slots: 52 MiB of ids)
+# a split's chunk of rows: (split, label [N], dense [N, 2], categorical columns [N] each, times)
+Chunk = Tuple[str, np.ndarray, np.ndarray, List[np.ndarray], np.ndarray]
+
+
+def listen_plus(kind: np.ndarray, played: np.ndarray, threshold: int) -> np.ndarray:
+    """The label: a listen played at least `threshold` percent; False for any other event."""
+    return (kind == LISTEN) & (played >= threshold)
+
+
+def action_bits(kind: np.ndarray, plus: np.ndarray) -> np.ndarray:
+    """[events, len(ACTIONS)] 0/1: listen_plus, then one column per other event type."""
+    columns = [plus] + [kind == EVENT_TYPES.index(name) for name in ACTIONS[1:]]
+    return np.stack(columns, axis=1).astype(np.uint8)
+
+
+def time_splits(times: np.ndarray, end: int, val_units: float, test_units: float
+                ) -> np.ndarray:
+    """Each time's split (0 train, 1 validation, 2 test): test from end - test_units on,
+    validation the val_units before it."""
+    test_cut = end - test_units
+    return np.where(times >= test_cut, 2, np.where(times >= test_cut - val_units, 1, 0)
+                    ).astype(np.int8)
+
+
+def listen_rows(events: Events, rows: np.ndarray, users: np.ndarray, items: np.ndarray,
+                plus: np.ndarray, histories: Optional[Histories], slots: int
+                ) -> Tuple[np.ndarray, np.ndarray, List[np.ndarray]]:
+    """(label, dense, categorical columns) of the listens `rows` (indices into `events` and its
+    dense `users`, `items`; `histories` made over the same events)."""
+    dense = np.stack([events.organic[rows].astype(np.float32),
+                      np.log1p(events.length[rows].astype(np.float32))], axis=1)
+    past = (histories.before(rows, users[rows], slots) if slots else
+            (np.zeros((len(rows), 0), np.int64),) * 2)
+    return plus[rows], dense, [users[rows], items[rows], *past[0].T, *past[1].T]
+
+
+@dataclass
+class Prepared:
+    """The dataset before it is written: raw ids in id order, what the report says, the rows
+    (`chunks()`: every split's in time order, split after split) and the users' timelines."""
+
+    raw_users: np.ndarray
+    raw_items: np.ndarray
+    rows: Dict[str, int]
+    rates: Dict[str, float]
+    by_type: Dict[str, int]
+    kept: int
+    played_over_100: int
+    cuts: List[float]
+    chunks: Callable[[], Iterator[Chunk]]
+    save_timelines: Callable[[Path], None]
