@@ -16,7 +16,8 @@ import pytest
 from conftest import failure, run_cli
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.yambda.events import EVENT_FILES
-from dlrm_hybrid.data.yambda.preprocess import action_bits, listen_plus
+from dlrm_hybrid.data.yambda.preprocess import partitions_for
+from dlrm_hybrid.data.yambda.rules import action_bits, listen_plus
 
 # uid, item_id, timestamp (days: --time-unit 86400), event_type, played_ratio_pct; the log ends
 # at day 9, so day 9 is test and day 8 validation (--val-days 1 --test-days 1). Not in time order;
@@ -169,12 +170,14 @@ def test_bad_parquet_is_one_line_and_nothing_is_written(tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]  # no output, no partial
 
 
-def test_a_log_above_the_memory_limit_is_refused_before_reading(tmp_path):
+def test_a_memory_limit_sets_the_partitions_and_too_small_a_one_is_refused(tmp_path):
+    assert partitions_for(1000, 512 << 20) == 1  # fits: in memory
+    assert partitions_for(10 ** 6, (256 + 100) << 20) == 2  # 200 MB of events, 100 MiB a share
     (tmp_path / "log").mkdir()
     pq.write_table(multi_event(LOG), tmp_path / "log" / "multi_event.parquet")
-    result = preprocess(tmp_path / "log", tmp_path / "data", *DAYS, "--memory-limit", "100M")
-    assert result.returncode == 2 and "16 events need about 0.3 GiB" in result.stderr \
-        and "above --memory-limit 100M" in result.stderr, result.stderr
+    result = preprocess(tmp_path / "log", tmp_path / "data", *DAYS, "--memory-limit", "300M")
+    assert result.returncode == 2 and "--memory-limit: 300M leaves under 64 MiB" in \
+        result.stderr, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
 
 
@@ -233,6 +236,53 @@ def test_multi_event_and_the_per_event_files_give_the_same_dataset(generated, tm
     assert len(files) > 10
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_partitions_spilled_to_disk_give_the_in_memory_bytes(generated, tmp_path):
+    for out, extra in ((tmp_path / "memory", []), (tmp_path / "spilled", ["--partitions", "3"])):
+        result = preprocess(generated / "log", out, "--history", "4", *extra)
+        assert result.returncode == 0, failure(result)
+    assert "3 partitions by user, spilled" in result.stdout
+    files = sorted(p.relative_to(tmp_path / "memory") for p in (tmp_path / "memory").rglob("*")
+                   if p.suffix in (".bin", ".txt"))
+    assert len(files) > 10
+    for f in files:
+        assert (tmp_path / "memory" / f).read_bytes() == (tmp_path / "spilled" / f).read_bytes(), f
+    with np.load(tmp_path / "memory" / "timelines.npz") as a, \
+            np.load(tmp_path / "spilled" / "timelines.npz") as b:
+        for key in ("items", "actions", "times", "starts"):
+            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory", "spilled"]  # work removed
+
+
+def test_the_merge_of_small_blocks_gives_the_rows_in_time_order(tmp_path):
+    from dlrm_hybrid.cli import _parser
+    from dlrm_hybrid.data.yambda import bounded
+    from dlrm_hybrid.data.yambda.events import read_events
+    from dlrm_hybrid.data.yambda.preprocess import build
+    from dlrm_hybrid.data.yambda.synthetic import write_log
+
+    write_log(str(tmp_path / "log"), 20000, users=50, items=400, days=0.05, seed=1)  # ties
+    args = _parser().parse_args(["preprocess", "yambda", "--input", str(tmp_path / "log"),
+                                 "--output", str(tmp_path / "out"), "--history", "3",
+                                 "--val-days", "0.01", "--test-days", "0.01"])
+    held = list(build(read_events(args.input), args).chunks())
+    _, made = bounded.prepare(args, 5, 1)  # 256-row blocks: the merge's bounds at work
+    try:
+        spilled = list(made.chunks())
+    finally:
+        made.close()
+    order = ["train", "validation", "test"]
+    names = [c[0] for c in spilled]
+    assert len(names) > 10 and names == sorted(names, key=order.index)  # many blocks, in order
+    for k, name in enumerate(("label", "dense", "cats", "times"), start=1):
+        for split in ("train", "validation", "test"):
+            a = np.concatenate([np.stack(c[k], 1) if name == "cats" else c[k]
+                                for c in held if c[0] == split])
+            b = np.concatenate([np.stack(c[k], 1) if name == "cats" else c[k]
+                                for c in spilled if c[0] == split])
+            assert np.array_equal(a.astype(np.float64), b.astype(np.float64)), (name, split)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]  # the work folder removed
 
 
 def test_the_ranker_trains_on_a_generated_log_with_the_sequence_feature(generated):

@@ -140,6 +140,11 @@ def _kinds(batch) -> np.ndarray:
     return pc.fill_null(index, -1).to_numpy(zero_copy_only=False).astype(np.int8)
 
 
+def total_rows(folder: str) -> int:
+    """The rows of the folder's files, each checked (the metadata only; no row read)."""
+    return sum(_open(path, kind)[0].metadata.num_rows for path, kind in input_files(folder))
+
+
 def no_events() -> Events:
     return Events(*[np.zeros(0, dtype) for dtype in STORED.values()])
 

@@ -14,9 +14,10 @@ row per listen; `--generate N` writes a small Yambda-shaped log instead (synthet
   then file order; ranking_history.py), with actions 1 + bits: listen_plus 1, like 2, dislike 4,
   unlike 8, undislike 16 (a plain listen: 1).
 - Features: user_id, item_id, the history; dense is_organic and log1p(track_length_seconds).
-- Held in memory (about 170 bytes an event at the peak, printed), not bounded: a log whose
-  estimate is above --memory-limit (default: the memory available) is refused before any row
-  is read. The dataset appears whole or not at all.
+- Memory: a log whose estimated peak (200 bytes an event, from the files' row counts) fits
+  --memory-limit (default: the memory available) is held whole; a larger one, or any with
+  --partitions N, goes through bounded.py (partitions by user spilled to disk, the same bytes).
+  The peak RSS is printed. The dataset appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -35,16 +36,19 @@ from dlrm_hybrid.data.interactions.ranking_history import (action_rows, engageme
                                                            history_features, history_note)
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter, check_new_output
-from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events, read_events
+from dlrm_hybrid.data.yambda import bounded
+from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events, read_events, total_rows
 from dlrm_hybrid.data.yambda.rules import (ACTIONS, CHUNK, DENSE, LABEL, Prepared, action_bits,
-                                           listen_plus, listen_rows, time_splits)
-from dlrm_hybrid.errors import DataError, UserError
+                                           check_splits, listen_plus, listen_rows, no_listen,
+                                           split_cuts, time_splits)
+from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 
 TIMES = "timestamp.bin"
 Action = namedtuple("Action", "name")
 # the peak RSS: measured 170-175 bytes an event (10M and 50M events, --history 50, AMD EPYC)
 EVENT_BYTES, BASE_BYTES = 200, 256 << 20
+MIN_SHARE = 64 << 20  # the least memory a partition may have
 
 
 def add_arguments(parser) -> None:
@@ -63,9 +67,12 @@ def add_arguments(parser) -> None:
                         help="test: the log's last D days (default 1)")
     parser.add_argument("--time-unit", type=float, default=5.0, metavar="S",
                         help="seconds per timestamp unit (default 5, Yambda's)")
-    parser.add_argument("--memory-limit", metavar="SIZE", help="refuse a log whose estimated "
-                        "peak (the log is held in memory) is above SIZE, e.g. 8G (default: the "
-                        "memory available)")
+    parser.add_argument("--memory-limit", metavar="SIZE", help="a log whose estimated peak is "
+                        "above SIZE (e.g. 8G; default: the memory available) is spilled to disk "
+                        "in partitions by user, each made alone")
+    parser.add_argument("--partitions", type=int, default=0, metavar="N",
+                        help="spill in N partitions whatever the log's size (default: as "
+                             "--memory-limit needs)")
     generator = parser.add_argument_group("--generate: a synthetic Yambda-shaped log")
     generator.add_argument("--generate", type=int, metavar="EVENTS",
                            help="write a planted log of EVENTS events to --output, not a dataset")
@@ -88,15 +95,15 @@ def _check(args) -> None:
         raise UserError(f"--listen-plus: a played_ratio_pct in 0..100; got {args.listen_plus}")
 
 
-def check_memory(rows: int, limit: int, given: str = "") -> None:
-    """Refuse, before reading a row, a log whose estimated peak RSS is above `limit`."""
-    need = BASE_BYTES + rows * EVENT_BYTES
-    if need > limit:
-        raise UserError(f"--input: {rows:,} events need about {need / 2**30:.1f} GiB (preprocess "
-                        f"yambda holds the log in memory, ~{EVENT_BYTES} bytes an event), above "
-                        + (f"--memory-limit {given}" if given else
-                           f"the {limit / 2**30:.1f} GiB available")
-                        + "; use a machine with more memory, or a smaller log (flat/50m)")
+def partitions_for(rows: int, limit: int, given: str = "") -> int:
+    """How many partitions of the log's users fit `limit` one at a time (1: the whole log in
+    memory), from its rows (before any is read); too small a limit refused."""
+    share = limit - BASE_BYTES
+    if share < MIN_SHARE:
+        raise UserError(f"--memory-limit: {given or f'{limit / 2**20:.0f} MiB available'} leaves "
+                        f"under {MIN_SHARE >> 20} MiB beside the program's {BASE_BYTES >> 20} "
+                        f"MiB; give at least {(BASE_BYTES + MIN_SHARE) >> 20}M")
+    return -(-rows * EVENT_BYTES // share)
 
 
 def run(args) -> None:
@@ -118,8 +125,16 @@ def run(args) -> None:
     check_new_output(args.output)
     _check(args)
     limit = parse_size(args.memory_limit) if args.memory_limit else available_memory()
-    events = read_events(args.input, lambda rows: check_memory(rows, limit, args.memory_limit))
-    done = write(events, build(events, args), args)
+    parts = args.partitions or partitions_for(total_rows(args.input), limit, args.memory_limit)
+    if parts > 1:
+        events, made = bounded.prepare(args, parts, limit - BASE_BYTES)
+    else:
+        events = read_events(args.input)
+        made = build(events, args)
+    try:
+        done = write(events, made, args, parts)
+    finally:
+        made.close()
     seconds = time.perf_counter() - start
     print(summary(events, done, args.output, seconds))
 
@@ -127,8 +142,7 @@ def run(args) -> None:
 def build(events: Events, args) -> Prepared:
     """Ids, labels, actions, each event's place in time, the listens' splits and histories."""
     if not (events.kind == LISTEN).any():
-        raise DataError(f"--input: {args.input} holds no listen (events read: "
-                        f"{sum(events.read.values()):,}); give a Yambda log with listens")
+        raise no_listen(args.input, sum(events.read.values()))
     raw_users, users = np.unique(events.uid, return_inverse=True)
     raw_items, items = np.unique(events.item, return_inverse=True)
     order = np.argsort(events.time, kind="stable")  # time, then file order
@@ -160,23 +174,7 @@ def build(events: Events, args) -> Prepared:
                     cuts, chunks, lambda folder: histories.save(folder))
 
 
-def split_cuts(args, end: int) -> list:
-    """[validation's first time, test's first time] for a log whose last time is end - 1."""
-    unit_day = 86400 / args.time_unit
-    return [end - (args.test_days + args.val_days) * unit_day, end - args.test_days * unit_day]
-
-
-def check_splits(args, rows: Dict[str, int], end: int, first: int) -> None:
-    """Refuse, before writing, a split without a listen."""
-    for name, n in rows.items():
-        if not n:
-            raise DataError(f"--input: {args.input}: no listen falls in {name} (the log spans "
-                            f"{(end - first) * args.time_unit / 86400:.2f} days; validation "
-                            f"{args.val_days:g} and test {args.test_days:g} before its end); "
-                            f"give smaller --val-days/--test-days or a longer log")
-
-
-def write(events: Events, made: Prepared, args) -> dict:
+def write(events: Events, made: Prepared, args, partitions: int) -> dict:
     """The split-binary dataset, its notes, the rows' times, the ids' raw values, the report
     (returned)."""
     slots = args.history
@@ -199,7 +197,7 @@ def write(events: Events, made: Prepared, args) -> dict:
             made.save_timelines(Path(writer.tmp))
         for file, raw in (("users.txt", made.raw_users), ("items.txt", made.raw_items)):
             writer.add_file(file, "".join(f"{v}\n" for v in raw.tolist()))
-        done = report(events, made)
+        done = report(events, made, partitions)
         writer.add_file(REPORT, json.dumps(done, indent=1) + "\n")
     return done
 
@@ -223,7 +221,7 @@ def notes(events: Events, made: Prepared, args, names) -> Dict[str, object]:
     }
 
 
-def report(events: Events, made: Prepared) -> dict:
+def report(events: Events, made: Prepared, partitions: int) -> dict:
     """preprocess_report.json: rows read per file, bad rows by kind, each split's rows."""
     return {"files": events.read, "events_read": sum(events.read.values()),
             "events_kept": made.kept, "events_by_type": made.by_type,
@@ -231,7 +229,8 @@ def report(events: Events, made: Prepared) -> dict:
             "listens_played_over_100": made.played_over_100,  # kept, as listen_plus
             "rows": made.rows, "listen_plus_rate": made.rates,
             "users": len(made.raw_users), "items": len(made.raw_items),
-            "memory": "in memory (not bounded)", "peak_rss_bytes": own_peak_rss()}
+            "memory": (f"{partitions} partitions by user, spilled" if partitions > 1 else
+                       "in memory"), "peak_rss_bytes": own_peak_rss()}
 
 
 def summary(events: Events, r: dict, output: str, seconds: float) -> str:
@@ -246,7 +245,7 @@ def summary(events: Events, r: dict, output: str, seconds: float) -> str:
     for name in SPLITS:
         lines.append(f"  {name:<10} {r['rows'][name]:,} rows, listen_plus rate "
                      f"{r['listen_plus_rate'][name]:.4f}")
-    lines.append(f"  memory     in memory (not bounded): peak RSS "
+    lines.append(f"  memory     {r['memory']}: peak RSS "
                  f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB; "
                  f"{r['events_read'] / max(seconds, 1e-9):,.0f} events/s")
     lines.append(f"done: events={r['events_read']} kept={r['events_kept']} skipped={bad} "

@@ -12,6 +12,7 @@ import numpy as np
 
 from dlrm_hybrid.data.interactions.ranking_history import Histories
 from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events
+from dlrm_hybrid.errors import DataError
 
 LABEL = "listen_plus"
 ACTIONS = (LABEL, "like", "dislike", "unlike", "undislike")  # action bit t: ACTIONS[t]
@@ -53,6 +54,27 @@ def listen_rows(events: Events, rows: np.ndarray, users: np.ndarray, items: np.n
     return plus[rows], dense, [users[rows], items[rows], *past[0].T, *past[1].T]
 
 
+def split_cuts(args, end: int) -> list:
+    """[validation's first time, test's first time] for a log whose last time is end - 1."""
+    unit_day = 86400 / args.time_unit
+    return [end - (args.test_days + args.val_days) * unit_day, end - args.test_days * unit_day]
+
+
+def check_splits(args, rows: Dict[str, int], end: int, first: int) -> None:
+    """Refuse, before writing, a split without a listen."""
+    for name, n in rows.items():
+        if not n:
+            raise DataError(f"--input: {args.input}: no listen falls in {name} (the log spans "
+                            f"{(end - first) * args.time_unit / 86400:.2f} days; validation "
+                            f"{args.val_days:g} and test {args.test_days:g} before its end); "
+                            f"give smaller --val-days/--test-days or a longer log")
+
+
+def no_listen(folder: str, read: int) -> DataError:
+    return DataError(f"--input: {folder} holds no listen (events read: {read:,}); give a Yambda "
+                     f"log with listens")
+
+
 @dataclass
 class Prepared:
     """The dataset before it is written: raw ids in id order, what the report says, the rows
@@ -68,3 +90,4 @@ class Prepared:
     cuts: List[float]
     chunks: Callable[[], Iterator[Chunk]]
     save_timelines: Callable[[Path], None]
+    close: Callable[[], None] = lambda: None  # removes the work files, if any

@@ -1,0 +1,222 @@
+"""`preprocess yambda` on a log larger than --memory-limit allows in memory (or with
+--partitions N): the events spilled to disk in partitions by user, each partition's rows made
+alone, the rows merged back into time order. The same bytes as the in-memory path (tested).
+
+- Pass 1 reads the parquet files batch by batch: each event, with its place in file order
+  (`seq`), is appended to its partition's file (raw uid % N); the distinct users and items, the
+  last time and the counts by type are kept (the ids are dense in raw-id order; Yambda-5b has
+  about 1M users and 9.4M items, which fit).
+- Pass 2 loads one partition at a time: a user's events are all in it, so its histories are
+  the in-memory path's; its listens' rows (time, seq, label, dense, ids, history) are sorted by
+  (time, seq) into one run per split, its timelines kept for the users' shared arrays.
+- Pass 3 merges each split's runs by (time, seq), block by block, into the dataset.
+Work files live in a hidden folder beside the output, removed at the end; a stopped run starts
+over (not resumable).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import numpy as np
+
+from dlrm_hybrid.data.feature_spec import SPLITS
+from dlrm_hybrid.data.interactions.ranking_history import TIMELINES, engagement_histories
+from dlrm_hybrid.data.yambda.events import (EVENT_TYPES, LISTEN, STORED, Events, event_batches,
+                                            no_events)
+from dlrm_hybrid.data.yambda.rules import (CHUNK, Chunk, Prepared, action_bits, check_splits,
+                                           listen_plus, listen_rows, no_listen, split_cuts,
+                                           time_splits)
+
+EVENT = np.dtype([*[(name, dtype) for name, dtype in STORED.items()], ("seq", np.uint64)])
+UNIQUE_EVERY = 64  # batches between merges of the distinct ids seen
+
+
+def row_dtype(slots: int) -> np.dtype:
+    """A listen row in a run: its time and file place (the merge's key), label, dense, ids."""
+    return np.dtype([("time", np.uint32), ("seq", np.uint64), ("label", np.uint8),
+                     ("dense", np.float32, (2,)), ("cats", np.uint32, (2 + 2 * slots,))])
+
+
+def prepare(args, partitions: int, budget: int) -> Tuple[Events, Prepared]:
+    """(the files' rows and bad rows, the dataset before it is written) of the log in
+    --input, holding one partition of its events in memory at a time."""
+    work = Path(tempfile.mkdtemp(prefix=f".{Path(args.output).name}.yambda-work-",
+                                 dir=Path(args.output).resolve().parent))
+    try:
+        events, seen = spill(args.input, partitions, work)
+        if not seen["by_type"]["listen"]:
+            raise no_listen(args.input, sum(events.read.values()))
+        made = rows_by_partition(args, partitions, work, seen, budget)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return events, made
+
+
+def spill(folder: str, partitions: int, work: Path) -> Tuple[Events, dict]:
+    """Pass 1: every event to its partition's file; the distinct ids, the times' range, the
+    counts by type."""
+    events, seq = no_events(), 0
+    files = [open(work / f"events_{p}.bin", "wb") for p in range(partitions)]
+    users: List[np.ndarray] = []
+    items: List[np.ndarray] = []
+    seen = {"end": 0, "first": np.iinfo(np.uint32).max, "kept": 0, "over_100": 0,
+            "by_type": {t: 0 for t in EVENT_TYPES}}
+    try:
+        for n, batch in enumerate(event_batches(folder, events)):
+            records = np.empty(len(batch["uid"]), EVENT)
+            for name, values in batch.items():
+                records[name] = values
+            records["seq"] = seq + np.arange(len(records), dtype=np.uint64)
+            seq += len(records)
+            part = records["uid"] % partitions
+            order = np.argsort(part, kind="stable")
+            bounds = np.searchsorted(part[order], np.arange(partitions + 1))
+            for p in range(partitions):
+                files[p].write(records[order[bounds[p]:bounds[p + 1]]].tobytes())
+            users.append(np.unique(batch["uid"]))
+            items.append(np.unique(batch["item"]))
+            if n % UNIQUE_EVERY == UNIQUE_EVERY - 1:
+                users, items = [np.unique(np.concatenate(users))], [np.unique(np.concatenate(items))]
+            _count(seen, batch)
+    finally:
+        for f in files:
+            f.close()
+    seen["raw_users"] = np.unique(np.concatenate(users)) if users else np.zeros(0, np.uint32)
+    seen["raw_items"] = np.unique(np.concatenate(items)) if items else np.zeros(0, np.uint32)
+    return events, seen
+
+
+def _count(seen: dict, batch: Dict[str, np.ndarray]) -> None:
+    if len(batch["time"]):
+        seen["end"] = max(seen["end"], int(batch["time"].max()) + 1)
+        seen["first"] = min(seen["first"], int(batch["time"].min()))
+    seen["kept"] += len(batch["uid"])
+    seen["over_100"] += int(((batch["kind"] == LISTEN) & (batch["played"] > 100)).sum())
+    for k, t in enumerate(EVENT_TYPES):
+        seen["by_type"][t] += int((batch["kind"] == k).sum())
+
+
+def rows_by_partition(args, partitions: int, work: Path, seen: dict, budget: int) -> Prepared:
+    """Pass 2: each partition's listens as sorted runs, one per split, and its timelines;
+    the splits checked; the merge (pass 3) as the rows to write."""
+    raw_users, raw_items, end = seen["raw_users"], seen["raw_items"], seen["end"]
+    cuts = split_cuts(args, end)
+    rows = {name: 0 for name in SPLITS}
+    plus_rows = {name: 0 for name in SPLITS}
+    counts = np.zeros(len(raw_users), np.int64)
+    for p in range(partitions):
+        made = partition_rows(args, work, p, raw_users, raw_items, end, cuts)
+        counts += made["counts"]
+        for name in SPLITS:
+            rows[name] += made["rows"][name]
+            plus_rows[name] += made["plus"][name]
+    check_splits(args, rows, end, seen["first"])
+    dtype = row_dtype(args.history)
+    block = max(256, budget // (2 * max(1, partitions) * dtype.itemsize))
+
+    def chunks() -> Iterator[Chunk]:
+        for name in SPLITS:
+            yield from merged(work, name, partitions, dtype, block, args.history)
+
+    def save_timelines(folder: Path) -> None:
+        _timelines(work, partitions, counts, folder)
+
+    return Prepared(raw_users, raw_items, rows,
+                    {n: plus_rows[n] / rows[n] for n in SPLITS}, seen["by_type"], seen["kept"],
+                    seen["over_100"], cuts, chunks, save_timelines,
+                    lambda: shutil.rmtree(work, ignore_errors=True))
+
+
+def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: np.ndarray,
+                   end: int, cuts: list) -> dict:
+    """One partition's runs (run_<split>_<p>.bin) and timelines; its rows and label sums."""
+    records = np.fromfile(work / f"events_{p}.bin", EVENT)
+    (work / f"events_{p}.bin").unlink()
+    events = Events(*[records[name] for name in STORED])
+    seq = records["seq"]
+    users = np.searchsorted(raw_users, events.uid).astype(np.int64)
+    items = np.searchsorted(raw_items, events.item).astype(np.int64)
+    order = np.lexsort((seq, events.time))  # time, then file order
+    positions = np.empty(len(events), np.int64)
+    positions[order] = np.arange(len(events))
+    plus = listen_plus(events.kind, events.played, args.listen_plus)
+    histories = (engagement_histories(positions, users, items, action_bits(events.kind, plus),
+                                      len(raw_users), events.time) if args.history else None)
+    split = time_splits(events.time, end, cuts[1] - cuts[0], end - cuts[1])
+    listens = order[events.kind[order] == LISTEN]
+    dtype, out = row_dtype(args.history), {"rows": {}, "plus": {}}
+    for s, name in enumerate(SPLITS):
+        mine = listens[split[listens] == s]
+        with open(work / f"run_{name}_{p}.bin", "wb") as run:
+            for lo in range(0, len(mine), CHUNK):
+                r = mine[lo:lo + CHUNK]
+                label, dense, cats = listen_rows(events, r, users, items, plus, histories,
+                                                 args.history)
+                block = np.empty(len(r), dtype)
+                block["time"], block["seq"], block["label"] = events.time[r], seq[r], label
+                block["dense"], block["cats"] = dense, np.stack(cats, axis=1)
+                run.write(block.tobytes())
+        out["rows"][name], out["plus"][name] = len(mine), int(plus[mine].sum())
+    out["counts"] = np.bincount(users, minlength=len(raw_users))
+    if histories is not None:
+        np.savez(work / f"timelines_{p}.npz", items=histories.items, actions=histories.actions,
+                 times=histories.times, counts=out["counts"])
+    return out
+
+
+def merged(work: Path, name: str, partitions: int, dtype: np.dtype, block: int,
+           slots: int) -> Iterator[Chunk]:
+    """Pass 3: a split's runs merged by (time, seq), `block` rows of each run at a time."""
+    runs = [np.memmap(path, dtype, mode="r") for path in
+            (work / f"run_{name}_{p}.bin" for p in range(partitions)) if path.stat().st_size]
+    at = [0] * len(runs)
+    while True:
+        live = [k for k in range(len(runs)) if at[k] < len(runs[k])]
+        if not live:
+            return
+        blocks = {k: runs[k][at[k]:at[k] + block] for k in live}
+        # rows up to the least last key of the blocks that have more behind them are final
+        bounds = [(int(b["time"][-1]), int(b["seq"][-1])) for k, b in blocks.items()
+                  if at[k] + len(b) < len(runs[k])]
+        taken = []
+        for k, b in blocks.items():
+            if bounds:
+                t, s = min(bounds)
+                n = int(((b["time"] < t) | ((b["time"] == t) & (b["seq"] <= s))).sum())
+            else:
+                n = len(b)
+            taken.append(np.array(b[:n]))
+            at[k] += n
+        rows = np.concatenate(taken)
+        rows = rows[np.lexsort((rows["seq"], rows["time"]))]
+        for lo in range(0, len(rows), CHUNK):
+            r = rows[lo:lo + CHUNK]
+            cats = r["cats"].astype(np.int64)
+            yield name, r["label"].astype(bool), r["dense"], list(cats.T), r["time"]
+
+
+def _timelines(work: Path, partitions: int, counts: np.ndarray, folder: Path) -> None:
+    """The users' timelines (ranking_history.py's file) from the partitions' pieces, placed
+    through arrays on disk, not in memory."""
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    total = int(starts[-1])
+    arrays = {key: np.lib.format.open_memmap(work / f"timeline_{key}.npy", "w+", dtype, (total,))
+              for key, dtype in (("items", np.int64), ("actions", np.int64),
+                                 ("times", np.float64))}
+    for p in range(partitions):
+        with np.load(work / f"timelines_{p}.npz") as piece:
+            users = np.flatnonzero(piece["counts"])  # a user's events are in one partition
+            mine = counts[users]
+            owner = np.repeat(users, mine)
+            within = np.arange(len(owner)) - np.repeat(np.cumsum(mine) - mine, mine)
+            where = starts[owner] + within
+            for key in arrays:
+                arrays[key][where] = piece[key]
+    for array in arrays.values():
+        array.flush()
+    np.savez(folder / TIMELINES, **arrays, starts=starts)
