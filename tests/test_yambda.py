@@ -266,12 +266,21 @@ def test_the_merge_of_small_blocks_gives_the_rows_in_time_order(tmp_path):
     args = _parser().parse_args(["preprocess", "yambda", "--input", str(tmp_path / "log"),
                                  "--output", str(tmp_path / "out"), "--history", "3",
                                  "--val-days", "0.01", "--test-days", "0.01"])
-    held = list(build(read_events(args.input), args).chunks())
-    _, made = bounded.prepare(args, 5, 1)  # 256-row blocks: the merge's bounds at work
+    in_memory = build(read_events(args.input), args)
+    held = list(in_memory.chunks())
+    (tmp_path / "held").mkdir()
+    (tmp_path / "spilled").mkdir()
+    in_memory.save_timelines(tmp_path / "held")
+    _, made = bounded.prepare(args, 5, 1)  # 256-row blocks, a user range at a time
     try:
         spilled = list(made.chunks())
+        made.save_timelines(tmp_path / "spilled")
     finally:
         made.close()
+    with np.load(tmp_path / "held" / "timelines.npz") as a, \
+            np.load(tmp_path / "spilled" / "timelines.npz") as b:
+        for key in ("items", "actions", "times", "starts"):
+            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
     order = ["train", "validation", "test"]
     names = [c[0] for c in spilled]
     assert len(names) > 10 and names == sorted(names, key=order.index)  # many blocks, in order
@@ -282,7 +291,7 @@ def test_the_merge_of_small_blocks_gives_the_rows_in_time_order(tmp_path):
             b = np.concatenate([np.stack(c[k], 1) if name == "cats" else c[k]
                                 for c in spilled if c[0] == split])
             assert np.array_equal(a.astype(np.float64), b.astype(np.float64)), (name, split)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]  # the work folder removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held", "log", "spilled"]  # no work
 
 
 def test_the_ranker_trains_on_a_generated_log_with_the_sequence_feature(generated):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import zipfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
@@ -124,7 +126,7 @@ def rows_by_partition(args, partitions: int, work: Path, seen: dict, budget: int
             yield from merged(work, name, partitions, dtype, block, args.history)
 
     def save_timelines(folder: Path) -> None:
-        _timelines(work, partitions, counts, folder)
+        _timelines(work, partitions, counts, folder, max(1, budget // 64))
 
     return Prepared(raw_users, raw_items, rows,
                     {n: plus_rows[n] / rows[n] for n in SPLITS}, seen["by_type"], seen["kept"],
@@ -163,26 +165,41 @@ def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: n
                 run.write(block.tobytes())
         out["rows"][name], out["plus"][name] = len(mine), int(plus[mine].sum())
     out["counts"] = np.bincount(users, minlength=len(raw_users))
-    if histories is not None:
-        np.savez(work / f"timelines_{p}.npz", items=histories.items, actions=histories.actions,
-                 times=histories.times, counts=out["counts"])
+    if histories is not None:  # the partition's timelines, in (user, time) order
+        np.save(work / f"timeline_{p}_counts.npy", out["counts"])
+        for key in ("items", "actions", "times"):
+            getattr(histories, key).tofile(work / f"timeline_{p}_{key}.bin")
     return out
 
 
 def merged(work: Path, name: str, partitions: int, dtype: np.dtype, block: int,
            slots: int) -> Iterator[Chunk]:
     """Pass 3: a split's runs merged by (time, seq), `block` rows of each run at a time."""
-    runs = [np.memmap(path, dtype, mode="r") for path in
-            (work / f"run_{name}_{p}.bin" for p in range(partitions)) if path.stat().st_size]
+    paths = [path for path in (work / f"run_{name}_{p}.bin" for p in range(partitions))
+             if path.stat().st_size]
+    sizes = [path.stat().st_size // dtype.itemsize for path in paths]
+    runs = [open(path, "rb") for path in paths]  # read, not mapped: the pages are let go
     at = [0] * len(runs)
+    try:
+        yield from _merge(runs, sizes, at, dtype, block, name)
+    finally:
+        for run in runs:
+            run.close()
+
+
+def _merge(runs, sizes: List[int], at: List[int], dtype: np.dtype, block: int, name: str
+           ) -> Iterator[Chunk]:
     while True:
-        live = [k for k in range(len(runs)) if at[k] < len(runs[k])]
+        live = [k for k in range(len(runs)) if at[k] < sizes[k]]
         if not live:
             return
-        blocks = {k: runs[k][at[k]:at[k] + block] for k in live}
+        blocks = {}
+        for k in live:
+            runs[k].seek(at[k] * dtype.itemsize)
+            blocks[k] = np.fromfile(runs[k], dtype, min(block, sizes[k] - at[k]))
         # rows up to the least last key of the blocks that have more behind them are final
         bounds = [(int(b["time"][-1]), int(b["seq"][-1])) for k, b in blocks.items()
-                  if at[k] + len(b) < len(runs[k])]
+                  if at[k] + len(b) < sizes[k]]
         taken = []
         for k, b in blocks.items():
             if bounds:
@@ -190,7 +207,7 @@ def merged(work: Path, name: str, partitions: int, dtype: np.dtype, block: int,
                 n = int(((b["time"] < t) | ((b["time"] == t) & (b["seq"] <= s))).sum())
             else:
                 n = len(b)
-            taken.append(np.array(b[:n]))
+            taken.append(b[:n])
             at[k] += n
         rows = np.concatenate(taken)
         rows = rows[np.lexsort((rows["seq"], rows["time"]))]
@@ -200,23 +217,38 @@ def merged(work: Path, name: str, partitions: int, dtype: np.dtype, block: int,
             yield name, r["label"].astype(bool), r["dense"], list(cats.T), r["time"]
 
 
-def _timelines(work: Path, partitions: int, counts: np.ndarray, folder: Path) -> None:
-    """The users' timelines (ranking_history.py's file) from the partitions' pieces, placed
-    through arrays on disk, not in memory."""
+def _timelines(work: Path, partitions: int, counts: np.ndarray, folder: Path,
+               block: int) -> None:
+    """The users' timelines (ranking_history.py's file, the in-memory arrays) from the
+    partitions' pieces, users range by range (about `block` events each), written as they
+    come: each piece is in (user, time) order and a user is in one piece."""
     starts = np.concatenate([[0], np.cumsum(counts)])
-    total = int(starts[-1])
-    arrays = {key: np.lib.format.open_memmap(work / f"timeline_{key}.npy", "w+", dtype, (total,))
-              for key, dtype in (("items", np.int64), ("actions", np.int64),
-                                 ("times", np.float64))}
-    for p in range(partitions):
-        with np.load(work / f"timelines_{p}.npz") as piece:
-            users = np.flatnonzero(piece["counts"])  # a user's events are in one partition
-            mine = counts[users]
-            owner = np.repeat(users, mine)
-            within = np.arange(len(owner)) - np.repeat(np.cumsum(mine) - mine, mine)
-            where = starts[owner] + within
-            for key in arrays:
-                arrays[key][where] = piece[key]
-    for array in arrays.values():
-        array.flush()
-    np.savez(folder / TIMELINES, **arrays, starts=starts)
+    pieces = [np.concatenate([[0], np.cumsum(np.load(work / f"timeline_{p}_counts.npy"))])
+              for p in range(partitions)]
+    cuts = np.unique(np.concatenate([np.searchsorted(starts, np.arange(0, starts[-1], block)),
+                                     [len(counts)]]))
+    with zipfile.ZipFile(folder / TIMELINES, "w", allowZip64=True) as out:
+        for key, dtype in (("items", np.int64), ("actions", np.int64), ("times", np.float64)):
+            with out.open(f"{key}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array_header_2_0(f, {"descr": np.dtype(dtype).str,
+                                                         "fortran_order": False,
+                                                         "shape": (int(starts[-1]),)})
+                with ExitStack() as files:
+                    source = [files.enter_context(open(work / f"timeline_{p}_{key}.bin", "rb"))
+                              for p in range(partitions)]
+                    for lo, hi in zip(cuts[:-1], cuts[1:]):
+                        f.write(_users_range(source, pieces, lo, hi, dtype).tobytes())
+        with out.open("starts.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array(f, starts)
+
+
+def _users_range(source, pieces: List[np.ndarray], lo: int, hi: int, dtype) -> np.ndarray:
+    """Users lo..hi-1's events of one timeline array, in user then time order."""
+    parts, owners = [], []
+    for f, offsets in zip(source, pieces):
+        first, last = int(offsets[lo]), int(offsets[hi])
+        f.seek(first * np.dtype(dtype).itemsize)
+        parts.append(np.fromfile(f, dtype, last - first))
+        owners.append(np.repeat(np.arange(lo, hi), np.diff(offsets[lo:hi + 1])))
+    order = np.argsort(np.concatenate(owners), kind="stable")  # a user's events stay in order
+    return np.concatenate(parts)[order]
