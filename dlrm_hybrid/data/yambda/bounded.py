@@ -119,14 +119,15 @@ def rows_by_partition(args, partitions: int, work: Path, seen: dict, budget: int
             plus_rows[name] += made["plus"][name]
     check_splits(args, rows, end, seen["first"])
     dtype = row_dtype(args.history)
-    block = max(256, budget // (2 * max(1, partitions) * dtype.itemsize))
+    # a merge step holds its blocks about 4 times over (read, joined, sorted, converted)
+    block = max(256, budget // (8 * partitions * dtype.itemsize))
 
     def chunks() -> Iterator[Chunk]:
         for name in SPLITS:
             yield from merged(work, name, partitions, dtype, block, args.history)
 
     def save_timelines(folder: Path) -> None:
-        _timelines(work, partitions, counts, folder, max(1, budget // 64))
+        _timelines(work, partitions, counts, folder, max(1, budget // 128))  # 5 x 8 B an event
 
     return Prepared(raw_users, raw_items, rows,
                     {n: plus_rows[n] / rows[n] for n in SPLITS}, seen["by_type"], seen["kept"],
