@@ -181,6 +181,19 @@ def test_a_memory_limit_sets_the_partitions_and_too_small_a_one_is_refused(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--partitions", "-1"], "--partitions: 0 (as --memory-limit needs) or more"),
+    (["--listen-plus", "101"], "--listen-plus: a played_ratio_pct in 0..100"),
+    (["--history", "-1"], "--history: the slots of each row's history"),
+    (["--generate", "10"], "--generate: writes a new log to --output and reads none")])
+def test_bad_options_are_one_line_and_nothing_is_written(tmp_path, options, message):
+    (tmp_path / "log").mkdir()
+    pq.write_table(multi_event(LOG), tmp_path / "log" / "multi_event.parquet")
+    result = preprocess(tmp_path / "log", tmp_path / "data", *DAYS, *options)
+    assert result.returncode == 2 and f"error: {message}" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
+
+
 def test_an_empty_split_is_refused_before_writing(tmp_path):
     (tmp_path / "log").mkdir()
     pq.write_table(multi_event(LOG), tmp_path / "log" / "multi_event.parquet")

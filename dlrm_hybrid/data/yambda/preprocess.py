@@ -112,6 +112,9 @@ def run(args) -> None:
     if args.generate is not None:
         from dlrm_hybrid.data.yambda.synthetic import write_log
 
+        if args.input:
+            raise UserError("--generate: writes a new log to --output and reads none; leave "
+                            "out --input")
         rows = write_log(args.output, args.generate, args.users, args.items, args.clusters,
                          args.days, args.seed)
         print(f"wrote {args.output}: a synthetic Yambda-shaped log, "
@@ -124,6 +127,9 @@ def run(args) -> None:
                               "preprocess yambda")
     check_new_output(args.output)
     _check(args)
+    if args.partitions < 0:
+        raise UserError(f"--partitions: 0 (as --memory-limit needs) or more; got "
+                        f"{args.partitions}")
     limit = parse_size(args.memory_limit) if args.memory_limit else available_memory()
     parts = args.partitions or partitions_for(total_rows(args.input), limit, args.memory_limit)
     if parts > 1:
