@@ -23,7 +23,7 @@ from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMIT_MIB = 206  # small enough that this file's counts need several ranges (4 processes of ~37 MiB)
+LIMIT_MIB = 224  # small enough that this file's counts need several ranges (4 processes of ~39 MiB)
 
 
 def criteo_text(rows, seed=0, unique=0.5):
