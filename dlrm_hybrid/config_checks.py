@@ -429,6 +429,9 @@ def _validate_schedule(cfg: Config) -> None:
         raise ConfigError(f"train.mlperf_log: MLPerf logs one learning rate, and "
                           f"optim.embedding_lr ({cfg.optim.embedding_lr}) differs from "
                           f"optim.dense_lr ({cfg.optim.dense_lr}); set them equal")
+    if t.mlperf_log and cfg.model.sequence == "hstu":  # DLRMv4: its own rules
+        from dlrm_hybrid.train.mlperf_dlrmv4 import check_rules
+        return check_rules(cfg)
     for key in ("optim.embedding", "optim.dense"):  # the reference's torch.optim.Adagrad
         if t.mlperf_log and _get(cfg, key) != "adagrad":
             raise ConfigError(f"{key}: MLPerf's closed division trains with exact Adagrad, as its "

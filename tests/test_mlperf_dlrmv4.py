@@ -4,6 +4,7 @@ rule file's own code), the optimizer settings the rules fix, and `plan` for its 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import mlperf_logging
@@ -11,8 +12,9 @@ import pytest
 import yaml
 from hypothesis import given, settings, strategies as st
 
-from dlrm_hybrid.train.mlperf_dlrmv4 import (TRAIN_SAMPLES, EvalGrid, eval_interval_samples,
-                                             first_eval_samples)
+from dlrm_hybrid.train.mlperf_dlrmv4 import (TRAIN_SAMPLES, EvalGrid, convergence_threshold,
+                                             eval_interval_samples, first_eval_samples,
+                                             scaled_threshold)
 
 RULES = (Path(mlperf_logging.__file__).parent / "compliance_checker" / "training_6.1.0"
          / "closed_dlrmv4.yaml")
@@ -61,6 +63,7 @@ def test_the_grid_is_the_rule_files_on_any_batch(batch, train_samples):
     assert first_eval_samples(batch, train_samples) == s["first_eval_samples"]
     grid = EvalGrid.of(batch, train_samples)
     assert grid.samples_count(grid.first) == s["first_eval_samples"]
+    assert scaled_threshold(batch, TRAIN_SAMPLES) == convergence_threshold(batch)  # the rules' log
     assert grid.samples_count(grid.every) == s["eval_interval_samples"]
 
 
@@ -212,3 +215,124 @@ def test_a_sequence_ranker_plans_without_a_dataset_only_from_three_cardinalities
         "not; set data.path to a ranking dataset made by `preprocess interactions --labels ... "
         "--history L`, or, to plan without one, data.cardinalities to [users, items, action "
         "rows] (not [10, 20])"]
+
+
+# --- the MLPerf log of a DLRMv4 run, and the compliance checker ---------------------------------
+
+# The DLRMv4 config scaled down (small widths, 8 history slots), its optimizer as the rules fix it
+# (learning rate 1e-6 x 256 / 8192), on a generated Yambda log: 17,200 training rows, 708 val.
+TINY = ["data.global_batch_size=256", "optim.dense_lr=3.125e-8", "optim.embedding_lr=3.125e-8",
+        "model.embedding_dim=16", "model.hstu.max_length=8", "model.hstu.layers=1",
+        "model.hstu.heads=2", "model.hstu.attention_dim=8", "model.hstu.linear_dim=8",
+        "model.bottom_mlp=[16, 16]", "model.top_mlp=[16, 1]", "train.max_steps=4",
+        "train.eval_every=0", "train.progress_bar=false", "checkpoint.resume=none",
+        "parallel.reserve_per_rank=1MiB"]
+# The rule copy's only edits: the dataset's sizes, and the first-evaluation threshold as the same
+# share of the tiny log (train/mlperf_dlrmv4.scaled_threshold); every other line is the rules'.
+THRESHOLD = "math.floor((4480 * v['value'] + 135331840) / 3)"
+
+
+def _rule_copy(folder: Path, train_samples: int, eval_samples: int) -> Path:
+    text = RULES.read_text()
+    edits = {"'train_samples': 2290835423,": f"'train_samples': {train_samples},",
+             "v['value'] == 2058204": f"v['value'] == {eval_samples}",
+             THRESHOLD: f"(4480 * v['value'] + 135331840) * {train_samples} // (3 * 2290835423)"}
+    for old, new in edits.items():
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (folder / "closed_dlrmv4.yaml").write_text(text)
+    return folder / "closed_dlrmv4.yaml"
+
+
+def _complaints(log: Path, folder: Path, *config: str) -> tuple:
+    """The 6.1.0 checker's complaints, each as (key, failed test or requirement), or (None, its
+    text) where it names no key; the rule files it ran; its output."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+         "--ruleset", "6.1.0", *config, "--log_output", str(folder / "checker.log"), str(log)],
+        capture_output=True, text=True, cwd=folder, timeout=60)
+    out = result.stdout + result.stderr
+    ran = re.findall(r"Compliance checks: (\S+)", out)
+    if result.returncode == 0:
+        return set(), ran, out
+    messages = out.split("WARNING - ", 1)[-1].split("ERROR - FAILED")[0].split("-" * 30)
+    patterns = [r"CHECK for '(\w+)' failed in line \d+:.*?failed test:([^\n]*)",
+                r"Failed checks for (\w+) :([^\n]*)", r"Required (\w+) occurrence of '(\w+)'"]
+    pairs = set()
+    for message in map(str.strip, messages):
+        found = [m.groups() for m in (re.search(p, message, re.S) for p in patterns) if m]
+        key, test = found[0] if found else (None, message)
+        pairs.add((test, key) if key and key.isupper() else (key, test.strip()))  # Required: REQ, key
+    return pairs, ran, out
+
+
+def test_a_tiny_dlrmv4_run_passes_the_6_1_0_checker_but_for_what_its_size_cannot(tmp_path):
+    """What a CPU run on a small log can show: every key of the 6.1.0 common rules, and of
+    closed_dlrmv4.yaml with only the data's size constants scaled, holds; the rules' 4096-long
+    sequences and AUC 0.75 (at the rules' learning rate within a 24,000-step warm-up) cannot."""
+    import json
+
+    from conftest import failure, run_cli
+
+    for args in (["--generate", "20000", "--output", "synth"],
+                 ["--input", "synth", "--output", "rank", "--history", "8"]):
+        result = run_cli(["preprocess", "yambda", *args], cwd=tmp_path)
+        assert result.returncode == 0, failure(result)
+    log = tmp_path / "mlperf.log"
+    result = run_cli(["train", "--config", str(CONFIG), *[a for s in [
+        *TINY, "data.path=rank", "train.run_dir=run", f"train.mlperf_log={log}"]
+        for a in ("--set", s)]], cwd=tmp_path)
+    assert result.returncode == 0, failure(result)
+    events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in log.read_text().splitlines()]
+    value = {e["key"]: e["value"] for e in events}
+    assert (value["submission_benchmark"], value["train_samples"], value["eval_samples"]) == (
+        "dlrmv4", 17200, 708)
+    grid = EvalGrid.for_run(256, 17200)
+    assert (grid.every, grid.first) == (1, 2)  # 0.1% of 17,200 < one batch; 341 samples -> 512
+    evals = [e["metadata"]["samples_count"] for e in events if e["key"] == "eval_accuracy"]
+    assert evals == [512, 768, 1024]  # steps 2, 3, 4: from grid.first on, none before
+
+    copy = _rule_copy(tmp_path, 17200, 708)
+    pairs, ran, out = _complaints(log, tmp_path, "--config", str(copy))
+    assert pairs == {("max_sequence_length", "v['value'] == 4096"),
+                     ("eval_accuracy", "v['value'] >= s['target_accuracy']")}, out
+    pairs, ran, out = _complaints(log, tmp_path)  # the rules as shipped, common ones included
+    assert ran == ["training_6.1.0/common.yaml", "training_6.1.0/closed_common.yaml",
+                   "training_6.1.0/closed_dlrmv4.yaml"]
+    dlrmv4_keys = {r["KEY"]["NAME"] for r in yaml.safe_load(RULES.read_text()) if "KEY" in r}
+    assert pairs and {key for key, _ in pairs} <= dlrmv4_keys, out  # none of the common rules'
+
+
+@pytest.mark.parametrize("override,key", [
+    ("optim.dense=sgd", "optim.dense"), ("optim.dense_betas=[0.9, 0.999]", "optim.dense_betas"),
+    ("optim.dense_clip_norm=0", "optim.dense_clip_norm"), ("optim.eps=1e-6", "optim.eps"),
+    ("optim.embedding=adagrad", "optim.embedding"), ("optim.warmup_steps=0", "optim.warmup_steps"),
+    ("optim.dense_lr=2e-6", "optim.dense_lr")])
+def test_a_dlrmv4_mlperf_run_refuses_what_the_closed_rules_forbid_in_one_line(override, key):
+    from dlrm_hybrid.config import ConfigError
+    from dlrm_hybrid.config_loading import load_config
+
+    sets = ["train.mlperf_log=x.log", override]
+    if key == "optim.dense_lr":
+        sets.append("optim.embedding_lr=2e-6")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(CONFIG), sets)
+    assert str(e.value).startswith(f"{key}: ") and "\n" not in str(e.value)
+    load_config(str(CONFIG), ["train.mlperf_log=x.log"])  # the config itself is admitted
+
+
+def test_the_dlrmv4_schedule_is_the_grid_and_the_dcnv2_one_unchanged():
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.train.run_schedule import run_schedule
+
+    cfg = load_config(str(CONFIG), ["train.mlperf_log=x.log"])
+    run = run_schedule(cfg, TRAIN_SAMPLES)
+    assert [s for s in range(1, 7841) if run.evaluates_at(s)] == [7000, 7280, 7560, 7840]
+    assert run.mlperf_metadata(7000)["samples_count"] == 57_344_000
+    assert run.mlperf_metadata(7001) is None  # off the grid: not an MLPerf evaluation
+    plain = run_schedule(load_config(str(CONFIG)), TRAIN_SAMPLES)  # no MLPerf log: eval_every
+    assert plain.grid is None and plain.evaluates_at(280)
+    assert plain.mlperf_metadata(280) == {"epoch_num": 280 * 8192 / TRAIN_SAMPLES}

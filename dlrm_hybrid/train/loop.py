@@ -87,7 +87,8 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         return TrainResult(first, [], {}, 0.0)
     log.begin(cfg, plan, applied_sharding(dmp), resumed=first)
     guard = DivergenceGuard(checkpoint_root(cfg), env.device, first)
-    mlperf.run_start(cfg, env, dataset.num_samples("train"), dataset.num_samples("val"))
+    mlperf.run_start(cfg, env, dataset.num_samples("train"), dataset.num_samples("val"),
+                     train_step.precision.name)
     target = TargetWatch(cfg.train.target_auc)
 
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,
@@ -157,7 +158,8 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         raise stopped_at(step, stopped, path, cfg, log)
     if not target.hit:
         metrics = evaluate_and_log(dmp, dataset, kind, env, log, step, mlperf, run)
-        mlperf.run_stop(target.reached(metrics, env), run.epoch_num(step))
+        logged = run.mlperf_metadata(step) is not None  # DLRMv4: only its grid's evaluations
+        mlperf.run_stop(target.reached(metrics, env) and logged, run.epoch_num(step))
     if target.wanted:
         log.record({"step": step, "target_auc": target.target_auc, "target_reached": target.hit,
                     "time_to_target_s": target.seconds if target.hit else None})
@@ -232,13 +234,13 @@ def build_sharded_model(cfg: Config, spec, env: DistEnv, say: Callable[[str], No
 
 def evaluate_and_log(dmp, dataset, kind: ModelKind, env: DistEnv, log: MetricsLog, step: int,
                      mlperf: MLPerfLog, run: RunSchedule) -> Dict[str, float]:
-    mlperf.eval_start(run.epoch_num(step))
+    mlperf.eval_start(run.mlperf_metadata(step))
     start = time.perf_counter()
     metrics = kind.evaluate(dmp, dataset, env)
     if metrics is None:
         return {}
     if "val_auc" in metrics:
-        mlperf.eval_stop(metrics["val_auc"], run.epoch_num(step))
+        mlperf.eval_stop(metrics["val_auc"], run.mlperf_metadata(step))
     log.record({"step": step, **metrics, "eval_s": time.perf_counter() - start})
     log.say(f"eval step {step}: {metrics_text(metrics)}")
     return metrics

@@ -4,18 +4,24 @@ up to whole global batches, and the first one on the first grid point at or afte
 reference's earliest convergence for the batch size. Computed here exactly as the rule file
 computes it, so a run's `eval_accuracy` samples_count values are the ones the checker accepts.
 
-The rule fixes the real log's size (`TRAIN_SAMPLES`); a run on a smaller log passes its own."""
+The rule fixes the real log's size (`TRAIN_SAMPLES`); a run on a smaller log passes its own, and
+its first evaluation's threshold is the reference's scaled by its size (`scaled_threshold`).
+`check_rules` refuses, in one line, a DLRMv4 MLPerf run with settings the closed rules forbid."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
+
+from dlrm_hybrid.config import Config, ConfigError
 
 TRAIN_SAMPLES = 2_290_835_423  # Yambda-5b's training samples, as the closed rules fix them
 EVAL_SAMPLES = 2_058_204
 MAX_SEQUENCE_LENGTH = 4096
 EVAL_EVERY_DATA_PCT = 0.001  # the rule's fraction of train_samples between evaluations
 TARGET_AUC = 0.75
+BETAS, EPSILON, CLIP_NORM, WARMUP_STEPS = [0.95, 0.999], 1e-8, 1.0, 24000  # the closed rules'
 
 
 def eval_interval_samples(global_batch: int, train_samples: int = TRAIN_SAMPLES) -> int:
@@ -30,10 +36,20 @@ def convergence_threshold(global_batch: int) -> int:
     return math.floor((4480 * global_batch + 135331840) / 3)
 
 
-def first_eval_samples(global_batch: int, train_samples: int = TRAIN_SAMPLES) -> int:
-    """The first grid point at or after `convergence_threshold`: where the first evaluation is."""
+def scaled_threshold(global_batch: int, train_samples: int) -> int:
+    """`convergence_threshold` as the same share of a log of `train_samples` (equal to it at the
+    rules' TRAIN_SAMPLES): a small log's run reaches its first evaluation within its data."""
+    return (4480 * global_batch + 135331840) * train_samples // (3 * TRAIN_SAMPLES)
+
+
+def first_eval_samples(global_batch: int, train_samples: int = TRAIN_SAMPLES,
+                       threshold: Optional[int] = None) -> int:
+    """The first grid point at or after `threshold` (default `convergence_threshold`): where the
+    first evaluation is."""
     interval = eval_interval_samples(global_batch, train_samples)
-    return int(math.ceil(convergence_threshold(global_batch) / interval)) * interval
+    if threshold is None:
+        threshold = convergence_threshold(global_batch)
+    return int(math.ceil(threshold / interval)) * interval
 
 
 @dataclass(frozen=True)
@@ -45,10 +61,18 @@ class EvalGrid:
     first: int  # the first evaluation's step
 
     @staticmethod
-    def of(global_batch: int, train_samples: int = TRAIN_SAMPLES) -> "EvalGrid":
+    def of(global_batch: int, train_samples: int = TRAIN_SAMPLES,
+           threshold: Optional[int] = None) -> "EvalGrid":
         interval = eval_interval_samples(global_batch, train_samples)
-        return EvalGrid(global_batch, interval // global_batch,
-                        first_eval_samples(global_batch, train_samples) // global_batch)
+        first = first_eval_samples(global_batch, train_samples, threshold)
+        return EvalGrid(global_batch, interval // global_batch, first // global_batch)
+
+    @staticmethod
+    def for_run(global_batch: int, train_samples: int) -> "EvalGrid":
+        """A run's grid on its training split: the rules' on the real log, and on a smaller one
+        its own interval with the threshold scaled to it."""
+        return EvalGrid.of(global_batch, train_samples,
+                           scaled_threshold(global_batch, train_samples))
 
     @property
     def first_block(self) -> int:
@@ -62,3 +86,27 @@ class EvalGrid:
     def samples_count(self, step: int) -> int:
         """eval_accuracy's samples_count metadata after `step` steps: samples trained."""
         return step * self.batch
+
+
+def is_dlrmv4(cfg: Config) -> bool:
+    """An MLPerf run (train.mlperf_log) of DLRMv4's shape: a ranker with the HSTU sequence
+    feature; any other ranker's MLPerf log is DLRM-DCNv2's."""
+    return bool(cfg.train.mlperf_log) and cfg.model.sequence == "hstu"
+
+
+def check_rules(cfg: Config) -> None:
+    """Refuse, in one line naming the key, what closed_dlrmv4.yaml forbids: the optimizers, Adam's
+    betas and epsilon, the clip norm, the warm-up, the learning rate outside its band."""
+    o, batch = cfg.optim, cfg.data.global_batch_size
+    fixed = {"optim.dense": (o.dense, "adam"), "optim.dense_betas": (o.dense_betas, BETAS),
+             "optim.eps": (o.eps, EPSILON), "optim.dense_clip_norm": (o.dense_clip_norm, CLIP_NORM),
+             "optim.embedding": (o.embedding, "rowwise_adagrad"),
+             "optim.warmup_steps": (o.warmup_steps, WARMUP_STEPS)}
+    for key, (value, rule) in fixed.items():
+        if value != rule:
+            raise ConfigError(f"{key}: DLRMv4's closed rules fix it at {rule}, not {value}; set "
+                              f"{key}={rule} (or leave train.mlperf_log empty)")
+    low, high = 0.5e-6 * batch / 8192, 1.5e-6 * batch / 8192
+    if not low * (1 - 1e-9) <= o.dense_lr <= high * (1 + 1e-9):
+        raise ConfigError(f"optim.dense_lr: {o.dense_lr} is outside DLRMv4's band for global batch "
+                          f"{batch:,}, [{low:.4g}, {high:.4g}] (0.5 to 1.5 x 1e-6 x batch / 8192)")

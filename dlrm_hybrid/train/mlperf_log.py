@@ -1,6 +1,7 @@
-"""MLPerf Training's log of a DLRM-DCNv2 run (`train.mlperf_log`), written with the official
-`mlperf-logging` package (mllog) by rank 0: the keys the closed-division dlrm_dcnv2 ruleset
-requires, with the values this run uses, so `python -m mlperf_logging.compliance_checker` can
+"""MLPerf Training's log of a DLRM-DCNv2 or DLRMv4 run (`train.mlperf_log`; DLRMv4 where the
+ranker has `model.sequence: hstu`), written with the official `mlperf-logging` package (mllog) by
+rank 0: the keys the closed-division ruleset of the benchmark (dlrm_dcnv2 in 6.0.0, dlrmv4 and the
+common rules in 6.1.0) requires, with the values this run uses, so `python -m mlperf_logging.compliance_checker` can
 check it. Other ranks, and runs without the setting, log nothing."""
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from mlperf_logging.mllog import constants as c
 from mlperf_logging.mllog.mllog import MLLogger
 
 from dlrm_hybrid.config import Config, ConfigError
+from dlrm_hybrid.train.mlperf_dlrmv4 import EVAL_EVERY_DATA_PCT, is_dlrmv4
 
-BENCHMARK = "dlrm_dcnv2"
+BENCHMARK, DLRMV4 = "dlrm_dcnv2", "dlrmv4"
 ORG = "dlrm_hybrid"
 CACHE_CLEARED_ENV = "MLPERF_CACHE_CLEARED"  # the launcher sets it to 1 after dropping caches
 
@@ -62,24 +64,31 @@ class MLPerfLog:
             self._mllog.event(key=c.CACHE_CLEAR, value=os.environ.get(CACHE_CLEARED_ENV) == "1")
             self._mllog.start(key=c.INIT_START)
 
-    def run_start(self, cfg: Config, env, train_samples: int, eval_samples: int) -> None:
-        """The submission's and the run's settings, then init_stop and run_start."""
+    def run_start(self, cfg: Config, env, train_samples: int, eval_samples: int,
+                  precision: str = "fp32") -> None:
+        """The submission's and the run's settings, then init_stop and run_start (`precision`:
+        the training step's, e.g. bf16)."""
         log, o = self._mllog, cfg.optim
         if log is None:
             return
         events = {
-            c.SUBMISSION_BENCHMARK: BENCHMARK, c.SUBMISSION_ORG: ORG,
+            c.SUBMISSION_BENCHMARK: DLRMV4 if is_dlrmv4(cfg) else BENCHMARK, c.SUBMISSION_ORG: ORG,
             c.SUBMISSION_DIVISION: division(cfg), c.SUBMISSION_STATUS: c.ONPREM,
             c.SUBMISSION_PLATFORM: platform(env),
             c.GLOBAL_BATCH_SIZE: cfg.data.global_batch_size,
             c.GRADIENT_ACCUMULATION_STEPS: 1, c.SEED: cfg.train.seed,
             c.TRAIN_SAMPLES: train_samples, c.EVAL_SAMPLES: eval_samples,
-            c.OPT_NAME: optimizer_name(cfg), c.OPT_BASE_LR: o.dense_lr,
-            c.OPT_ADAGRAD_LR_DECAY: 0, c.OPT_WEIGHT_DECAY: 0,  # neither exists here
-            c.OPT_ADAGRAD_INITIAL_ACCUMULATOR_VALUE: 0,  # torch's and fbgemm's Adagrad start at 0
-            c.OPT_ADAGRAD_EPSILON: o.eps, c.OPT_LR_WARMUP_STEPS: o.warmup_steps,
-            c.OPT_LR_DECAY_START_STEP: o.decay_start_step, c.OPT_LR_DECAY_STEPS: o.decay_steps,
         }
+        if is_dlrmv4(cfg):
+            events.update(dlrmv4_events(cfg, env, precision))
+        else:
+            events.update({
+                c.OPT_NAME: optimizer_name(cfg), c.OPT_BASE_LR: o.dense_lr,
+                c.OPT_ADAGRAD_LR_DECAY: 0, c.OPT_WEIGHT_DECAY: 0,  # neither exists here
+                c.OPT_ADAGRAD_INITIAL_ACCUMULATOR_VALUE: 0,  # torch's, fbgemm's Adagrad start at 0
+                c.OPT_ADAGRAD_EPSILON: o.eps, c.OPT_LR_WARMUP_STEPS: o.warmup_steps,
+                c.OPT_LR_DECAY_START_STEP: o.decay_start_step, c.OPT_LR_DECAY_STEPS: o.decay_steps,
+            })
         for key, value in events.items():
             log.event(key=key, value=value)
         log.end(key=c.INIT_STOP)
@@ -87,15 +96,18 @@ class MLPerfLog:
         log.start(key=c.EPOCH_START, metadata={c.EPOCH_NUM: 0})
         self._running = True
 
-    def eval_start(self, epoch_num: float) -> None:
-        if self._mllog is not None:
-            self._mllog.start(key=c.EVAL_START, metadata={c.EPOCH_NUM: epoch_num})
+    def eval_start(self, metadata: Optional[dict]) -> None:
+        """`metadata`: the schedule's (epoch_num, and DLRMv4's samples_count); None: unlogged."""
+        if self._mllog is not None and metadata is not None:
+            self._mllog.start(key=c.EVAL_START, metadata=metadata)
 
-    def eval_stop(self, auc: float, epoch_num: float) -> None:
-        self._epoch_num = epoch_num
+    def eval_stop(self, auc: float, metadata: Optional[dict]) -> None:
+        if metadata is None:
+            return
+        self._epoch_num = metadata[c.EPOCH_NUM]
         if self._mllog is not None:
-            self._mllog.event(key=c.EVAL_ACCURACY, value=auc, metadata={c.EPOCH_NUM: epoch_num})
-            self._mllog.end(key=c.EVAL_STOP, metadata={c.EPOCH_NUM: epoch_num})
+            self._mllog.event(key=c.EVAL_ACCURACY, value=auc, metadata=metadata)
+            self._mllog.end(key=c.EVAL_STOP, metadata=metadata)
 
     def run_stop(self, success: bool, epoch_num: float) -> None:
         """success: stopped at the evaluation that reached the target (run_stop, then the
@@ -123,6 +135,30 @@ class MLPerfLog:
             self._handler.close()
             self._mllog = None
         self._running = False
+
+
+def dlrmv4_events(cfg: Config, env, precision: str) -> dict:
+    """DLRMv4's keys (closed_dlrmv4.yaml and 6.1.0's common rules), the settings check_rules
+    admits: dense Adam without weight decay, row-wise Adagrad on the tables, the warm-up from 0."""
+    o, h = cfg.optim, cfg.model.hstu
+    linear = {"auto": "fp32", "bf16": "bfloat16"}.get(precision, precision)  # mllog's names
+    return {
+        "max_sequence_length": h.max_length + 1,  # the history and the candidate
+        c.OPT_NAME: "Adam", c.OPT_BASE_LR: o.dense_lr, "opt_adam_beta_1": o.dense_betas[0],
+        "opt_adam_beta_2": o.dense_betas[1], "opt_adam_epsilon": o.eps,
+        c.OPT_WEIGHT_DECAY: 0.0, "opt_gradient_clip_norm": o.dense_clip_norm,
+        "opt_sparse_name": "RowWiseAdagrad", "opt_sparse_base_learning_rate": o.embedding_lr,
+        c.OPT_LR_WARMUP_STEPS: o.warmup_steps, "opt_learning_rate_warmup_start_lr": 0.0,
+        "eval_every_data_pct": EVAL_EVERY_DATA_PCT,
+        "lowest_numerical_precision_in_linear": linear,
+        "lowest_numerical_precision_in_attn": linear,  # HSTU's attention runs in the step's type
+        "lowest_numerical_precision_in_comm": {"bf16": "bfloat16"}.get(
+            cfg.parallel.comm_precision, cfg.parallel.comm_precision),
+        # tables shard, dense parts replicate (DDP): no tensor, pipeline, context or expert split
+        "tensor_parallelism": 1, "pipeline_parallelism": 1, "context_parallelism": 1,
+        "expert_parallelism": 1, "micro_batch_size": cfg.data.global_batch_size // env.world_size,
+        "config_filename": str(Path(cfg.train.run_dir) / "config.yaml"),  # the run's own, saved
+    }
 
 
 def division(cfg: Config) -> str:
