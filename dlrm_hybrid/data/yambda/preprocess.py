@@ -223,6 +223,7 @@ def notes(events: Events, made: Prepared, args, names) -> Dict[str, object]:
                        f"({args.val_days:g} days), the rest train; timestamps in "
                        f"{args.time_unit:g}-second units; every split in time order"),
         "row_times": {name: f"{name}/{TIMES}" for name in SPLITS},
+        "time_unit_s": args.time_unit,  # seconds per row-time unit, for data.stream_window_s
         "request_feature": "user_id",
     }
 
