@@ -198,6 +198,11 @@ class DataConfig:
     path: str = ""  # a split-binary dataset folder; empty: the planted synthetic data below
     loader: str = "torch"  # torch | dali
     shuffle: bool = False  # seeded shuffle of the training batch order, the same on every rank
+    # > 0: streaming in time order (data/stream_windows.py): the training split (rows in time
+    # order, with row times: `preprocess yambda`) trained once, in windows of this many seconds
+    # of the rows' times, each window evaluated after it (train.max_steps 0: the whole pass)
+    stream_window_s: float = 0.0
+    stream_eval: str = "next"  # next: on the next window's rows | heldout: the validation split | none
     prefetch: int = 4  # batches the loader reads ahead
     global_batch_size: int = 1024
     seed: int = 1234  # fixes the synthetic dataset (teacher and samples), independent of train.seed
@@ -362,6 +367,7 @@ CHOICES = {
     "model.ranking_loss.kind": ("none", "pairwise", "listwise"),
     "parallel.dense": ("ddp", "fsdp", "hsdp"),
     "data.loader": ("torch", "dali"),
+    "data.stream_eval": ("next", "heldout", "none"),
     "data.hotness_distribution": ("fixed", "uniform"),
     "data.id_order": ("frequency", "scattered"),
     "parallel.backend": ("auto", "nccl", "gloo"),

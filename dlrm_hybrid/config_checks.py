@@ -52,7 +52,7 @@ def validate(cfg: Config, world_size: int) -> None:
 
     device_constants("h100" if cfg.parallel.device == "auto" else cfg.parallel.device,
                      cfg.parallel.cost_model)
-    for key in ("train.eval_every", "checkpoint.every"):
+    for key in ("train.eval_every", "checkpoint.every", "data.stream_window_s"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
     memory = parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)
@@ -412,17 +412,19 @@ def _validate_optim(o) -> None:
 
 def _validate_schedule(cfg: Config) -> None:
     t = cfg.train
-    if t.max_steps < 0 or (t.max_steps == 0 and not t.evals_per_epoch):
+    if t.max_steps < 0 or (t.max_steps == 0 and not (t.evals_per_epoch or
+                                                     cfg.data.stream_window_s)):
         raise ConfigError(f"train.max_steps: must be positive, got {t.max_steps} (0 means one "
-                          f"epoch only with train.evals_per_epoch)")
+                          f"epoch only with train.evals_per_epoch or data.stream_window_s)")
     if t.evals_per_epoch < 0:
         raise ConfigError(f"train.evals_per_epoch: must be >= 0, got {t.evals_per_epoch}")
     if t.evals_per_epoch and t.eval_every:
         raise ConfigError("train.eval_every: train.evals_per_epoch sets when to evaluate; leave "
                           "eval_every at 0")
-    if t.evals_per_epoch and cfg.data.shuffle:
-        raise ConfigError("data.shuffle: train.evals_per_epoch trains one epoch in the dataset's "
-                          "order, as MLPerf's reference does; set data.shuffle=false")
+    if (t.evals_per_epoch or cfg.data.stream_window_s) and cfg.data.shuffle:
+        why = ("train.evals_per_epoch trains one epoch in the dataset's order, as MLPerf's "
+               "reference does" if t.evals_per_epoch else "data.stream_window_s: time order")
+        raise ConfigError(f"data.shuffle: {why}; set data.shuffle=false")
     if not 0 <= t.target_auc < 1:
         raise ConfigError(f"train.target_auc: must be in [0, 1), got {t.target_auc}")
     if t.mlperf_log and cfg.optim.embedding_lr != cfg.optim.dense_lr:

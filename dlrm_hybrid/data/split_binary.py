@@ -21,6 +21,9 @@ from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.errors import DataError
 
 SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}  # ours -> folder names
+# files up to this size are read into memory, not mapped: each mapping holds a descriptor, and a
+# history of 4,095 slots has 8,190 files per split (24,570 in all; 20,000 descriptors here)
+READ_WHOLE = 1 << 20
 
 
 class SplitBinaryDataset(ClickDataset):
@@ -42,6 +45,13 @@ class SplitBinaryDataset(ClickDataset):
 
     def num_samples(self, split: str) -> int:
         return self.sizes[split]
+
+    def add_rows(self, name: str, split: str, first: int, end: int) -> None:
+        """Rows [first, end) of `split` read as a split of their own, `name` (views, no copy):
+        a streamed run's next window (data/stream_windows.py)."""
+        self._maps[name] = {key: [m[first:end] for m in maps] if isinstance(maps, list)
+                            else maps[first:end] for key, maps in self._maps[split].items()}
+        self.sizes[name] = end - first
 
     def _open(self, folder: str) -> int:
         files, spec = self.fspec.splits[folder], self.spec
@@ -106,6 +116,8 @@ def _memmap(path: Path, dtype, width: int, expected: Optional[int] = None) -> np
                           f"does not match feature_spec.yaml")
     if size == 0:
         return np.zeros((0, width), dtype=dtype)
+    if size <= READ_WHOLE:  # read, not mapped: a mapping holds a file descriptor
+        return np.fromfile(path, dtype=dtype).reshape(-1, width)
     # a plain ndarray over the mapping: np.memmap's own indexing costs ~10 us a call, per file
     # per batch (it kept the loader under 1.3M samples/s at batch 1024)
     return np.asarray(np.memmap(path, dtype=dtype, mode="r")).reshape(-1, width)

@@ -9,7 +9,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from dlrm_hybrid.config import Config, ConfigError
 from dlrm_hybrid.data.criteo.day23 import require_reference_rule
 from dlrm_hybrid.data.source import (make_loader, open_dataset, require_one_batch,
                                      require_samples)
+from dlrm_hybrid.data.stream_windows import StreamWindows, stream_windows
 from dlrm_hybrid.parallel.dense_memory import dense_layout, require_dense_fits
 from dlrm_hybrid.parallel.exchange_bytes import choose_exchange
 from dlrm_hybrid.parallel.job_plan import job_plan
@@ -69,6 +70,8 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     require_samples(dataset, ("train", "val"), "training")
     require_one_batch(dataset, cfg.data.global_batch_size, env.world_size)
     run = run_schedule(cfg, dataset.num_samples("train"))
+    B = cfg.data.global_batch_size
+    stream = stream_windows(dataset, cfg.data.stream_window_s, B) if cfg.data.stream_window_s else None
     kind = model_kind(cfg)
     dmp, plan = build_sharded_model(cfg, dataset.spec, env, log.say)
     optimizer, schedule = build_optimizer(dmp, cfg.optim)
@@ -77,8 +80,10 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         # The loss scaler would unscale their gradient twice: the tables' backward gets it unscaled.
         raise ConfigError(f"train.precision: fp16 does not train replicated tables (the plan "
                           f"replicates {', '.join(sorted(plan.replicated))}); use bf16 or fp32")
-    first, run_id = resume(cfg, train_step, log)
-    B, steps = cfg.data.global_batch_size, run.steps
+    first, run_id = resume(cfg, train_step, log, stream)
+    steps = run.steps
+    state = lambda step: {**train_step.state_dict(),  # noqa: E731 (a checkpoint's meta)
+                          **({"stream": stream.record(step)} if stream else {})}
     if first >= steps:
         log.say(f"nothing left to train: the checkpoint is at step {first} and train.max_steps "
                 f"is {steps}; raise train.max_steps to train further, or start anew with "
@@ -86,6 +91,8 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         log.close()
         return TrainResult(first, [], {}, 0.0)
     log.begin(cfg, plan, applied_sharding(dmp), resumed=first)
+    if stream is not None:
+        log.say(describe_stream(stream, cfg.data, first, steps))
     guard = DivergenceGuard(checkpoint_root(cfg), env.device, first)
     mlperf.run_start(cfg, env, dataset.num_samples("train"), dataset.num_samples("val"),
                      train_step.precision.name)
@@ -130,7 +137,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != steps:
             guard.check_state(dmp, step)
             path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
-                                   train_step.state_dict(), run_id)
+                                   state(step), run_id)
             log.say(f"checkpoint: {path}")
         if run.evaluates_at(step):
             train_step.pause()
@@ -138,6 +145,11 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
             if target.reached(metrics, env):
                 mlperf.run_stop(True, run.epoch_num(step))
                 break
+        upcoming = stream.next_window(step) if stream and cfg.data.stream_eval != "none" else None
+        if upcoming is not None and step != steps:  # the last window's next: the final evaluation
+            train_step.pause()
+            evaluate_window(dmp, dataset, kind, env, log, step, stream, upcoming,
+                            cfg.data.stream_eval)
         stop.step = step
         stopped = stop.agreed() if step < steps else 0  # the last step ends the run anyway
         if stopped:
@@ -151,7 +163,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
     if path is None or path.name != f"step_{step}":  # not when the loop just wrote this step
         guard.check_state(dmp, step)
         path = save_checkpoint(checkpoint_root(cfg), step, dmp, optimizer, env, cfg,
-                               train_step.state_dict(), run_id)
+                               state(step), run_id)
         if not stopped:  # else the stop's line names it
             log.say(f"checkpoint: {path}")
     if stopped:
@@ -192,10 +204,12 @@ def stopped_at(step: int, signum: int, checkpoint: Path, cfg: Config, log: Metri
     return RunStopped(step, signum)
 
 
-def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> Tuple[int, str]:
+def resume(cfg: Config, train_step: TrainStep, log: MetricsLog,
+           stream: Optional[StreamWindows] = None) -> Tuple[int, str]:
     """The step to continue after and the run's id: those of the checkpoint `checkpoint.resume`
-    names (if intact and trained with these settings), or 0 and a new id for a fresh run, an
-    earlier run's files in the run directory set aside."""
+    names (if intact and trained with these settings; a stream at the window and position it
+    records), or 0 and a new id for a fresh run, an earlier run's files in the run directory set
+    aside."""
     path = intact_checkpoint_to_resume(cfg, log.say)
     if path is None:
         set_aside_earlier_run(cfg, log.say)
@@ -203,6 +217,8 @@ def resume(cfg: Config, train_step: TrainStep, log: MetricsLog) -> Tuple[int, st
     check_same_experiment(path, cfg)
     meta = load_checkpoint(path, train_step.dmp, train_step.optimizer)
     step = int(meta["step"])
+    if stream is not None:
+        stream.check_resume(meta.get("stream"), step, path)
     train_step.load_state_dict(meta)
     advance_schedule(train_step.schedule, step)
     log.say(f"resumed from {path} (step {step})")
@@ -244,6 +260,37 @@ def evaluate_and_log(dmp, dataset, kind: ModelKind, env: DistEnv, log: MetricsLo
     log.record({"step": step, **metrics, "eval_s": time.perf_counter() - start})
     log.say(f"eval step {step}: {metrics_text(metrics)}")
     return metrics
+
+
+def evaluate_window(dmp, dataset, kind: ModelKind, env: DistEnv, log: MetricsLog, step: int,
+                    stream: StreamWindows, window: int, how: str) -> None:
+    """After the windows before `window` are trained: `window`'s rows ("next") or the
+    validation split ("heldout"), read as split "window" (metrics `window_auc`...)."""
+    first, end = stream.rows(window) if how == "next" else (0, dataset.num_samples("val"))
+    dataset.add_rows("window", "train" if how == "next" else "val", first, end)
+    start = time.perf_counter()
+    metrics = kind.evaluate(dmp, dataset, env, "window")
+    if metrics is None:
+        return
+    where = f"window {window} (training rows {first:,}-{end - 1:,})" if how == "next" else \
+        "the validation split"
+    log.record({"step": step, "windows_trained": window, "evaluated": where, **metrics,
+                "eval_s": time.perf_counter() - start})
+    log.say(f"eval step {step}, {window} window{'s' if window > 1 else ''} trained, on "
+            f"{where}: {metrics_text(metrics)}")
+
+
+def describe_stream(stream: StreamWindows, data_cfg, first: int, steps: int) -> str:
+    """The run's stream in a line: its windows, where it starts, how windows are evaluated."""
+    k, into = stream.at(first)
+    evaluated = {"next": "each on the next window", "heldout": "each on the validation split",
+                 "none": "not evaluated"}[data_cfg.stream_eval]
+    rows = int(stream.starts[-1])
+    left = rows - steps * stream.batch
+    return (f"streaming in time order: {stream.count} windows of {data_cfg.stream_window_s:g} s "
+            f"over the training split's {rows:,} rows, {steps} steps of {stream.batch:,} from "
+            f"step {first} (window {k}, {into:,} rows into it); windows {evaluated}"
+            + (f"; the last {left:,} rows are not trained" if left else ""))
 
 
 class TargetWatch:

@@ -23,7 +23,7 @@ MAY_CHANGE = ("train.max_steps", "train.log_every", "train.eval_every", "train.r
               "train.progress_bar", "train.rank_logs", "train.tensorboard", "train.precision",
               "train.precision_fallback", "train.cuda_graphs", "train.pipeline",
               "train.evals_per_epoch", "train.target_auc", "train.mlperf_log",
-              "train.stop_grace_s", "data.loader", "data.prefetch", "parallel.", "checkpoint.",
+              "train.stop_grace_s", "data.loader", "data.prefetch", "data.stream_eval", "parallel.", "checkpoint.",
               "retrieval.eval_k", "retrieval.eval_items_per_chunk", "value_model.")
 # The planted synthetic data's settings (data/synthetic.py): unused when data.path is set.
 SYNTHETIC_ONLY = ("data.seed", "data.num_dense", "data.cardinalities", "data.hotness",

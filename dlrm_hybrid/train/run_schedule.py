@@ -1,11 +1,12 @@
-"""How long a run trains and when it evaluates: `train.max_steps` and `train.eval_every`, or
+"""How long a run trains and when it evaluates: `train.max_steps` (streamed: at most one pass,
+0 the whole pass) and `train.eval_every`, or
 MLPerf's schedule (`train.evals_per_epoch`): N evaluations per epoch, every
 floor(train samples / (global batch * N)) steps, for at most one epoch; or, in the DLRMv4 MLPerf
 mode, the rules' grid (train/mlperf_dlrmv4.py): every `.every` steps from step `.first`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from dlrm_hybrid.config import Config, ConfigError
@@ -42,6 +43,15 @@ class RunSchedule:
 
 def run_schedule(cfg: Config, train_samples: int) -> RunSchedule:
     t, batch = cfg.train, cfg.data.global_batch_size
+    if cfg.data.stream_window_s:  # one pass in time order (data/stream_windows.py)
+        pass_steps = 0 if t.evals_per_epoch else train_samples // batch  # else: its epoch
+        t = replace(t, max_steps=t.max_steps or pass_steps)
+        if t.max_steps * batch > train_samples:
+            raise ConfigError(f"train.max_steps: {t.max_steps} steps of {batch:,} are more than "
+                              f"one pass over the {train_samples:,} training rows "
+                              f"({train_samples // batch} steps), and a stream in time order is "
+                              f"trained once; use at most {train_samples // batch}, or 0 for the "
+                              f"whole pass")
     if is_dlrmv4(cfg):
         grid = EvalGrid.for_run(batch, train_samples)
         if t.evals_per_epoch or t.eval_every not in (0, grid.every):

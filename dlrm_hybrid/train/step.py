@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import re
@@ -26,7 +27,7 @@ class TrainStep:
     """
 
     def __init__(self, dmp, optimizer, schedule, train_cfg, device: torch.device) -> None:
-        self.dmp, self.optimizer, self.schedule = dmp, optimizer, schedule
+        self.dmp, self.optimizer, self.schedule, self.device = dmp, optimizer, schedule, device
         dense_params = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
         model = dmp.module
         graphs = graphs_wanted(train_cfg.cuda_graphs, model, device)
@@ -66,11 +67,26 @@ class TrainStep:
             return self.dmp(batch.dense, batch.sparse, batch.labels)
 
     def state_dict(self) -> dict:
-        """The step's own state for a checkpoint's meta.json (the fp16 loss scaler's)."""
-        return self.precision.state_dict()
+        """The step's own state for a checkpoint's meta.json: the fp16 loss scaler's, and the
+        random generator's (dropout draws from it), so that a resumed run draws what the
+        uninterrupted one drew. Every rank seeds it alike and draws alike: rank 0's stands for
+        all."""
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {**self.precision.state_dict(),
+                "rng": {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in rng.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.precision.load_state_dict(state)
+        for kind, text in state.get("rng", {}).items():  # none in earlier versions' checkpoints
+            if kind == "cuda" and self.device.type != "cuda":
+                continue  # a GPU run resumed on CPU: its dropout draws differ from here on
+            saved = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+            if kind == "cuda":
+                torch.cuda.set_rng_state(saved, self.device)
+            else:
+                torch.set_rng_state(saved)
 
     def pause(self) -> None:
         """Before using the model for anything else (evaluation): the pipeline gives back the
