@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import failure, read_metrics, run_cli
-from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.stream_windows import StreamWindows, stream_windows
 from dlrm_hybrid.errors import DataError
