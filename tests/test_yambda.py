@@ -284,7 +284,7 @@ def test_the_merge_of_small_blocks_gives_the_rows_in_time_order(tmp_path):
     (tmp_path / "held").mkdir()
     (tmp_path / "spilled").mkdir()
     in_memory.save_timelines(tmp_path / "held")
-    _, made = bounded.prepare(args, 5, 1)  # 256-row blocks, a user range at a time
+    _, made, _ = bounded.prepare(args, 5, 1)  # 256-row blocks, a user range at a time
     try:
         spilled = list(made.chunks())
         made.save_timelines(tmp_path / "spilled")

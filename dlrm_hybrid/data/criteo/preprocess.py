@@ -17,7 +17,6 @@ stopped. The job and its steps: preprocess_job.py, worker_steps.py; splits: spli
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -35,7 +34,6 @@ from dlrm_hybrid.data.criteo.vocabulary import FOLDER, KEY
 from dlrm_hybrid.data.criteo.work import WorkFolder, identity, write_json
 from dlrm_hybrid.data.criteo.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
 from dlrm_hybrid.data.split_binary_writer import REPORT, check_new_output
-from dlrm_hybrid.errors import UserError
 
 MAX_OUTPUT_ROW_BYTES = 1 + 2 * NUM_NUMERICAL + 4 * NUM_CATEGORICAL
 
@@ -69,7 +67,7 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
         with Job(inputs, out, options, workers, plan, work) as job:
             report = _run(job, split, start)
     except BaseException as error:
-        _keep_or_discard(work, error)
+        work.keep_or_discard(error)
         raise
     work.finish()
     return report
@@ -115,18 +113,6 @@ def _check_disk(job: Job, sample: Sample) -> None:
     need = 2 * counts.RUN_ENTRY_BYTES * keys + text_bytes * sample.rows_per_byte * MAX_OUTPUT_ROW_BYTES
     held = sum(job.work.bytes_on_disk(f) for f in ("runs", "ranges", "dataset"))
     budget.check_free_disk(job.work.root, int(need) - held, "the spilled counts and the dataset")
-
-
-def _keep_or_discard(work: WorkFolder, error: BaseException) -> None:
-    """After a failure: a refusal (bad data or options: this command cannot succeed as it is)
-    leaves nothing; an interruption (Ctrl-C, a full disk, a lost worker) keeps the work done, for
-    the same command to continue."""
-    if isinstance(error, UserError) or not any((work.root / "done").glob("*.json")):
-        work.discard()
-        return
-    size = sum(work.bytes_on_disk(f) for f in ("runs", "ranges", "dataset"))
-    print(f"kept the partial work in {work.root} ({size / 2**20:,.0f} MiB): the same command "
-          f"continues from it", file=sys.stderr, flush=True)
 
 
 def _check_arguments(inputs, output, threshold, max_table_size, workers, vocabulary) -> None:

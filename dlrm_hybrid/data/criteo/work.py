@@ -17,10 +17,11 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
-from dlrm_hybrid.errors import DataError
+from dlrm_hybrid.errors import DataError, UserError
 
 FOLDERS = ("done", "runs", "ranges", "dataset")
 
@@ -100,6 +101,17 @@ class WorkFolder:
     def discard(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         self._lock.close()
+
+    def keep_or_discard(self, error: BaseException) -> None:
+        """After a failure: a refusal (bad data or options: this command cannot succeed as it
+        is) leaves nothing; an interruption (Ctrl-C, a full disk, a lost worker) keeps the work
+        done, for the same command to continue."""
+        if isinstance(error, UserError) or not any((self.root / "done").glob("*.json")):
+            self.discard()
+            return
+        size = sum(self.bytes_on_disk(f) for f in ("runs", "ranges", "dataset"))
+        print(f"kept the partial work in {self.root} ({size / 2**20:,.0f} MiB): the same "
+              f"command continues from it", file=sys.stderr, flush=True)
 
     def bytes_on_disk(self, folder: str) -> int:
         return sum(p.stat().st_size for p in (self.root / folder).rglob("*") if p.is_file())

@@ -10,14 +10,17 @@ alone, the rows merged back into time order. The same bytes as the in-memory pat
   the in-memory path's; its listens' rows (time, seq, label, dense, ids, history) are sorted by
   (time, seq) into one run per split, its timelines kept for the users' shared arrays.
 - Pass 3 merges each split's runs by (time, seq), block by block, into the dataset.
-Work files live in a hidden folder beside the output, removed at the end; a stopped run starts
-over (not resumable).
+Work files live in the Criteo command's work folder (data/criteo/work.py: `.NAME.preprocess`
+beside the output, locked, its job the input files as they are and the options), removed at the
+end. Pass 1 and each partition of pass 2 record themselves when their files are whole, and a
+partition's events are deleted only after its record: a stopped run (Ctrl-C, killed, a full disk)
+run again with the same command continues after the last recorded step, with the partitions it
+began with, and pass 3 (the merge, a fraction of the time) is done again. A refusal (bad data)
+leaves nothing; `--restart` discards earlier work.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import zipfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,10 +28,11 @@ from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 
+from dlrm_hybrid.data.criteo.work import WorkFolder, identity
 from dlrm_hybrid.data.feature_spec import SPLITS
 from dlrm_hybrid.data.interactions.ranking_history import TIMELINES, engagement_histories
 from dlrm_hybrid.data.yambda.events import (EVENT_TYPES, LISTEN, STORED, Events, event_batches,
-                                            no_events)
+                                            input_files, no_events)
 from dlrm_hybrid.data.yambda.rules import (CHUNK, Chunk, Prepared, action_bits, check_splits,
                                            listen_plus, listen_rows, no_listen, split_cuts,
                                            time_splits)
@@ -43,20 +47,48 @@ def row_dtype(slots: int) -> np.dtype:
                      ("dense", np.float32, (2,)), ("cats", np.uint32, (2 + 2 * slots,))])
 
 
-def prepare(args, partitions: int, budget: int) -> Tuple[Events, Prepared]:
-    """(the files' rows and bad rows, the dataset before it is written) of the log in
-    --input, holding one partition of its events in memory at a time."""
-    work = Path(tempfile.mkdtemp(prefix=f".{Path(args.output).name}.yambda-work-",
-                                 dir=Path(args.output).resolve().parent))
+OPTIONS = ("history", "listen_plus", "val_days", "test_days", "time_unit")  # what rows depend on
+
+
+def prepare(args, partitions: int, budget: int) -> Tuple[Events, Prepared, int]:
+    """(the files' rows and bad rows, the dataset before it is written, the partitions) of the
+    log in --input, holding one partition of its events in memory at a time; the work of an
+    earlier run of the same job continued (with its partitions)."""
+    job = identity([str(p) for p, _ in input_files(args.input)],
+                   {key: getattr(args, key) for key in OPTIONS})
+    work = WorkFolder(Path(args.output), job, args.restart)
     try:
-        events, seen = spill(args.input, partitions, work)
+        events, seen, partitions = spilled(args.input, partitions, work)
         if not seen["by_type"]["listen"]:
             raise no_listen(args.input, sum(events.read.values()))
         made = rows_by_partition(args, partitions, work, seen, budget)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+    except BaseException as error:
+        work.keep_or_discard(error)
         raise
-    return events, made
+    return events, made, partitions
+
+
+def spilled(folder: str, partitions: int, work: WorkFolder) -> Tuple[Events, dict, int]:
+    """Pass 1's result: recorded by an earlier run of the job (with its partitions), or made."""
+    done = work.record("spill")
+    if done is None:
+        for path in (work.root / "runs").glob("*"):  # a pass 1 stopped half-way
+            path.unlink()
+        events, seen = spill(folder, partitions, work.root / "runs")
+        np.save(work.path("runs", "raw_users.npy"), seen.pop("raw_users"))
+        np.save(work.path("runs", "raw_items.npy"), seen.pop("raw_items"))
+        work.commit("spill", {"partitions": partitions, "seen": seen, "files": events.files,
+                              "read": events.read, "bad": events.bad})
+        done = work.record("spill")
+    else:
+        print(f"continuing the partial work in {work.root}: the events spilled in "
+              f"{done['partitions']} partitions, {len(list((work.root / 'done').glob('part_*')))} "
+              f"of them made", flush=True)
+    events = no_events()
+    events.files, events.read, events.bad = done["files"], done["read"], done["bad"]
+    seen = {**done["seen"], "raw_users": np.load(work.path("runs", "raw_users.npy")),
+            "raw_items": np.load(work.path("runs", "raw_items.npy"))}
+    return events, seen, int(done["partitions"])
 
 
 def spill(folder: str, partitions: int, work: Path) -> Tuple[Events, dict]:
@@ -103,17 +135,24 @@ def _count(seen: dict, batch: Dict[str, np.ndarray]) -> None:
         seen["by_type"][t] += int((batch["kind"] == k).sum())
 
 
-def rows_by_partition(args, partitions: int, work: Path, seen: dict, budget: int) -> Prepared:
-    """Pass 2: each partition's listens as sorted runs, one per split, and its timelines;
-    the splits checked; the merge (pass 3) as the rows to write."""
+def rows_by_partition(args, partitions: int, job: WorkFolder, seen: dict, budget: int
+                      ) -> Prepared:
+    """Pass 2: each partition's listens as sorted runs, one per split, and its timelines
+    (the partitions an earlier run recorded kept); the splits checked; the merge (pass 3) as
+    the rows to write."""
     raw_users, raw_items, end = seen["raw_users"], seen["raw_items"], seen["end"]
+    work = job.root / "runs"
     cuts = split_cuts(args, end)
     rows = {name: 0 for name in SPLITS}
     plus_rows = {name: 0 for name in SPLITS}
     counts = np.zeros(len(raw_users), np.int64)
     for p in range(partitions):
-        made = partition_rows(args, work, p, raw_users, raw_items, end, cuts)
-        counts += made["counts"]
+        made = job.record(f"part_{p}")
+        if made is None:
+            made = partition_rows(args, work, p, raw_users, raw_items, end, cuts)
+            job.commit(f"part_{p}", made)
+            (work / f"events_{p}.bin").unlink()  # only now: a stop before the record redoes it
+        counts += np.load(work / f"counts_{p}.npy")
         for name in SPLITS:
             rows[name] += made["rows"][name]
             plus_rows[name] += made["plus"][name]
@@ -131,15 +170,14 @@ def rows_by_partition(args, partitions: int, work: Path, seen: dict, budget: int
 
     return Prepared(raw_users, raw_items, rows,
                     {n: plus_rows[n] / rows[n] for n in SPLITS}, seen["by_type"], seen["kept"],
-                    seen["over_100"], cuts, chunks, save_timelines,
-                    lambda: shutil.rmtree(work, ignore_errors=True))
+                    seen["over_100"], cuts, chunks, save_timelines, job.discard)
 
 
 def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: np.ndarray,
                    end: int, cuts: list) -> dict:
-    """One partition's runs (run_<split>_<p>.bin) and timelines; its rows and label sums."""
+    """One partition's runs (run_<split>_<p>.bin), its users' event counts and timelines; its
+    rows and label sums."""
     records = np.fromfile(work / f"events_{p}.bin", EVENT)
-    (work / f"events_{p}.bin").unlink()
     events = Events(*[records[name] for name in STORED])
     seq = records["seq"]
     users = np.searchsorted(raw_users, events.uid).astype(np.int64)
@@ -165,9 +203,8 @@ def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: n
                 block["dense"], block["cats"] = dense, np.stack(cats, axis=1)
                 run.write(block.tobytes())
         out["rows"][name], out["plus"][name] = len(mine), int(plus[mine].sum())
-    out["counts"] = np.bincount(users, minlength=len(raw_users))
+    np.save(work / f"counts_{p}.npy", np.bincount(users, minlength=len(raw_users)))
     if histories is not None:  # the partition's timelines, in (user, time) order
-        np.save(work / f"timeline_{p}_counts.npy", out["counts"])
         for key in ("items", "actions", "times"):
             getattr(histories, key).tofile(work / f"timeline_{p}_{key}.bin")
     return out
@@ -224,7 +261,7 @@ def _timelines(work: Path, partitions: int, counts: np.ndarray, folder: Path,
     partitions' pieces, users range by range (about `block` events each), written as they
     come: each piece is in (user, time) order and a user is in one piece."""
     starts = np.concatenate([[0], np.cumsum(counts)])
-    pieces = [np.concatenate([[0], np.cumsum(np.load(work / f"timeline_{p}_counts.npy"))])
+    pieces = [np.concatenate([[0], np.cumsum(np.load(work / f"counts_{p}.npy"))])
               for p in range(partitions)]
     cuts = np.unique(np.concatenate([np.searchsorted(starts, np.arange(0, starts[-1], block)),
                                      [len(counts)]]))

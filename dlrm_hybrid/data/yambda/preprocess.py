@@ -73,6 +73,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--partitions", type=int, default=0, metavar="N",
                         help="spill in N partitions whatever the log's size (default: as "
                              "--memory-limit needs)")
+    parser.add_argument("--restart", action="store_true",
+                        help="discard the partial work a stopped spilling run left, instead of "
+                             "continuing it")
     generator = parser.add_argument_group("--generate: a synthetic Yambda-shaped log")
     generator.add_argument("--generate", type=int, metavar="EVENTS",
                            help="write a planted log of EVENTS events to --output, not a dataset")
@@ -132,15 +135,14 @@ def run(args) -> None:
                         f"{args.partitions}")
     limit = parse_size(args.memory_limit) if args.memory_limit else available_memory()
     parts = args.partitions or partitions_for(total_rows(args.input), limit, args.memory_limit)
-    if parts > 1:
-        events, made = bounded.prepare(args, parts, limit - BASE_BYTES)
+    out = Path(args.output)
+    if parts > 1 or (out.parent / f".{out.name}.preprocess").exists():  # or a stopped one's work
+        events, made, parts = bounded.prepare(args, parts, limit - BASE_BYTES)
     else:
         events = read_events(args.input)
         made = build(events, args)
-    try:
-        done = write(events, made, args, parts)
-    finally:
-        made.close()
+    done = write(events, made, args, parts)  # stopped here, the spilled work stays to continue
+    made.close()
     seconds = time.perf_counter() - start
     print(summary(events, done, args.output, seconds))
 
