@@ -7,7 +7,7 @@ import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from dlrm_hybrid.data.feature_spec import LABEL, MISSING, SPLITS, FeatureSpec, c
 from dlrm_hybrid.data.spec import DataSpec
 
 REPORT = "preprocess_report.json"  # what the preprocess commands say about a dataset, beside it
+# files kept open at once: a history of 4,095 slots has 8,190 columns per split, more than a
+# process may open (20,000 on the machine that found it); the rest are closed, reopened to append
+MAX_OPEN = 1024
 
 
 def check_new_output(output) -> None:
@@ -44,7 +47,8 @@ class SplitBinaryWriter:
         if len(labels) > 1:
             self.fspec.true_prob_labels = tuple(labels)
         self.counts = {s: 0 for s in splits}
-        self._files: Dict[Path, object] = {}
+        self._files: Dict[Path, object] = {}  # open, least recently used first
+        self._written: Set[Path] = set()
         for split in splits:
             (self.tmp / split).mkdir(parents=True)
 
@@ -73,7 +77,12 @@ class SplitBinaryWriter:
 
     def _append(self, path: Path, array: np.ndarray) -> None:
         if path not in self._files:
-            self._files[path] = open(path, "wb")
+            if len(self._files) >= MAX_OPEN:  # the longest unused first (dicts keep order)
+                self._files.pop(next(iter(self._files))).close()
+            self._files[path] = open(path, "ab" if path in self._written else "wb")
+            self._written.add(path)
+        else:
+            self._files[path] = self._files.pop(path)  # the most recently used last
         self._files[path].write(np.ascontiguousarray(array).tobytes())
 
     def __enter__(self) -> "SplitBinaryWriter":
