@@ -15,7 +15,8 @@ from dlrm_hybrid.data.configured_spec import data_spec
 from dlrm_hybrid.data.interactions.interaction_meta import ITEM_ID, USER_ID
 from dlrm_hybrid.data.interactions.ranking_history import history_features
 from dlrm_hybrid.data.spec import DataSpec
-from dlrm_hybrid.parallel.dense_memory import describe_dense
+from dlrm_hybrid.parallel.attention_memory import describe_attention
+from dlrm_hybrid.parallel.dense_memory import all_modes, describe_dense
 from dlrm_hybrid.parallel.exchange_bytes import describe_exchange
 from dlrm_hybrid.parallel.cost_model import DEVICES, device_constants
 from dlrm_hybrid.parallel.greedy_search import STRATEGIES, plan_tables, search_rules
@@ -92,6 +93,11 @@ def run(args) -> None:
             print(describe_towers(plan, towers, cfg.model.kind) + "\n")
     print(describe_exchange(plans[0], cfg) + "\n")
     print(describe_dense(cfg, spec, args.world_size, args.gpus_per_node) + "\n")
+    dense = all_modes(cfg, spec, args.world_size, args.gpus_per_node or args.world_size)
+    attention = describe_attention(cfg, args.world_size, memory - int(plans[0].loads[0].max())
+                                   - dense[cfg.parallel.dense].total)
+    if attention:
+        print(attention + "\n")
     replaced = describe_lookups(lookups, cfg)
     if replaced:
         print(replaced + "\n")
