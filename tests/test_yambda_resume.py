@@ -42,17 +42,24 @@ def log(tmp_path_factory):
     return root
 
 
-def test_a_run_killed_after_some_partitions_continues_to_the_same_bytes(log, tmp_path):
-    out, work = tmp_path / "data", tmp_path / ".data.preprocess"
+def _killed_after(log: Path, out: Path, record: str) -> Path:
+    """Start the spilling run and SIGKILL it once its work folder holds `record`."""
+    work = out.parent / f".{out.name}.preprocess"
     proc = subprocess.Popen(_command(log / "log", out), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not (work / "done" / "part_1.json").exists() and proc.poll() is None \
+    while not (work / "done" / record).exists() and proc.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.002)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not out.exists() and (work / "done" / "part_1.json").exists()  # stopped half-way
+    assert not out.exists() and (work / "done" / record).exists()  # stopped half-way
+    return work
+
+
+def test_a_run_killed_after_some_partitions_continues_to_the_same_bytes(log, tmp_path):
+    out = tmp_path / "data"
+    work = _killed_after(log, out, "part_1.json")
     made = len(list((work / "done").glob("part_*.json")))
     assert 2 <= made < 6
     changed = subprocess.run(_command(log / "log", out, "--listen-plus", "60"), cwd=ROOT,
@@ -73,16 +80,8 @@ def test_a_run_killed_after_some_partitions_continues_to_the_same_bytes(log, tmp
 
 
 def test_restart_discards_the_earlier_work(log, tmp_path):
-    out, work = tmp_path / "data", tmp_path / ".data.preprocess"
-    proc = subprocess.Popen(_command(log / "log", out), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (work / "done" / "spill.json").exists() and proc.poll() is None \
-            and time.monotonic() < deadline:
-        time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not out.exists() and work.exists()
+    out = tmp_path / "data"
+    work = _killed_after(log, out, "spill.json")
     again = subprocess.run(_command(log / "log", out, "--listen-plus", "60", "--restart"),
                            cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr

@@ -107,7 +107,8 @@ def stream_windows(dataset, width_s: float, batch: int) -> StreamWindows:
     fspec = getattr(dataset, "fspec", None)
     notes = fspec.notes if fspec is not None else {}
     if not notes.get("row_times"):
-        where = fspec.root if fspec is not None else "the planted synthetic data"
+        where = (fspec.root if fspec is not None
+                 else getattr(dataset, "root", "") or "the planted synthetic data")
         raise DataError(f"data.stream_window_s: {where} has no row times to cut windows by "
                         f"(feature_spec.yaml metadata.row_times); make the dataset with "
                         f"`dlrm_hybrid preprocess yambda`, or set data.stream_window_s=0")
