@@ -237,6 +237,28 @@ def test_the_generator_writes_yambdas_files_and_dtypes(generated, tmp_path):
                                                    "multi_event.parquet").equals(multi)
 
 
+def test_the_planted_listen_plus_rates_are_the_generators_option():
+    """--plus-rates BASE TASTE MOOD: the defaults draw what they drew before the option; the
+    rates decide listen+ (all, none, or only in the user's taste); a bad triple is one line."""
+    from dlrm_hybrid.data.yambda.synthetic import LISTEN_PLUS, generate
+    from dlrm_hybrid.errors import UserError
+
+    def plus(rates=None):
+        log = generate(5000, 50, 200, 10, 5.0, 1, *([rates] if rates else []))["listen"]
+        return log, log["played_ratio_pct"] >= LISTEN_PLUS
+
+    default, rate = plus()
+    assert 0.6 < rate.mean() < 0.8
+    assert all(np.array_equal(default[c], plus((0.25, 0.45, 0.2))[0][c]) for c in default)
+    assert plus((1.0, 0.0, 0.0))[1].all() and not plus((0.0, 0.0, 0.0))[1].any()
+    log, taste = plus((0.0, 1.0, 0.0))  # listen+ exactly in the user's two genres (of 10)
+    genre = (log["item_id"].astype(np.int64) - 1000) // 3 // 20
+    per_user = [set(genre[(log["uid"] == u) & taste]) for u in np.unique(log["uid"])]
+    assert max(map(len, per_user)) <= 2 and 0.5 < taste.mean() < 1.0
+    with pytest.raises(UserError, match="^--plus-rates: three probabilities"):
+        generate(100, 5, 20, 2, 1.0, 0, (0.5, 0.4, 0.2))
+
+
 def test_multi_event_and_the_per_event_files_give_the_same_dataset(generated, tmp_path):
     (tmp_path / "split").mkdir()
     for name in EVENT_FILES:

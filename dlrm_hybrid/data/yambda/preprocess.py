@@ -84,6 +84,10 @@ def add_arguments(parser) -> None:
     generator.add_argument("--clusters", type=int, default=20, help="the items' genres")
     generator.add_argument("--days", type=float, default=30.0, help="the log's time span")
     generator.add_argument("--seed", type=int, default=0)
+    generator.add_argument("--plus-rates", type=float, nargs=3, default=[0.25, 0.45, 0.2],
+                           metavar=("BASE", "TASTE", "MOOD"),
+                           help="a listen is a listen+ with probability BASE, + TASTE in the "
+                                "user's taste, + MOOD in a good mood (default 0.25 0.45 0.2)")
 
 
 def _check(args) -> None:
@@ -119,7 +123,7 @@ def run(args) -> None:
             raise UserError("--generate: writes a new log to --output and reads none; leave "
                             "out --input")
         rows = write_log(args.output, args.generate, args.users, args.items, args.clusters,
-                         args.days, args.seed)
+                         args.days, args.seed, args.plus_rates)
         print(f"wrote {args.output}: a synthetic Yambda-shaped log, "
               + ", ".join(f"{name}.parquet {n:,}" for name, n in rows.items()))
         return
