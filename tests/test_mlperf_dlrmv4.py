@@ -220,7 +220,7 @@ def test_a_sequence_ranker_plans_without_a_dataset_only_from_three_cardinalities
 # --- the MLPerf log of a DLRMv4 run, and the compliance checker ---------------------------------
 
 # The DLRMv4 config scaled down (small widths, 8 history slots), its optimizer as the rules fix it
-# (learning rate 1e-6 x 256 / 8192), on a generated Yambda log: 17,200 training rows, 708 val.
+# (learning rate 1e-6 x 256 / 8192), on a generated Yambda log: 17,170 training rows, 714 val.
 TINY = ["data.global_batch_size=256", "optim.dense_lr=3.125e-8", "optim.embedding_lr=3.125e-8",
         "model.embedding_dim=16", "model.hstu.max_length=8", "model.hstu.layers=1",
         "model.hstu.heads=2", "model.hstu.attention_dim=8", "model.hstu.linear_dim=8",
@@ -289,13 +289,13 @@ def test_a_tiny_dlrmv4_run_passes_the_6_1_0_checker_but_for_what_its_size_cannot
     events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in log.read_text().splitlines()]
     value = {e["key"]: e["value"] for e in events}
     assert (value["submission_benchmark"], value["train_samples"], value["eval_samples"]) == (
-        "dlrmv4", 17200, 708)
-    grid = EvalGrid.for_run(256, 17200)
-    assert (grid.every, grid.first) == (1, 2)  # 0.1% of 17,200 < one batch; 341 samples -> 512
+        "dlrmv4", 17170, 714)
+    grid = EvalGrid.for_run(256, 17170)
+    assert (grid.every, grid.first) == (1, 2)  # 0.1% of 17,170 < one batch; 340 samples -> 512
     evals = [e["metadata"]["samples_count"] for e in events if e["key"] == "eval_accuracy"]
     assert evals == [512, 768, 1024]  # steps 2, 3, 4: from grid.first on, none before
 
-    copy = _rule_copy(tmp_path, 17200, 708)
+    copy = _rule_copy(tmp_path, 17170, 714)
     pairs, ran, out = _complaints(log, tmp_path, "--config", str(copy))
     assert pairs == {("max_sequence_length", "v['value'] == 4096"),
                      ("eval_accuracy", "v['value'] >= s['target_accuracy']")}, out

@@ -92,11 +92,11 @@ def test_the_dataset_must_have_row_times_in_order_and_one_per_row(yambda, tmp_pa
                                         r"order \(row 101 is earlier"):
         stream_windows(SplitBinaryDataset(str(data)), 86400, 256)
     raw[:-1].tofile(times)
-    with pytest.raises(DataError, match=r"timestamp.bin: 14,780 row times for a training split "
-                                        r"of 14,781 rows"):
+    with pytest.raises(DataError, match=r"timestamp.bin: 14,654 row times for a training split "
+                                        r"of 14,655 rows"):
         stream_windows(SplitBinaryDataset(str(data)), 86400, 256)
     spec = data / "feature_spec.yaml"
-    spec.write_text(spec.read_text().replace("  time_unit_s: 5.0\n", ""))
+    spec.write_text(spec.read_text().replace("  time_unit_s: 1.0\n", ""))
     with pytest.raises(DataError, match="does not say the row times' unit"):
         stream_windows(SplitBinaryDataset(str(data)), 86400, 256)
     spec.write_text("\n".join(line for line in spec.read_text().splitlines()
@@ -127,15 +127,15 @@ def test_two_ranks_stream_window_after_window_and_resume_mid_window_exactly(yamb
     data = yambda / "data"
     whole = _train(data, tmp_path / "whole", "checkpoint.every=20", "checkpoint.keep=3")
     assert whole.returncode == 0, failure(whole)
-    assert ("streaming in time order: 8 windows of 86400 s over the training split's 14,781 "
+    assert ("streaming in time order: 8 windows of 86400 s over the training split's 14,655 "
             "rows, 57 steps of 256 from step 0 (window 0, 0 rows into it); windows each on the "
-            "next window; the last 189 rows are not trained") in whole.stdout
+            "next window; the last 63 rows are not trained") in whole.stdout
     windows = _windows(tmp_path / "whole")
     assert sorted(windows) == [7, 14, 22, 30, 38, 44, 50]  # window k ends at its next's row // 256
     assert windows[7][0] == "window 1 (training rows 1,987-3,774)"
     meta = json.loads((tmp_path / "whole" / "checkpoints" / "step_40" / "meta.json").read_text())
     assert meta["stream"] == {"window": 5, "rows_into_window": 476, "next_row": 10240,
-                              "window_start_time": 86412.0, "windows": 8}
+                              "window_start_time": 432060.0, "windows": 8}
     resumed = _train(data, tmp_path / "resumed",
                      f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step_40'}")
     assert resumed.returncode == 0, failure(resumed)
@@ -162,7 +162,7 @@ def test_other_windows_on_resume_a_shuffle_or_a_second_pass_are_refused(yambda, 
     cases = [(["data.shuffle=true"], "data.shuffle: data.stream_window_s: time order; set "
                                      "data.shuffle=false"),
              (["train.max_steps=58"], "train.max_steps: 58 steps of 256 are more than one pass "
-                                      "over the 14,781 training rows (57 steps)"),
+                                      "over the 14,655 training rows (57 steps)"),
              (["data.stream_window_s=-1"], "data.stream_window_s: must be >= 0"),
              (["data.stream_eval=later"], "data.stream_eval: 'later' is not one of next, "
                                           "heldout, none")]

@@ -6,6 +6,7 @@ generated log with model.sequence=hstu."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,27 @@ def test_the_split_is_global_in_time(hand_made):
     for split in times:  # each split in time order, for a loader that streams it
         assert times[split] == sorted(times[split])
     assert "done: events=16 kept=16 skipped=0 train=6 validation=1 test=2" in stdout
+
+
+def test_listens_in_the_30_minutes_before_validation_and_test_are_in_no_split(tmp_path):
+    """Yambda's Global Temporal Split in its own units (seconds) and defaults (one day of test,
+    one of validation, 30-minute gaps), on the seconds around each cut."""
+    day, gap, end = 86400, 1800, 10 * 86400  # the last listen at end - 1
+    test, val = end - day, end - day - gap - day
+    times = [0, val - gap - 1, val - gap, val - 1, val, test - gap - 1, test - gap, test - 1,
+             test, end - 1]
+    (tmp_path / "log").mkdir()
+    pq.write_table(multi_event([(1, 10 + k, t, "listen", 80) for k, t in enumerate(times)]),
+                   tmp_path / "log" / "multi_event.parquet")
+    result = preprocess(tmp_path / "log", tmp_path / "data")
+    assert result.returncode == 0, failure(result)
+    rows = read_rows(tmp_path / "data")
+    assert [t for _, _, _, t, _ in rows["train"]] == [0, val - gap - 1]
+    assert [t for _, _, _, t, _ in rows["validation"]] == [val, test - gap - 1]
+    assert [t for _, _, _, t, _ in rows["test"]] == [test, end - 1]
+    assert "gaps       4 listens between the splits, in none" in result.stdout
+    report = json.loads((tmp_path / "data" / "preprocess_report.json").read_text())
+    assert report["listens_in_gaps"] == 4 and sum(report["rows"].values()) + 4 == len(times)
 
 
 def test_bad_rows_are_counted_and_skipped(tmp_path):
@@ -300,7 +322,8 @@ def test_the_merge_of_small_blocks_gives_the_rows_in_time_order(tmp_path):
     write_log(str(tmp_path / "log"), 20000, users=50, items=400, days=0.05, seed=1)  # ties
     args = _parser().parse_args(["preprocess", "yambda", "--input", str(tmp_path / "log"),
                                  "--output", str(tmp_path / "out"), "--history", "3",
-                                 "--val-days", "0.01", "--test-days", "0.01"])
+                                 "--val-days", "0.01", "--test-days", "0.01",
+                                 "--gap-minutes", "1"])
     in_memory = build(read_events(args.input), args)
     held = list(in_memory.chunks())
     (tmp_path / "held").mkdir()

@@ -34,8 +34,8 @@ from dlrm_hybrid.data.interactions.ranking_history import TIMELINES, engagement_
 from dlrm_hybrid.data.yambda.events import (EVENT_TYPES, LISTEN, STORED, Events, event_batches,
                                             input_files, no_events)
 from dlrm_hybrid.data.yambda.rules import (CHUNK, Chunk, Prepared, action_bits, check_splits,
-                                           listen_plus, listen_rows, no_listen, split_cuts,
-                                           time_splits)
+                                           gap_units, listen_plus, listen_rows, no_listen,
+                                           split_cuts, time_splits)
 
 EVENT = np.dtype([*[(name, dtype) for name, dtype in STORED.items()], ("seq", np.uint64)])
 UNIQUE_EVERY = 64  # batches between merges of the distinct ids seen
@@ -47,7 +47,7 @@ def row_dtype(slots: int) -> np.dtype:
                      ("dense", np.float32, (2,)), ("cats", np.uint32, (2 + 2 * slots,))])
 
 
-OPTIONS = ("history", "listen_plus", "val_days", "test_days", "time_unit")  # what rows depend on
+OPTIONS = ("history", "listen_plus", "val_days", "test_days", "time_unit", "gap_minutes")  # rows
 
 
 def prepare(args, partitions: int, budget: int) -> Tuple[Events, Prepared, int]:
@@ -146,6 +146,7 @@ def rows_by_partition(args, partitions: int, job: WorkFolder, seen: dict, budget
     rows = {name: 0 for name in SPLITS}
     plus_rows = {name: 0 for name in SPLITS}
     counts = np.zeros(len(raw_users), np.int64)
+    in_gaps = 0
     for p in range(partitions):
         made = job.record(f"part_{p}")
         if made is None:
@@ -156,6 +157,7 @@ def rows_by_partition(args, partitions: int, job: WorkFolder, seen: dict, budget
         for name in SPLITS:
             rows[name] += made["rows"][name]
             plus_rows[name] += made["plus"][name]
+        in_gaps += made["in_gaps"]
     check_splits(args, rows, end, seen["first"])
     dtype = row_dtype(args.history)
     # a merge step holds its blocks about 4 times over (read, joined, sorted, converted)
@@ -170,7 +172,7 @@ def rows_by_partition(args, partitions: int, job: WorkFolder, seen: dict, budget
 
     return Prepared(raw_users, raw_items, rows,
                     {n: plus_rows[n] / rows[n] for n in SPLITS}, seen["by_type"], seen["kept"],
-                    seen["over_100"], cuts, chunks, save_timelines, job.discard)
+                    seen["over_100"], in_gaps, cuts, chunks, save_timelines, job.discard)
 
 
 def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: np.ndarray,
@@ -188,7 +190,7 @@ def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: n
     plus = listen_plus(events.kind, events.played, args.listen_plus)
     histories = (engagement_histories(positions, users, items, action_bits(events.kind, plus),
                                       len(raw_users), events.time) if args.history else None)
-    split = time_splits(events.time, end, cuts[1] - cuts[0], end - cuts[1])
+    split = time_splits(events.time, cuts, gap_units(args))
     listens = order[events.kind[order] == LISTEN]
     dtype, out = row_dtype(args.history), {"rows": {}, "plus": {}}
     for s, name in enumerate(SPLITS):
@@ -203,6 +205,7 @@ def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: n
                 block["dense"], block["cats"] = dense, np.stack(cats, axis=1)
                 run.write(block.tobytes())
         out["rows"][name], out["plus"][name] = len(mine), int(plus[mine].sum())
+    out["in_gaps"] = int((split[listens] < 0).sum())
     np.save(work / f"counts_{p}.npy", np.bincount(users, minlength=len(raw_users)))
     if histories is not None:  # the partition's timelines, in (user, time) order
         for key in ("items", "actions", "times"):

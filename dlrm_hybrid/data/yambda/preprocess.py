@@ -40,7 +40,7 @@ from dlrm_hybrid.data.yambda import bounded
 from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events, read_events, total_rows
 from dlrm_hybrid.data.yambda.rules import (ACTIONS, CHUNK, DENSE, LABEL, Prepared, action_bits,
                                            check_splits, listen_plus, listen_rows, no_listen,
-                                           split_cuts, time_splits)
+                                           gap_units, split_cuts, time_splits)
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 
@@ -65,8 +65,12 @@ def add_arguments(parser) -> None:
                         help="validation: the D days before test (default 1)")
     parser.add_argument("--test-days", type=float, default=1.0, metavar="D",
                         help="test: the log's last D days (default 1)")
-    parser.add_argument("--time-unit", type=float, default=5.0, metavar="S",
-                        help="seconds per timestamp unit (default 5, Yambda's)")
+    parser.add_argument("--time-unit", type=float, default=1.0, metavar="S",
+                        help="seconds per timestamp unit (default 1: Yambda's timestamps are "
+                             "seconds, in multiples of 5)")
+    parser.add_argument("--gap-minutes", type=float, default=30.0, metavar="M",
+                        help="listens this long before validation and before test are in no "
+                             "split (default 30, Yambda's Global Temporal Split; 0: none)")
     parser.add_argument("--memory-limit", metavar="SIZE", help="a log whose estimated peak is "
                         "above SIZE (e.g. 8G; default: the memory available) is spilled to disk "
                         "in partitions by user, each made alone")
@@ -98,6 +102,8 @@ def _check(args) -> None:
     if args.history < 0:
         raise UserError(f"--history: the slots of each row's history, 0 (none) or more; got "
                         f"{args.history}")
+    if args.gap_minutes < 0:
+        raise UserError(f"--gap-minutes: 0 (no gap) or more; got {args.gap_minutes:g}")
     if not 0 <= args.listen_plus <= 100:
         raise UserError(f"--listen-plus: a played_ratio_pct in 0..100; got {args.listen_plus}")
 
@@ -163,7 +169,7 @@ def build(events: Events, args) -> Prepared:
     plus = listen_plus(events.kind, events.played, args.listen_plus)
     end = int(events.time.max()) + 1
     cuts = split_cuts(args, end)
-    split = time_splits(events.time, end, cuts[1] - cuts[0], end - cuts[1])
+    split = time_splits(events.time, cuts, gap_units(args))
     listens = order[events.kind[order] == LISTEN]  # in time order
     rows = {name: listens[split[listens] == s] for s, name in enumerate(SPLITS)}
     check_splits(args, {n: len(r) for n, r in rows.items()}, end, int(events.time.min()))
@@ -183,7 +189,8 @@ def build(events: Events, args) -> Prepared:
                     {n: float(plus[r].mean()) for n, r in rows.items()},
                     {t: int((events.kind == k).sum()) for k, t in enumerate(EVENT_TYPES)},
                     len(events), int(((events.kind == LISTEN) & (events.played > 100)).sum()),
-                    cuts, chunks, lambda folder: histories.save(folder))
+                    int((split[listens] < 0).sum()), cuts, chunks,
+                    lambda folder: histories.save(folder))
 
 
 def write(events: Events, made: Prepared, args, partitions: int) -> dict:
@@ -226,7 +233,8 @@ def notes(events: Events, made: Prepared, args, names) -> Dict[str, object]:
         if args.history else None,
         "split_rule": (f"global in time: listens from {made.cuts[1]:g} (the last "
                        f"{args.test_days:g} days) test, from {made.cuts[0]:g} validation "
-                       f"({args.val_days:g} days), the rest train; timestamps in "
+                       f"({args.val_days:g} days), the rest train, the {args.gap_minutes:g} "
+                       f"minutes before validation and before test in none; timestamps in "
                        f"{args.time_unit:g}-second units; every split in time order"),
         "row_times": {name: f"{name}/{TIMES}" for name in SPLITS},
         "time_unit_s": args.time_unit,  # seconds per row-time unit, for data.stream_window_s
@@ -240,7 +248,7 @@ def report(events: Events, made: Prepared, partitions: int) -> dict:
             "events_kept": made.kept, "events_by_type": made.by_type,
             "bad_rows": dict(events.bad),
             "listens_played_over_100": made.played_over_100,  # kept, as listen_plus
-            "rows": made.rows, "listen_plus_rate": made.rates,
+            "rows": made.rows, "listens_in_gaps": made.in_gaps, "listen_plus_rate": made.rates,
             "users": len(made.raw_users), "items": len(made.raw_items),
             "memory": (f"{partitions} partitions by user, spilled" if partitions > 1 else
                        "in memory"), "peak_rss_bytes": own_peak_rss()}
@@ -258,6 +266,7 @@ def summary(events: Events, r: dict, output: str, seconds: float) -> str:
     for name in SPLITS:
         lines.append(f"  {name:<10} {r['rows'][name]:,} rows, listen_plus rate "
                      f"{r['listen_plus_rate'][name]:.4f}")
+    lines.append(f"  gaps       {r['listens_in_gaps']:,} listens between the splits, in none")
     lines.append(f"  memory     {r['memory']}: peak RSS "
                  f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB; "
                  f"{r['events_read'] / max(seconds, 1e-9):,.0f} events/s")

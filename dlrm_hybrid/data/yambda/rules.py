@@ -33,13 +33,16 @@ def action_bits(kind: np.ndarray, plus: np.ndarray) -> np.ndarray:
     return np.stack(columns, axis=1).astype(np.uint8)
 
 
-def time_splits(times: np.ndarray, end: int, val_units: float, test_units: float
-                ) -> np.ndarray:
-    """Each time's split (0 train, 1 validation, 2 test): test from end - test_units on,
-    validation the val_units before it."""
-    test_cut = end - test_units
-    return np.where(times >= test_cut, 2, np.where(times >= test_cut - val_units, 1, 0)
-                    ).astype(np.int8)
+def time_splits(times: np.ndarray, cuts: list, gap: float) -> np.ndarray:
+    """Each time's split (0 train, 1 validation, 2 test; -1 in a gap), Yambda's Global
+    Temporal Split: test from cuts[1] on, validation from cuts[0] to `gap` before test, train
+    until `gap` before validation."""
+    val_start, test_start = cuts
+    split = np.full(len(times), -1, np.int8)
+    split[times < val_start - gap] = 0
+    split[(times >= val_start) & (times < test_start - gap)] = 1
+    split[times >= test_start] = 2
+    return split
 
 
 def listen_rows(events: Events, rows: np.ndarray, users: np.ndarray, items: np.ndarray,
@@ -55,9 +58,16 @@ def listen_rows(events: Events, rows: np.ndarray, users: np.ndarray, items: np.n
 
 
 def split_cuts(args, end: int) -> list:
-    """[validation's first time, test's first time] for a log whose last time is end - 1."""
-    unit_day = 86400 / args.time_unit
-    return [end - (args.test_days + args.val_days) * unit_day, end - args.test_days * unit_day]
+    """[validation's first time, test's first time] for a log whose last time is end - 1:
+    test the last --test-days, validation the --val-days before the gap before it."""
+    day, gap = 86400 / args.time_unit, gap_units(args)
+    test = end - args.test_days * day
+    return [test - gap - args.val_days * day, test]
+
+
+def gap_units(args) -> float:
+    """--gap-minutes in the timestamps' units."""
+    return args.gap_minutes * 60 / args.time_unit
 
 
 def check_splits(args, rows: Dict[str, int], end: int, first: int) -> None:
@@ -66,8 +76,10 @@ def check_splits(args, rows: Dict[str, int], end: int, first: int) -> None:
         if not n:
             raise DataError(f"--input: {args.input}: no listen falls in {name} (the log spans "
                             f"{(end - first) * args.time_unit / 86400:.2f} days; validation "
-                            f"{args.val_days:g} and test {args.test_days:g} before its end); "
-                            f"give smaller --val-days/--test-days or a longer log")
+                            f"{args.val_days:g} and test {args.test_days:g} before its end, "
+                            f"gaps of {args.gap_minutes:g} minutes; timestamps in "
+                            f"{args.time_unit:g}-second units); give smaller --val-days/"
+                            f"--test-days, the right --time-unit, or a longer log")
 
 
 def no_listen(folder: str, read: int) -> DataError:
@@ -87,6 +99,7 @@ class Prepared:
     by_type: Dict[str, int]
     kept: int
     played_over_100: int
+    in_gaps: int  # listens in the gaps between the splits: in no split
     cuts: List[float]
     chunks: Callable[[], Iterator[Chunk]]
     save_timelines: Callable[[Path], None]

@@ -13,7 +13,8 @@ structure so that a ranker's AUC can rise: a CPU run cannot hold Yambda-5b, this
 - Likes follow listen+ listens, dislikes the others, a few minutes later; unlikes and
   undislikes undo some of them later still. Counts: 4% likes, 2% dislikes, 0.5% each undo, the
   rest listens (exactly `events` in all).
-- Timestamps in Yambda's 5-second units over `days` days; files sorted by (uid, timestamp).
+- Timestamps in seconds, multiples of 5 as Yambda's, over `days` days; files sorted by (uid,
+  timestamp).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dlrm_hybrid.data.yambda.events import (BASE, DTYPES, EVENT_FILES, EVENT_TYP
                                             MULTI)
 from dlrm_hybrid.errors import UserError
 
-UNIT_S = 5  # Yambda's timestamp unit, seconds
+STEP_S = 5  # Yambda's timestamps are seconds, in multiples of 5
 SHARES = {"like": 0.04, "dislike": 0.02, "unlike": 0.005, "undislike": 0.005}
 SESSION = 8  # mean listens a session
 LISTEN_PLUS = 50  # played_ratio_pct at or above it: listen+ (events.py's reader does not care)
@@ -52,7 +53,9 @@ def generate(events: int, users: int, items: int, clusters: int, days: float, se
     for name, source in (("like", "listen"), ("dislike", "listen"), ("unlike", "like"),
                          ("undislike", "dislike")):
         out[name] = _follow(rng, out[source], plus if source == "listen" else None,
-                            counts[name], name, int(days * 86400 / UNIT_S))
+                            counts[name], name, int(days * 86400 / STEP_S))
+    for columns in out.values():  # drawn in steps of 5 s; Yambda's timestamps are seconds
+        columns["timestamp"] = (columns["timestamp"].astype(np.int64) * STEP_S).astype(np.uint32)
     return out
 
 
@@ -76,9 +79,9 @@ def _listens(rng, n: int, users: int, items: int, clusters: int, days: float,
     liked_genre = (taste[user] == (item // per)[:, None]).any(axis=1)
     plus = rng.random(n) < rates[0] + rates[1] * liked_genre + rates[2] * mood[session]
     played = np.where(plus, rng.integers(LISTEN_PLUS, 101, n), rng.integers(0, LISTEN_PLUS, n))
-    span = int(days * 86400 / UNIT_S)
+    span = int(days * 86400 / STEP_S)
     start = rng.integers(0, span, sessions)
-    step = np.maximum(1, length[item] * played // 100 // UNIT_S)
+    step = np.maximum(1, length[item] * played // 100 // STEP_S)
     offset = np.cumsum(step) - step
     offset -= offset[first][session]  # the time into the session
     time = np.minimum(start[session] + offset, span - 1)
