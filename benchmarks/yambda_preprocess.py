@@ -57,7 +57,8 @@ from preprocess_engines import TreeSampler  # noqa: E402
 
 EVENT_FILES = ("listens", "likes", "dislikes", "unlikes", "undislikes")  # ours' file order
 SPLITS = ("train", "validation", "test")
-UNITS_PER_DAY = 86400 / 5  # Yambda's 5-second timestamps
+UNITS_PER_DAY = 86400  # Yambda's timestamps are seconds
+GAP = 30 * 60  # Yambda's GAP_SIZE: the 30 minutes before validation and before test, in no split
 
 
 # ---- the peer (in its own subprocess) ------------------------------------------------------
@@ -97,10 +98,13 @@ def peer_polars(log: str, out: str, history: int, listen_plus: int, val_days: fl
                for k in range(1, history + 1) for c, n in (("item_id", "history"),
                                                            ("action", "action"))]
     end = pl.col("timestamp").max() + 1
-    split = (pl.when(pl.col("timestamp") >= end - test_days * UNITS_PER_DAY).then(2)
-             .when(pl.col("timestamp") >= end - (test_days + val_days) * UNITS_PER_DAY).then(1)
-             .otherwise(0).cast(pl.UInt8).alias("split"))
-    result = (by_user.with_columns(*shifted, split).filter(pl.col("kind") == 0)
+    test = end - test_days * UNITS_PER_DAY
+    val = test - GAP - val_days * UNITS_PER_DAY
+    time = pl.col("timestamp")
+    split = (pl.when(time >= test).then(2).when((time >= val) & (time < test - GAP)).then(1)
+             .when(time < val - GAP).then(0).otherwise(None).cast(pl.UInt8).alias("split"))
+    result = (by_user.with_columns(*shifted, split)
+              .filter((pl.col("kind") == 0) & pl.col("split").is_not_null())
               .drop("kind", "action", "played")
               .sort("timestamp", "order")
               .collect())

@@ -282,6 +282,14 @@ def test_a_tiny_dlrmv4_run_passes_the_6_1_0_checker_but_for_what_its_size_cannot
         result = run_cli(["preprocess", "yambda", *args], cwd=tmp_path)
         assert result.returncode == 0, failure(result)
     log = tmp_path / "mlperf.log"
+    other = run_cli(["train", "--config", str(CONFIG), *[a for s in [
+        *TINY, "data.path=rank", "train.run_dir=run", f"train.mlperf_log={log}",
+        "model.hstu.max_length=7"] for a in ("--set", s)]], cwd=tmp_path)
+    assert other.returncode == 2 and not log.exists() and not (tmp_path / "run").exists()
+    assert other.stderr.strip().splitlines()[-1] == (
+        "error: model.hstu.max_length: 7, and rank has 8 history slots: the MLPerf log's "
+        "max_sequence_length would not be the length trained; preprocess with --history 7, or "
+        "set model.hstu.max_length=8")
     result = run_cli(["train", "--config", str(CONFIG), *[a for s in [
         *TINY, "data.path=rank", "train.run_dir=run", f"train.mlperf_log={log}"]
         for a in ("--set", s)]], cwd=tmp_path)

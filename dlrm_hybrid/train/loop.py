@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_hybrid.config import Config, ConfigError
+from dlrm_hybrid.data.configured_spec import data_spec
 from dlrm_hybrid.data.criteo.day23 import require_reference_rule
 from dlrm_hybrid.data.source import (make_loader, open_dataset, require_one_batch,
                                      require_samples)
@@ -33,6 +34,7 @@ from dlrm_hybrid.train.earlier_run import set_aside_earlier_run
 from dlrm_hybrid.train.resume_rules import check_same_experiment
 from dlrm_hybrid.train.divergence import DivergenceGuard
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
+from dlrm_hybrid.train.mlperf_dlrmv4 import check_history
 from dlrm_hybrid.train.mlperf_log import MLPerfLog
 from dlrm_hybrid.train.model_kinds import ModelKind, model_kind
 from dlrm_hybrid.train.optim import (advance_schedule, attach_embedding_optimizer, build_optimizer,
@@ -55,6 +57,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     """Raises `RunStopped` after the checkpoint of a run stopped by SIGINT/SIGTERM."""
     if cfg.train.mlperf_log and cfg.data.path:
         require_reference_rule(cfg.data.path)  # MLPerf evaluates on day 23's first half
+        check_history(cfg, data_spec(cfg.data, cfg.model).feature_names, cfg.data.path)
     with StopRequest(cfg.train.stop_grace_s, env.is_main, cfg.checkpoint.resume) as stop:
         mlperf = MLPerfLog.open(cfg, env.rank, resuming=checkpoint_to_resume(cfg) is not None)
         mlperf.init_start()

@@ -110,3 +110,17 @@ def check_rules(cfg: Config) -> None:
     if not low * (1 - 1e-9) <= o.dense_lr <= high * (1 + 1e-9):
         raise ConfigError(f"optim.dense_lr: {o.dense_lr} is outside DLRMv4's band for global batch "
                           f"{batch:,}, [{low:.4g}, {high:.4g}] (0.5 to 1.5 x 1e-6 x batch / 8192)")
+
+
+def check_history(cfg: Config, feature_names, where: str) -> None:
+    """The log reports max_sequence_length as model.hstu.max_length + 1, and the ranker's HSTU
+    reads the dataset's history slots: a DLRMv4 run whose dataset has other slots would log a
+    length it does not train with, so it is refused."""
+    from dlrm_hybrid.data.interactions.interaction_meta import HISTORY
+
+    slots = sum(name.startswith(HISTORY) for name in feature_names)
+    if is_dlrmv4(cfg) and slots != cfg.model.hstu.max_length:
+        raise ConfigError(f"model.hstu.max_length: {cfg.model.hstu.max_length}, and {where} "
+                          f"has {slots} history slots: the MLPerf log's max_sequence_length "
+                          f"would not be the length trained; preprocess with --history "
+                          f"{cfg.model.hstu.max_length}, or set model.hstu.max_length={slots}")
