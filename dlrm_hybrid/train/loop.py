@@ -290,7 +290,8 @@ def describe_stream(stream: StreamWindows, data_cfg, first: int, steps: int) -> 
                  "none": "not evaluated"}[data_cfg.stream_eval]
     rows = int(stream.starts[-1])
     left = rows - steps * stream.batch
-    return (f"streaming in time order: {stream.count} windows of {data_cfg.stream_window_s:g} s "
+    windows = f"{stream.count} window{'s' if stream.count != 1 else ''}"
+    return (f"streaming in time order: {windows} of {data_cfg.stream_window_s:g} s "
             f"over the training split's {rows:,} rows, {steps} steps of {stream.batch:,} from "
             f"step {first} (window {k}, {into:,} rows into it); windows {evaluated}"
             + (f"; the last {left:,} rows are not trained" if left else ""))
