@@ -234,6 +234,16 @@ def assert_one_two_and_resumed_alike(root: Path, common: List[str], plan: Path) 
                                      root / "m.pt")
 
 
+def generated_yambda(root: Path, output: str, generate: List[str], history: int) -> None:
+    """`preprocess yambda --generate` (its `generate` options) into root/log, then that log
+    preprocessed with `--history` into root/`output`."""
+    for args in (["--generate", *generate, "--output", str(root / "log")],
+                 ["--input", str(root / "log"), "--output", str(root / output), "--history",
+                  str(history)]):
+        result = run_cli(["preprocess", "yambda", *args])
+        assert result.returncode == 0, failure(result)
+
+
 def train_with_each_loader(data_path, run_root: Path, env, batch: int, steps: int) -> dict:
     """{loader: TrainResult} of the demo model trained on `data_path`, shuffled, same seeds."""
     from dlrm_hybrid.config_loading import load_config

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import failure, read_metrics, run_cli
+from conftest import failure, generated_yambda, read_metrics, run_cli
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.stream_windows import StreamWindows, stream_windows
 from dlrm_hybrid.errors import DataError
@@ -64,13 +64,8 @@ def test_a_days_windows_on_hand_made_times():
 @pytest.fixture(scope="module")
 def yambda(tmp_path_factory):
     root = tmp_path_factory.mktemp("stream")
-    result = run_cli(["preprocess", "yambda", "--generate", "20000", "--users", "200",
-                      "--items", "400", "--days", "10", "--seed", "3", "--output",
-                      str(root / "log")])
-    assert result.returncode == 0, failure(result)
-    result = run_cli(["preprocess", "yambda", "--input", str(root / "log"), "--output",
-                      str(root / "data"), "--history", "8"])
-    assert result.returncode == 0, failure(result)
+    generated_yambda(root, "data", ["20000", "--users", "200", "--items", "400", "--days", "10",
+                                    "--seed", "3"], history=8)
     return root
 
 

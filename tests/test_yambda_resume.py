@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, failure, run_cli
+from conftest import ROOT, generated_yambda
 
 
 def _command(log: Path, out: Path, *extra: str) -> list:
@@ -32,13 +32,8 @@ def _files(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def log(tmp_path_factory):
     root = tmp_path_factory.mktemp("yambda_resume")
-    result = run_cli(["preprocess", "yambda", "--generate", "400000", "--users", "4000",
-                      "--items", "3000", "--days", "20", "--seed", "5", "--output",
-                      str(root / "log")])
-    assert result.returncode == 0, failure(result)
-    whole = run_cli(["preprocess", "yambda", "--input", str(root / "log"), "--output",
-                     str(root / "whole"), "--history", "6"])
-    assert whole.returncode == 0, failure(whole)
+    generated_yambda(root, "whole", ["400000", "--users", "4000", "--items", "3000", "--days",
+                                     "20", "--seed", "5"], history=6)
     return root
 
 
