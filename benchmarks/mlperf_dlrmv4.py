@@ -174,7 +174,8 @@ def lr_arithmetic(base: float, batch: int, steps: int, factor: float, samples_pe
           f"rows ({WARMUP:,} steps of {rows / WARMUP:,.0f}: the fewest rows for a run ending "
           f"within the warm-up; never under {rows / 2e6:.1f}M at any batch): at this run's "
           f"{samples_per_s:,.0f} samples/s (training alone) about {rows / samples_per_s / 3600:.1f} hours of "
-          f"training and {rows * bytes_per_row / 1e9:,.0f} GB of dataset at 4,095 slots")
+          f"training and {rows * bytes_per_row / 1e9:,.1f} GB of dataset (history read from the "
+          f"timelines)")
 
 
 def metrics(run_dir: Path) -> List[dict]:
@@ -214,7 +215,9 @@ def strict(args, work: Path, data: Path) -> Tuple[bool, int, int, float, list]:
     steps = max(m["step"] for m in metrics(work / "run") if "loss" in m)
     rates = sorted(m["samples_per_s"] for m in metrics(work / "run") if "samples_per_s" in m)
     rate = rates[len(rates) // 2]  # the median of the training's logged samples/s
-    row_bytes = sum(f.stat().st_size for f in (data / "train").iterdir()) / spec["train"]
+    # the whole dataset (its timelines included) over its rows
+    row_bytes = (sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
+                 / sum(spec.values()))
     lr_arithmetic(base, args.batch, steps, args.lr_factor, rate, row_bytes)
     final = evals[-1]["value"] if evals else float("nan")
     return passed and not common, len(events), len(evals), final, complaints
@@ -276,7 +279,8 @@ def main() -> None:
                          "--output", str(log_dir)], 300, ROOT)
     if not data.exists():
         run("preprocess", [sys.executable, "-m", "dlrm_hybrid", "preprocess", "yambda", "--input",
-                           str(log_dir), "--output", str(data), "--history", "4095"], 600, ROOT)
+                           str(log_dir), "--output", str(data), "--history", "4095",
+                           "--history-store", "timelines"], 600, ROOT)
     passed, checks, points, final, complaints = strict(args, work, data)
     if args.scaled_recipe:
         scaled(args, work, data)

@@ -199,6 +199,13 @@ def _parse(root: Path, path: Path, raw: dict) -> FeatureSpec:
     true_prob_labels = tuple(metadata.pop("true_prob_labels", ()))
     # a ranking dataset with a history (`--history L`): the model finds its slots by name
     names = tuple(metadata.get("categorical_features") or ()) if metadata.get("history") else ()
+    store = metadata.get("history_store")
+    if store:  # the slots are read from the timelines (data/timeline_history.py), not files
+        slots = int(metadata["history"]["slots"])
+        derived = [int(store["item_rows"])] * slots + [int(store["action_rows"])] * slots
+        cardinalities += derived
+        hotness += [1] * len(derived)
+        dtypes += [categorical_dtype(rows) for rows in derived]
     return FeatureSpec(root, DataSpec(len(nums), cardinalities, hotness, names=names), dtypes,
                        splits, true_prob, metadata, labels, true_prob_labels)
 

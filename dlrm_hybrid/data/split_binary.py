@@ -18,6 +18,7 @@ from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.batch import ClickDataset, Columns
 from dlrm_hybrid.data.criteo.day23 import require_no_interrupted_upgrade
 from dlrm_hybrid.data.feature_spec import load_feature_spec
+from dlrm_hybrid.data.timeline_history import OFFSETS, TimelineHistory
 from dlrm_hybrid.errors import DataError
 
 SPLIT_NAMES = {"train": "train", "val": "validation", "test": "test"}  # ours -> folder names
@@ -33,6 +34,11 @@ class SplitBinaryDataset(ClickDataset):
         require_no_interrupted_upgrade(path)  # else validation and test could overlap
         self.fspec = load_feature_spec(path)
         self.spec = self.fspec.spec
+        store = self.fspec.notes.get("history_store")
+        self._history = (TimelineHistory(Path(path), int(self.fspec.notes["history"]["slots"]))
+                         if store else None)
+        self._user = (list(self.fspec.notes["categorical_features"]).index(
+            self.fspec.notes.get("request_feature", "user_id")) if store else 0)
         self.label_names = self.fspec.label_names
         self._maps: Dict[str, dict] = {}
         self.sizes = {ours: self._open(folder) for ours, folder in SPLIT_NAMES.items()
@@ -61,6 +67,8 @@ class SplitBinaryDataset(ClickDataset):
                 "dense": _memmap(files.numerical, np.float16, spec.num_dense, n),
                 "cats": [_memmap(p, d, h, n) for p, d, h in
                          zip(files.categorical, self.fspec.categorical_dtypes, spec.hotness)]}
+        if self._history is not None:
+            maps["offsets"] = _memmap(Path(self.fspec.root) / folder / OFFSETS, np.uint32, 1, n)
         if folder in self.fspec.true_prob:
             width = len(self.fspec.true_prob_labels) or len(self.label_names)
             maps["true_prob"] = _memmap(self.fspec.true_prob[folder], np.float32, width, n)
@@ -88,8 +96,12 @@ class SplitBinaryDataset(ClickDataset):
                      if "true_prob" in maps else None)
         if self.tasks is None and len(tasks) == 1:  # the one click label: [B]
             labels, true_prob = labels.reshape(-1), None if true_prob is None else true_prob.reshape(-1)
+        cats = [take(m, np.int64) for m in maps["cats"]]
+        if self._history is not None:  # the slots, from the timelines
+            cats += [c[:, None] for c in self._history.columns(
+                cats[self._user][:, 0], take(maps["offsets"], np.int64)[:, 0])]
         return Columns(take(maps["dense"], np.float32), labels, np.arange(first, first + count) < n,
-                       [take(m, np.int64) for m in maps["cats"]], true_prob)
+                       cats, true_prob)
 
     def _label(self, values: np.ndarray, task: str) -> np.ndarray:
         """A label column [B, 1] as float32, NaN where the file marks it missing."""

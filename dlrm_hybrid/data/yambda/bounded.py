@@ -35,19 +35,22 @@ from dlrm_hybrid.data.yambda.events import (EVENT_TYPES, LISTEN, STORED, Events,
                                             input_files, no_events)
 from dlrm_hybrid.data.yambda.rules import (CHUNK, Chunk, Prepared, action_bits, check_splits,
                                            gap_units, listen_plus, listen_rows, no_listen,
-                                           split_cuts, time_splits)
+                                           split_cuts, stored_slots, time_splits)
 
 EVENT = np.dtype([*[(name, dtype) for name, dtype in STORED.items()], ("seq", np.uint64)])
 UNIQUE_EVERY = 64  # batches between merges of the distinct ids seen
 
 
 def row_dtype(slots: int) -> np.dtype:
-    """A listen row in a run: its time and file place (the merge's key), label, dense, ids."""
+    """A listen row in a run: its time and file place (the merge's key), label, dense, ids, its
+    user's earlier events (the history's place in the timelines)."""
     return np.dtype([("time", np.uint32), ("seq", np.uint64), ("label", np.uint8),
-                     ("dense", np.float32, (2,)), ("cats", np.uint32, (2 + 2 * slots,))])
+                     ("dense", np.float32, (2,)), ("cats", np.uint32, (2 + 2 * slots,)),
+                     ("earlier", np.uint32)])
 
 
-OPTIONS = ("history", "listen_plus", "val_days", "test_days", "time_unit", "gap_minutes")  # rows
+OPTIONS = ("history", "history_store", "listen_plus", "val_days", "test_days", "time_unit",
+           "gap_minutes")  # what the rows depend on
 
 
 def prepare(args, partitions: int, budget: int) -> Tuple[Events, Prepared, int]:
@@ -159,13 +162,13 @@ def rows_by_partition(args, partitions: int, job: WorkFolder, seen: dict, budget
             plus_rows[name] += made["plus"][name]
         in_gaps += made["in_gaps"]
     check_splits(args, rows, end, seen["first"])
-    dtype = row_dtype(args.history)
+    dtype = row_dtype(stored_slots(args))
     # a merge step holds its blocks about 4 times over (read, joined, sorted, converted)
     block = max(256, budget // (8 * partitions * dtype.itemsize))
 
     def chunks() -> Iterator[Chunk]:
         for name in SPLITS:
-            yield from merged(work, name, partitions, dtype, block, args.history)
+            yield from merged(work, name, partitions, dtype, block)
 
     def save_timelines(folder: Path) -> None:
         _timelines(work, partitions, counts, folder, max(1, budget // 128))  # 5 x 8 B an event
@@ -192,17 +195,19 @@ def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: n
                                       len(raw_users), events.time) if args.history else None)
     split = time_splits(events.time, cuts, gap_units(args))
     listens = order[events.kind[order] == LISTEN]
-    dtype, out = row_dtype(args.history), {"rows": {}, "plus": {}}
+    dtype, out = row_dtype(stored_slots(args)), {"rows": {}, "plus": {}}
     for s, name in enumerate(SPLITS):
         mine = listens[split[listens] == s]
         with open(work / f"run_{name}_{p}.bin", "wb") as run:
             for lo in range(0, len(mine), CHUNK):
                 r = mine[lo:lo + CHUNK]
                 label, dense, cats = listen_rows(events, r, users, items, plus, histories,
-                                                 args.history)
+                                                 stored_slots(args))
                 block = np.empty(len(r), dtype)
                 block["time"], block["seq"], block["label"] = events.time[r], seq[r], label
                 block["dense"], block["cats"] = dense, np.stack(cats, axis=1)
+                block["earlier"] = (histories.place[r] - histories.starts[users[r]]
+                                    if histories is not None else 0)
                 run.write(block.tobytes())
         out["rows"][name], out["plus"][name] = len(mine), int(plus[mine].sum())
     out["in_gaps"] = int((split[listens] < 0).sum())
@@ -213,8 +218,8 @@ def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: n
     return out
 
 
-def merged(work: Path, name: str, partitions: int, dtype: np.dtype, block: int,
-           slots: int) -> Iterator[Chunk]:
+def merged(work: Path, name: str, partitions: int, dtype: np.dtype, block: int
+           ) -> Iterator[Chunk]:
     """Pass 3: a split's runs merged by (time, seq), `block` rows of each run at a time."""
     paths = [path for path in (work / f"run_{name}_{p}.bin" for p in range(partitions))
              if path.stat().st_size]
@@ -255,7 +260,7 @@ def _merge(runs, sizes: List[int], at: List[int], dtype: np.dtype, block: int, n
         for lo in range(0, len(rows), CHUNK):
             r = rows[lo:lo + CHUNK]
             cats = r["cats"].astype(np.int64)
-            yield name, r["label"].astype(bool), r["dense"], list(cats.T), r["time"]
+            yield name, r["label"].astype(bool), r["dense"], list(cats.T), r["time"], r["earlier"]
 
 
 def _timelines(work: Path, partitions: int, counts: np.ndarray, folder: Path,

@@ -36,11 +36,12 @@ from dlrm_hybrid.data.interactions.ranking_history import (action_rows, engageme
                                                            history_features, history_note)
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter, check_new_output
+from dlrm_hybrid.data.timeline_history import OFFSETS, store_note
 from dlrm_hybrid.data.yambda import bounded
 from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events, read_events, total_rows
 from dlrm_hybrid.data.yambda.rules import (ACTIONS, CHUNK, DENSE, LABEL, Prepared, action_bits,
                                            check_splits, listen_plus, listen_rows, no_listen,
-                                           gap_units, split_cuts, time_splits)
+                                           gap_units, split_cuts, stored_slots, time_splits)
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 
@@ -59,6 +60,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--history", type=int, default=0, metavar="L",
                         help="each row's user's last L events before it, with their actions "
                              "(model.sequence: hstu reads them; default 0: none)")
+    parser.add_argument("--history-store", choices=("slots", "timelines"), default="slots",
+                        help="slots: L item and L action columns (about 5 bytes a slot a row); "
+                             "timelines: each row's place in timelines.npz, the slots gathered "
+                             "from it at load time (4 bytes a row; for long histories such as "
+                             "DLRMv4's 4,095)")
     parser.add_argument("--listen-plus", type=int, default=50, metavar="PCT",
                         help="listen_plus = a listen with played_ratio_pct >= PCT (default 50)")
     parser.add_argument("--val-days", type=float, default=1.0, metavar="D",
@@ -182,8 +188,10 @@ def build(events: Events, args) -> Prepared:
         for name, r in rows.items():
             for lo in range(0, len(r), CHUNK):
                 chunk = r[lo:lo + CHUNK]
+                earlier = (histories.place[chunk] - histories.starts[users[chunk]]
+                           if histories is not None else np.zeros(len(chunk), np.int64))
                 yield (name, *listen_rows(events, chunk, users, items, plus, histories,
-                                          args.history), events.time[chunk])
+                                          stored_slots(args)), events.time[chunk], earlier)
 
     return Prepared(raw_users, raw_items, {n: int(len(r)) for n, r in rows.items()},
                     {n: float(plus[r].mean()) for n, r in rows.items()},
@@ -196,23 +204,28 @@ def build(events: Events, args) -> Prepared:
 def write(events: Events, made: Prepared, args, partitions: int) -> dict:
     """The split-binary dataset, its notes, the rows' times, the ids' raw values, the report
     (returned)."""
-    slots = args.history
-    names = ["user_id", "item_id", *history_features(slots)]
+    slots, timelines = stored_slots(args), args.history_store == "timelines" and args.history
+    names = ["user_id", "item_id", *history_features(args.history)]
     spec = DataSpec(len(DENSE), [len(made.raw_users), len(made.raw_items),
                                  *[len(made.raw_items)] * slots,
-                                 *[action_rows(len(ACTIONS))] * slots], [1] * len(names))
+                                 *[action_rows(len(ACTIONS))] * slots], [1] * (2 + 2 * slots))
     with SplitBinaryWriter(args.output, spec, labels=[LABEL]) as writer:
-        times = {name: open(writer.tmp / name / TIMES, "wb") for name in SPLITS}
+        files = [(TIMES, np.uint32)] + ([(OFFSETS, np.uint32)] if timelines else [])
+        out = {(name, file): open(writer.tmp / name / file, "wb") for name in SPLITS
+               for file, _ in files}
         try:
-            for name, label, dense, cats, when in made.chunks():
+            for name, label, dense, cats, *per_row in made.chunks():
                 writer.write(name, label, dense, [c[:, None] for c in cats])
-                times[name].write(when.astype(np.uint32).tobytes())
+                for (file, dtype), values in zip(files, per_row):
+                    out[name, file].write(values.astype(dtype).tobytes())
         finally:
-            for f in times.values():
+            for f in out.values():
                 f.close()
         for key, value in notes(events, made, args, names).items():
             writer.note(key, value)
-        if slots:
+        if timelines:
+            writer.note("history_store", store_note(len(made.raw_items), action_rows(len(ACTIONS))))
+        if args.history:
             made.save_timelines(Path(writer.tmp))
         for file, raw in (("users.txt", made.raw_users), ("items.txt", made.raw_items)):
             writer.add_file(file, "".join(f"{v}\n" for v in raw.tolist()))

@@ -18,8 +18,9 @@ LABEL = "listen_plus"
 ACTIONS = (LABEL, "like", "dislike", "unlike", "undislike")  # action bit t: ACTIONS[t]
 DENSE = ("is_organic", "log1p_track_length_seconds")
 CHUNK = 1 << 16  # rows made at a time (a history of 50 slots: 52 MiB of ids)
-# a split's chunk of rows: (split, label [N], dense [N, 2], categorical columns [N] each, times)
-Chunk = Tuple[str, np.ndarray, np.ndarray, List[np.ndarray], np.ndarray]
+# a split's chunk of rows: (split, label [N], dense [N, 2], categorical columns [N] each, times,
+# each row's count of its user's earlier events: the history's place in the timelines)
+Chunk = Tuple[str, np.ndarray, np.ndarray, List[np.ndarray], np.ndarray, np.ndarray]
 
 
 def listen_plus(kind: np.ndarray, played: np.ndarray, threshold: int) -> np.ndarray:
@@ -55,6 +56,12 @@ def listen_rows(events: Events, rows: np.ndarray, users: np.ndarray, items: np.n
     past = (histories.before(rows, users[rows], slots) if slots else
             (np.zeros((len(rows), 0), np.int64),) * 2)
     return plus[rows], dense, [users[rows], items[rows], *past[0].T, *past[1].T]
+
+
+def stored_slots(args) -> int:
+    """History slots written as columns: all of them, or none when the reader takes them from
+    the timelines (`--history-store timelines`)."""
+    return args.history if args.history_store == "slots" else 0
 
 
 def split_cuts(args, end: int) -> list:
