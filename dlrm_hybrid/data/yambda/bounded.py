@@ -33,9 +33,9 @@ from dlrm_hybrid.data.feature_spec import SPLITS
 from dlrm_hybrid.data.interactions.ranking_history import TIMELINES, engagement_histories
 from dlrm_hybrid.data.yambda.events import (EVENT_TYPES, LISTEN, STORED, Events, event_batches,
                                             input_files, no_events)
-from dlrm_hybrid.data.yambda.rules import (CHUNK, Chunk, Prepared, action_bits, check_splits,
-                                           gap_units, listen_plus, listen_rows, no_listen,
-                                           split_cuts, stored_slots, time_splits)
+from dlrm_hybrid.data.yambda.rules import (CHUNK_IDS, Chunk, Prepared, action_bits, check_splits,
+                                           chunk_rows, gap_units, listen_plus, listen_rows,
+                                           no_listen, split_cuts, stored_slots, time_splits)
 
 EVENT = np.dtype([*[(name, dtype) for name, dtype in STORED.items()], ("seq", np.uint64)])
 UNIQUE_EVERY = 64  # batches between merges of the distinct ids seen
@@ -199,8 +199,8 @@ def partition_rows(args, work: Path, p: int, raw_users: np.ndarray, raw_items: n
     for s, name in enumerate(SPLITS):
         mine = listens[split[listens] == s]
         with open(work / f"run_{name}_{p}.bin", "wb") as run:
-            for lo in range(0, len(mine), CHUNK):
-                r = mine[lo:lo + CHUNK]
+            for lo in range(0, len(mine), chunk_rows(args)):
+                r = mine[lo:lo + chunk_rows(args)]
                 label, dense, cats = listen_rows(events, r, users, items, plus, histories,
                                                  stored_slots(args))
                 block = np.empty(len(r), dtype)
@@ -257,8 +257,9 @@ def _merge(runs, sizes: List[int], at: List[int], dtype: np.dtype, block: int, n
             at[k] += n
         rows = np.concatenate(taken)
         rows = rows[np.lexsort((rows["seq"], rows["time"]))]
-        for lo in range(0, len(rows), CHUNK):
-            r = rows[lo:lo + CHUNK]
+        step = max(256, CHUNK_IDS // max(50, dtype["cats"].shape[0]))  # as chunk_rows
+        for lo in range(0, len(rows), step):
+            r = rows[lo:lo + step]
             cats = r["cats"].astype(np.int64)
             yield name, r["label"].astype(bool), r["dense"], list(cats.T), r["time"], r["earlier"]
 

@@ -39,9 +39,10 @@ from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter, chec
 from dlrm_hybrid.data.timeline_history import OFFSETS, store_note
 from dlrm_hybrid.data.yambda import bounded
 from dlrm_hybrid.data.yambda.events import EVENT_TYPES, LISTEN, Events, read_events, total_rows
-from dlrm_hybrid.data.yambda.rules import (ACTIONS, CHUNK, DENSE, LABEL, Prepared, action_bits,
-                                           check_splits, listen_plus, listen_rows, no_listen,
-                                           gap_units, split_cuts, stored_slots, time_splits)
+from dlrm_hybrid.data.yambda.rules import (ACTIONS, DENSE, LABEL, Prepared, action_bits,
+                                           check_splits, chunk_rows, listen_plus, listen_rows,
+                                           no_listen, gap_units, split_cuts, stored_slots,
+                                           time_splits)
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs
 
@@ -186,8 +187,8 @@ def build(events: Events, args) -> Prepared:
 
     def chunks():
         for name, r in rows.items():
-            for lo in range(0, len(r), CHUNK):
-                chunk = r[lo:lo + CHUNK]
+            for lo in range(0, len(r), chunk_rows(args)):
+                chunk = r[lo:lo + chunk_rows(args)]
                 earlier = (histories.place[chunk] - histories.starts[users[chunk]]
                            if histories is not None else np.zeros(len(chunk), np.int64))
                 yield (name, *listen_rows(events, chunk, users, items, plus, histories,

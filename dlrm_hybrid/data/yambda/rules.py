@@ -17,7 +17,7 @@ from dlrm_hybrid.errors import DataError
 LABEL = "listen_plus"
 ACTIONS = (LABEL, "like", "dislike", "unlike", "undislike")  # action bit t: ACTIONS[t]
 DENSE = ("is_organic", "log1p_track_length_seconds")
-CHUNK = 1 << 16  # rows made at a time (a history of 50 slots: 52 MiB of ids)
+CHUNK_IDS = 50 << 16  # history slots made at a time: 65,536 rows of 50 slots, 52 MiB of ids
 # a split's chunk of rows: (split, label [N], dense [N, 2], categorical columns [N] each, times,
 # each row's count of its user's earlier events: the history's place in the timelines)
 Chunk = Tuple[str, np.ndarray, np.ndarray, List[np.ndarray], np.ndarray, np.ndarray]
@@ -56,6 +56,12 @@ def listen_rows(events: Events, rows: np.ndarray, users: np.ndarray, items: np.n
     past = (histories.before(rows, users[rows], slots) if slots else
             (np.zeros((len(rows), 0), np.int64),) * 2)
     return plus[rows], dense, [users[rows], items[rows], *past[0].T, *past[1].T]
+
+
+def chunk_rows(args) -> int:
+    """Rows made at a time: 65,536, fewer for a history of more than 50 stored slots (at
+    4,095, 65,536 rows would hold 4.3 GB of ids)."""
+    return max(256, CHUNK_IDS // max(50, stored_slots(args)))
 
 
 def stored_slots(args) -> int:
