@@ -124,6 +124,10 @@ class HstuConfig:
     # the softmax's candidates: every position's next item in the global batch (besides the
     # retrieval.uniform_negatives draws)
     in_batch_negatives: bool = True
+    # > 0: attention computed this many query positions at a time, each block's [c, n] scores
+    # made again in the backward rather than kept (model/hstu.py): a sample keeps no [n, n]
+    # activations, at about one more attention's compute; 0: all positions at once
+    attention_chunk: int = 0
 
 
 @dataclass

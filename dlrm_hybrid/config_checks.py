@@ -52,7 +52,8 @@ def validate(cfg: Config, world_size: int) -> None:
 
     device_constants("h100" if cfg.parallel.device == "auto" else cfg.parallel.device,
                      cfg.parallel.cost_model)
-    for key in ("train.eval_every", "checkpoint.every", "data.stream_window_s"):
+    for key in ("train.eval_every", "checkpoint.every", "data.stream_window_s",
+                "model.hstu.attention_chunk"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}")
     memory = parse_bytes(cfg.parallel.memory_per_rank, "parallel.memory_per_rank", allow_auto=True)

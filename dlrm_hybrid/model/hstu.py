@@ -30,6 +30,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 EPS = 1e-6  # the reference's layer-norm and L2-norm epsilon (written out where TorchScript reads)
 
@@ -62,9 +63,9 @@ class HSTULayer(nn.Module):
     """One HSTU layer (module docstring)."""
 
     def __init__(self, dim: int, length: int, heads: int, attention_dim: int, linear_dim: int,
-                 dropout: float, time_buckets: int) -> None:
+                 dropout: float, time_buckets: int, chunk: int = 0) -> None:
         super().__init__()
-        self.dim, self.length, self.heads = dim, length, heads
+        self.dim, self.length, self.heads, self.chunk = dim, length, heads, chunk
         self.attention_dim, self.linear_dim = attention_dim, linear_dim
         width = heads * (2 * linear_dim + 2 * attention_dim)
         self.uvqk = nn.Parameter(torch.empty(dim, width).normal_(0.0, 0.02))  # the reference's
@@ -74,34 +75,63 @@ class HSTULayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, causal: torch.Tensor, times: Optional[torch.Tensor],
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [B, n, D]; causal [B, n, n] 1.0 where the query may read the key; -> [B, n, D]."""
+                positions: Optional[torch.Tensor] = None,
+                keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, n, D]; causal [1 or B, n, n] 1.0 where the query may read the key; keys [B, n]
+        1.0 where a key is a sequence's (None: all); -> [B, n, D]."""
         b, n, _ = x.shape
         h, dqk, dv = self.heads, self.attention_dim, self.linear_dim
         normed = F.layer_norm(x, [self.dim], eps=1e-6)
         u, v, q, k = torch.split(F.silu(normed @ self.uvqk), [h * dv, h * dv, h * dqk, h * dqk],
                                  dim=-1)
-        scores = torch.einsum("bnhd,bmhd->bhnm", q.reshape(b, n, h, dqk),
-                              k.reshape(b, n, h, dqk))
-        weights = F.silu(scores + self.rab(n, times, positions)[:, None]) / self.length
-        weights = weights * causal[:, None]
-        attended = torch.einsum("bhnm,bmhd->bnhd", weights, v.reshape(b, n, h, dv))
+        q, k, v = q.reshape(b, n, h, dqk), k.reshape(b, n, h, dqk), v.reshape(b, n, h, dv)
+        bias = self.rab(n, times, positions)
+        if keys is None:
+            keys = torch.ones(1, n, dtype=x.dtype, device=x.device)
+        step = self.chunk if 0 < self.chunk < n else max(n, 1)
+        blocks: List[torch.Tensor] = []
+        for first in range(0, max(n, 1), step):  # queries a block at a time (attention_chunk)
+            end = min(n, first + step)
+            if step < n and self.training and torch.is_grad_enabled() \
+                    and not torch.jit.is_scripting():
+                blocks.append(self._attend_recomputed(q[:, first:end], k, v, bias[:, first:end],
+                                                      causal[:, first:end], keys))
+            else:
+                blocks.append(self._attend(q[:, first:end], k, v, bias[:, first:end],
+                                           causal[:, first:end], keys))
+        attended = blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
         gated = u * F.layer_norm(attended.reshape(b, n, h * dv), [h * dv], eps=1e-6)
         return x + self.out(self.dropout(gated))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                causal: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Queries q [B, c, h, dqk] against every key: [B, c, h, dv]."""
+        scores = torch.einsum("bnhd,bmhd->bhnm", q, k)
+        weights = F.silu(scores + bias[:, None]) / self.length
+        weights = weights * causal[:, None] * keys[:, None, None, :]
+        return torch.einsum("bhnm,bmhd->bnhd", weights, v)
+
+    @torch.jit.unused
+    def _attend_recomputed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           bias: torch.Tensor, causal: torch.Tensor,
+                           keys: torch.Tensor) -> torch.Tensor:
+        """`_attend` whose [c, n] scores are not kept for the backward but made again in it: a
+        block's activations live only while it is computed (activation checkpointing)."""
+        return checkpoint(self._attend, q, k, v, bias, causal, keys, use_reentrant=False)
 
 
 class HSTU(nn.Module):
     """The stacked, causal HSTU encoder over a user's item vectors."""
 
     def __init__(self, dim: int, length: int, layers: int, heads: int, attention_dim: int,
-                 linear_dim: int, dropout: float, time_buckets: int) -> None:
+                 linear_dim: int, dropout: float, time_buckets: int, chunk: int = 0) -> None:
         super().__init__()
         self.dim, self.length = dim, length
         self.position = nn.Embedding(length, dim)
         nn.init.trunc_normal_(self.position.weight, std=math.sqrt(1.0 / dim))
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList([
-            HSTULayer(dim, length, heads, attention_dim, linear_dim, dropout, time_buckets)
+            HSTULayer(dim, length, heads, attention_dim, linear_dim, dropout, time_buckets, chunk)
             for _ in range(layers)])
 
     def forward(self, items: torch.Tensor, counts: torch.Tensor,
@@ -112,11 +142,11 @@ class HSTU(nn.Module):
         b, n, _ = items.shape
         slots = torch.arange(n, device=items.device)
         used = (slots[None, :] < counts[:, None]).to(items.dtype)  # [B, n]
-        causal = (slots[:, None] >= slots[None, :]).to(items.dtype)[None] * used[:, None, :]
+        causal = (slots[:, None] >= slots[None, :]).to(items.dtype)[None]  # [1, n, n]: no batch
         x = items * math.sqrt(self.dim) + self.position.weight[:n][None].to(items.dtype)
         x = self.dropout(x) * used[:, :, None]
         for layer in self.layers:
-            x = layer(x, causal, times) * used[:, :, None]
+            x = layer(x, causal, times, None, used) * used[:, :, None]
         return F.normalize(x, dim=-1, eps=1e-6)
 
     def after_history(self, history: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
