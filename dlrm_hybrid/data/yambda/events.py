@@ -7,8 +7,8 @@ offline, so written down here as assumed):
 - `likes`, `unlikes`, `dislikes`, `undislikes` `.parquet`: uid, item_id, timestamp, is_organic;
 - `multi_event.parquet`: all of them, with `event_type` (listen, like, unlike, dislike,
   undislike) and the listens' two columns null on other events.
-Timestamps are integers (seconds from an anonymized epoch, in multiples of 5). Integer columns of any
-width are read; a column of another type, a missing column, an empty or non-parquet file is
+Timestamps are integers (seconds from an anonymized epoch, in multiples of 5). Integer columns
+of any width are read; a column of another type, a missing column, an empty or non-parquet file is
 refused in one line naming the file and column. Bad rows (a null id or time, a listen without
 its played ratio, an unknown event type, a negative value or one too large for the dtypes
 above) are counted by kind and skipped.
