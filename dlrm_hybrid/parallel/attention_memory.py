@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import torch
 
 HEAD = {"fp32": 8.95, "tf32": 8.95, "bf16": 6.5, "fp16": 6.5, "auto": 6.5}  # auto: bf16 on a GPU
 LAYER_BATCH, LAYER_BATCH_CHUNKED, ONCE = 8.0, 12.0, 4.0
@@ -57,6 +56,8 @@ def positionwise_bytes(model_cfg, precision: str) -> float:
     """Bytes one layer keeps per position of a sample besides its [n, n] scores, for the
     configured widths: its saved tensors at 16, 32 and 64 positions in blocks of 4 queries,
     fitted as constant (the weights) + a n + b n^2 (the bias and mask): a."""
+    import torch  # not at import: `plan` of a model without HSTU needs none (tests/test_start.py)
+
     from dlrm_hybrid.model.hstu import HSTULayer, head_widths
 
     h = model_cfg.hstu
@@ -66,7 +67,7 @@ def positionwise_bytes(model_cfg, precision: str) -> float:
     for n in (16, 32, 64):
         storages = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t):
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
