@@ -20,9 +20,9 @@ from dlrm_hybrid.train.precision import cpu_description
 
 
 def saved_bytes(n: int, layers: int, heads: int, autocast: bool, batch: int = 1,
-                chunk: int = 0) -> int:
+                chunk: int = 0, checkpoint_layers: bool = False) -> int:
     """Bytes autograd keeps for the backward of `batch` sequences through `layers` layers."""
-    model = HSTU(64, n, layers, heads, 16, 16, 0.0, 0, chunk)
+    model = HSTU(64, n, layers, heads, 16, 16, 0.0, 0, chunk, checkpoint_layers)
     storages = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

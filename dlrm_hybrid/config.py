@@ -128,6 +128,9 @@ class HstuConfig:
     # made again in the backward rather than kept (model/hstu.py): a sample keeps no [n, n]
     # activations, at about one more attention's compute; 0: all positions at once
     attention_chunk: int = 0
+    # each layer keeps only its input for the backward and is run again in it (activation
+    # checkpointing): a sample keeps one layer's activations at a time, at one more forward
+    checkpoint_layers: bool = False
 
 
 @dataclass

@@ -137,7 +137,8 @@ KEYS = ["user_id", "item_id", "user_history0", "user_history1", "user_history2",
 
 def feature(seed: int = 0) -> SequenceFeature:
     torch.manual_seed(seed)
-    cfg = SimpleNamespace(layers=2, heads=1, attention_dim=0, linear_dim=0, dropout=0.0, attention_chunk=0)
+    cfg = SimpleNamespace(layers=2, heads=1, attention_dim=0, linear_dim=0, dropout=0.0, attention_chunk=0,
+                          checkpoint_layers=False)
     module = SequenceFeature(KEYS, ["user_id", "item_id", "user_action0"], "item_id",
                              KEYS[2:5], KEYS[5:], 8, cfg)
     with torch.no_grad():  # trained-like weights: the reference's init barely mixes positions

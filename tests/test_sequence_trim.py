@@ -26,7 +26,7 @@ KEYS = ["item_id", *HISTORY, "user_id", *ACTIONS]
 def feature(seed: int = 0, dropout: float = 0.0) -> SequenceFeature:
     torch.manual_seed(seed)
     cfg = SimpleNamespace(layers=2, heads=2, attention_dim=4, linear_dim=4, dropout=dropout,
-                          attention_chunk=0)
+                          attention_chunk=0, checkpoint_layers=False)
     module = SequenceFeature(KEYS, ["user_id", "item_id", ACTIONS[0]], "item_id", HISTORY,
                              ACTIONS, DIM, cfg)
     with torch.no_grad():  # trained-like weights

@@ -124,9 +124,10 @@ class HSTU(nn.Module):
     """The stacked, causal HSTU encoder over a user's item vectors."""
 
     def __init__(self, dim: int, length: int, layers: int, heads: int, attention_dim: int,
-                 linear_dim: int, dropout: float, time_buckets: int, chunk: int = 0) -> None:
+                 linear_dim: int, dropout: float, time_buckets: int, chunk: int = 0,
+                 checkpoint_layers: bool = False) -> None:
         super().__init__()
-        self.dim, self.length = dim, length
+        self.dim, self.length, self.checkpoint_layers = dim, length, checkpoint_layers
         self.position = nn.Embedding(length, dim)
         nn.init.trunc_normal_(self.position.weight, std=math.sqrt(1.0 / dim))
         self.dropout = nn.Dropout(dropout)
@@ -146,8 +147,20 @@ class HSTU(nn.Module):
         x = items * math.sqrt(self.dim) + self.position.weight[:n][None].to(items.dtype)
         x = self.dropout(x) * used[:, :, None]
         for layer in self.layers:
-            x = layer(x, causal, times, None, used) * used[:, :, None]
+            if self.checkpoint_layers and self.training and torch.is_grad_enabled() \
+                    and not torch.jit.is_scripting():
+                x = self._layer_recomputed(layer, x, causal, times, used)
+            else:
+                x = layer(x, causal, times, None, used)
+            x = x * used[:, :, None]
         return F.normalize(x, dim=-1, eps=1e-6)
+
+    @torch.jit.unused
+    def _layer_recomputed(self, layer: nn.Module, x: torch.Tensor, causal: torch.Tensor,
+                          times: Optional[torch.Tensor], used: torch.Tensor) -> torch.Tensor:
+        """`layer` keeping only its input for the backward, run again in it
+        (`model.hstu.checkpoint_layers`; dropout draws the same masks again)."""
+        return checkpoint(layer, x, causal, times, None, used, use_reentrant=False)
 
     def after_history(self, history: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """[N, D]: each candidate's output as `forward` gives it at the last position of the

@@ -48,7 +48,7 @@ class HSTURetrieval(nn.Module):
                                                 hstu_cfg.linear_dim)
         self.hstu = HSTU(dim, hstu_cfg.max_length, hstu_cfg.layers, hstu_cfg.heads,
                          attention_dim, linear_dim, hstu_cfg.dropout, hstu_cfg.time_buckets,
-                         hstu_cfg.attention_chunk)
+                         hstu_cfg.attention_chunk, hstu_cfg.checkpoint_layers)
         self.loss = SequenceSoftmax(temperature, hstu_cfg.in_batch_negatives)
         self.exchange = "pooled"  # what the id and vector exchanges carry (parallel/exchange.py)
         # Set by the training step: fp16 loss scaling cuts the backward in two here.

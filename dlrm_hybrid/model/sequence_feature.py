@@ -46,7 +46,8 @@ class SequenceFeature(nn.Module):
         attention_dim, linear_dim = head_widths(dim, hstu_cfg.heads, hstu_cfg.attention_dim,
                                                 hstu_cfg.linear_dim)
         self.hstu = HSTU(dim, len(history) + 1, hstu_cfg.layers, hstu_cfg.heads, attention_dim,
-                         linear_dim, hstu_cfg.dropout, 0, hstu_cfg.attention_chunk)
+                         linear_dim, hstu_cfg.dropout, 0, hstu_cfg.attention_chunk,
+                         hstu_cfg.checkpoint_layers)
 
     def forward(self, slots: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         b = slots.shape[0]

@@ -45,11 +45,15 @@ def queries(model_cfg) -> int:
 
 def bytes_per_sample(model_cfg, precision: str) -> int:
     """What a sample adds: every layer's scores kept for the backward (or, in blocks, one
-    block's while it is computed) and every layer's n-wide activations."""
+    block's while it is computed) and every layer's n-wide activations; with
+    `checkpoint_layers`, every layer's input (fp32) and one layer's activations at a time."""
     n, h = positions(model_cfg), model_cfg.hstu
     c = queries(model_cfg)
-    scores = HEAD[precision] * h.heads * c * n * (h.layers if c == n else 1)
-    return int(scores + positionwise_bytes(model_cfg, precision) * n * h.layers)
+    scores = HEAD[precision] * h.heads * c * n  # one layer's, or one block's
+    layer = positionwise_bytes(model_cfg, precision) * n
+    if h.checkpoint_layers:
+        return int(h.layers * 4 * model_cfg.embedding_dim * n + layer + scores)
+    return int(scores * (h.layers if c == n else 1) + layer * h.layers)
 
 
 def positionwise_bytes(model_cfg, precision: str) -> float:
@@ -103,10 +107,12 @@ def describe_attention(cfg, world_size: int, free_bytes: int) -> Optional[str]:
     how = (f"{m.hstu.layers} layers of {m.hstu.heads} heads' [{n:,}, {n:,}] scores kept for "
            f"the backward" if c == n else f"one block of {c:,} queries x {n:,} keys at a time, "
            f"model.hstu.attention_chunk {c:,}, made again in the backward")
-    remedy = ("more ranks or a smaller global batch (a local batch of at most that), or shorter "
-              "sequences (model.hstu.max_length)" if c < n else
-              "set model.hstu.attention_chunk (e.g. 256), or a smaller local batch, or shorter "
-              "sequences (model.hstu.max_length)")
+    if m.hstu.checkpoint_layers:
+        how += "; layers run again in the backward (model.hstu.checkpoint_layers)"
+    remedy = ("set model.hstu.attention_chunk (e.g. 256), or " if c == n else
+              "set model.hstu.checkpoint_layers, or " if not m.hstu.checkpoint_layers else "")
+    remedy += ("more ranks or a smaller global batch (a local batch of at most that), or "
+               "shorter sequences (model.hstu.max_length)")
     verdict = ("fits" if local <= fits else
                f"does NOT fit: at most {fits:,} full-length samples a rank fit beside the "
                f"tables and the dense part; {remedy}")
