@@ -74,3 +74,25 @@ def test_timelines_that_cannot_be_mapped_are_refused_in_one_line(stores, tmp_pat
         mapped_member(packed, "items")
     with zipfile.ZipFile(stores / "timelines" / "timelines.npz") as archive:
         assert {i.compress_type for i in archive.infolist()} == {zipfile.ZIP_STORED}
+
+
+def test_the_datasets_identity_covers_the_offsets_and_the_timelines(stores, tmp_path):
+    """A checkpoint's resume compares datasets by identity: other offsets or timelines are
+    another dataset."""
+    import shutil
+
+    from dlrm_hybrid.train.dataset_identity import dataset_identity
+
+    same = dataset_identity(str(stores / "timelines"))
+    offsets, timelines = tmp_path / "offsets", tmp_path / "timelines"
+    for copy in (offsets, timelines):
+        shutil.copytree(stores / "timelines", copy)
+    changed = np.fromfile(offsets / "train" / "timeline_offset.bin", np.uint32)
+    changed[0] += 1
+    changed.tofile(offsets / "train" / "timeline_offset.bin")
+    with np.load(stores / "timelines" / "timelines.npz") as f:
+        arrays = {key: f[key] for key in f.files}
+    arrays["items"] = arrays["items"][::-1].copy()
+    np.savez(timelines / "timelines.npz", **arrays)
+    assert dataset_identity(str(stores / "timelines")) == same
+    assert dataset_identity(str(offsets)) != same and dataset_identity(str(timelines)) != same

@@ -27,17 +27,26 @@ def dataset_identity(path: str) -> dict:
     fspec = load_feature_spec(path)
     spec, heads = fspec.spec, hashlib.sha256()
     samples = {}
+    store = fspec.notes.get("history_store")  # a history read from the timelines: theirs too
+    root = Path(fspec.root)
     for split, files in sorted(fspec.splits.items()):
         samples[split] = files.label.stat().st_size  # one byte per sample
-        for file in [*files.labels, files.numerical, *files.categorical]:
+        offsets = [root / split / store["offsets"]] if store else []
+        for file in [*files.labels, files.numerical, *files.categorical, *offsets]:
             if file is None:  # no dense features
                 continue
-            with open(file, "rb") as f:
-                heads.update(f"{file.name} {file.stat().st_size}\n".encode())
-                heads.update(f.read(HEAD_BYTES))
+            _digest(heads, file)
+    if store:
+        _digest(heads, root / store["timelines"])
     return {"num_dense": spec.num_dense, "cardinalities": list(spec.cardinalities),
             "hotness": list(spec.hotness), "labels": list(fspec.label_names),
             "samples": samples, "files_sha256": heads.hexdigest()}
+
+
+def _digest(heads, file: Path) -> None:
+    with open(file, "rb") as f:
+        heads.update(f"{file.name} {file.stat().st_size}\n".encode())
+        heads.update(f.read(HEAD_BYTES))
 
 
 def _interaction_identity(path: str) -> dict:
