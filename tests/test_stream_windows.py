@@ -40,11 +40,11 @@ def test_no_window_is_evaluated_on_a_row_trained_or_earlier_than_one_trained(gap
         first, end = stream.rows(window)
         assert first >= trained  # not one row of it trained
         assert times[trained - 1] < times[first]  # every trained row is earlier
-        assert stream.end_step(window - 1) == step  # its previous window ends here
+        assert starts[window] // batch == step  # its previous window ends here
         evaluated.append(window)
     assert evaluated == sorted(set(evaluated))  # each once, in time order
     # Every window but the first is evaluated, unless it and the one before end at one step.
-    ends = [stream.end_step(k) for k in range(stream.count - 1)]
+    ends = [int(starts[k + 1]) // batch for k in range(stream.count - 1)]
     assert set(evaluated) == {k + 1 for k in range(stream.count - 1)
                               if ends[k] > 0 and (k + 1 == stream.count - 1 or ends[k + 1] > ends[k])}
 

@@ -39,18 +39,17 @@ class StreamWindows:
     starts: np.ndarray
     times: np.ndarray
     batch: int
-    unit_s: float
 
     @staticmethod
     def of(row_times: np.ndarray, width_s: float, unit_s: float, batch: int) -> "StreamWindows":
         width = width_s / unit_s
         if len(row_times) == 0:
-            return StreamWindows(np.zeros(1, np.int64), np.zeros(0), batch, unit_s)
+            return StreamWindows(np.zeros(1, np.int64), np.zeros(0), batch)
         t0 = int(row_times[0])
         index = np.floor((row_times.astype(np.float64) - t0) / width).astype(np.int64)
         starts = np.flatnonzero(np.diff(index, prepend=-1)).astype(np.int64)
         return StreamWindows(np.append(starts, len(row_times)), t0 + index[starts] * width,
-                             batch, unit_s)
+                             batch)
 
     @property
     def count(self) -> int:
@@ -60,9 +59,6 @@ class StreamWindows:
     def steps(self) -> int:
         """One pass: every full global batch of the split."""
         return int(self.starts[-1]) // self.batch
-
-    def end_step(self, k: int) -> int:
-        return int(self.starts[k + 1]) // self.batch
 
     def at(self, step: int) -> Tuple[int, int]:
         """(window, rows of it trained) after `step` steps: the window the next row is in."""
@@ -80,6 +76,20 @@ class StreamWindows:
 
     def rows(self, k: int) -> Tuple[int, int]:
         return int(self.starts[k]), int(self.starts[k + 1])
+
+    def describe(self, width_s: float, evaluated_on: str, first: int, steps: int) -> str:
+        """The run's stream in a line: its windows, where it starts, what windows are evaluated
+        on (`data.stream_eval`), the rows left untrained."""
+        k, into = self.at(first)
+        evaluated = {"next": "each on the next window", "heldout": "each on the validation "
+                     "split", "none": "not evaluated"}[evaluated_on]
+        rows = int(self.starts[-1])
+        left = rows - steps * self.batch
+        windows = f"{self.count} window{'s' if self.count != 1 else ''}"
+        return (f"streaming in time order: {windows} of {width_s:g} s over the training "
+                f"split's {rows:,} rows, {steps} steps of {self.batch:,} from step {first} "
+                f"(window {k}, {into:,} rows into it); windows {evaluated}"
+                + (f"; the last {left:,} rows are not trained" if left else ""))
 
     def record(self, step: int) -> Dict[str, object]:
         """A checkpoint's record of where in the stream `step` is."""

@@ -15,7 +15,7 @@ n = 768), bytes per [n, n] position pair:
   c / n of a layer's scores, is what a sample then costs (`head` x heads x c x n).
 The n-wide activations (the layer's inputs, its U, V, Q, K and their SiLU, the gated output:
 tens of values a position at DLRMv4's widths) are measured for the configured widths when `plan`
-runs (`positionwise_bytes`: one layer's saved tensors at two short lengths), since in blocks
+runs (`positionwise_bytes`: one layer's saved tensors at three short lengths), since in blocks
 they are most of what a sample keeps.
 """
 

@@ -95,7 +95,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         return TrainResult(first, [], {}, 0.0)
     log.begin(cfg, plan, applied_sharding(dmp), resumed=first)
     if stream is not None:
-        log.say(describe_stream(stream, cfg.data, first, steps))
+        log.say(stream.describe(cfg.data.stream_window_s, cfg.data.stream_eval, first, steps))
     guard = DivergenceGuard(checkpoint_root(cfg), env.device, first)
     mlperf.run_start(cfg, env, dataset.num_samples("train"), dataset.num_samples("val"),
                      train_step.precision.name)
@@ -281,20 +281,6 @@ def evaluate_window(dmp, dataset, kind: ModelKind, env: DistEnv, log: MetricsLog
                 "eval_s": time.perf_counter() - start})
     log.say(f"eval step {step}, {window} window{'s' if window > 1 else ''} trained, on "
             f"{where}: {metrics_text(metrics)}")
-
-
-def describe_stream(stream: StreamWindows, data_cfg, first: int, steps: int) -> str:
-    """The run's stream in a line: its windows, where it starts, how windows are evaluated."""
-    k, into = stream.at(first)
-    evaluated = {"next": "each on the next window", "heldout": "each on the validation split",
-                 "none": "not evaluated"}[data_cfg.stream_eval]
-    rows = int(stream.starts[-1])
-    left = rows - steps * stream.batch
-    windows = f"{stream.count} window{'s' if stream.count != 1 else ''}"
-    return (f"streaming in time order: {windows} of {data_cfg.stream_window_s:g} s "
-            f"over the training split's {rows:,} rows, {steps} steps of {stream.batch:,} from "
-            f"step {first} (window {k}, {into:,} rows into it); windows {evaluated}"
-            + (f"; the last {left:,} rows are not trained" if left else ""))
 
 
 class TargetWatch:

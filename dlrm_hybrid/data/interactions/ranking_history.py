@@ -71,6 +71,13 @@ class Histories:
                  starts=self.starts)
 
 
+def check_slots(slots: int) -> None:
+    """`--history L` of the commands that write a history: 0 (none) or more."""
+    if slots < 0:
+        raise UserError(f"--history: the slots of each row's history, 0 (none) or more; got "
+                        f"{slots}")
+
+
 def action_rows(labels: int) -> int:
     """The action table's rows for `labels` labels: empty, then 1 + every bitmask."""
     return (1 << labels) + 1

@@ -40,7 +40,7 @@ import numpy as np
 
 from dlrm_hybrid.data.feature_spec import check_label_names
 from dlrm_hybrid.data.interactions.interaction_log import BAD_KINDS, OPS, Log, Positive
-from dlrm_hybrid.data.interactions.ranking_history import (Histories, action_rows,
+from dlrm_hybrid.data.interactions.ranking_history import (Histories, action_rows, check_slots,
                                                            engagement_histories, history_columns,
                                                            history_features, history_note)
 from dlrm_hybrid.data.interactions.interaction_split import Prepared, prepare, read_checked_log
@@ -280,9 +280,7 @@ def run(args) -> None:
     if args.positive:
         raise UserError("--positive: with --labels every row of the log is an engagement; say "
                         "what each label is in --labels (e.g. liked:rating>=4)")
-    if args.history < 0:
-        raise UserError(f"--history: the slots of each row's history, 0 (none) or more; got "
-                        f"{args.history}")
+    check_slots(args.history)
     if args.ranking_negatives < 0:
         raise UserError(f"--ranking-negatives: must be 0 or more, got {args.ranking_negatives}")
     if not 0 <= args.candidate_ratio <= 1:

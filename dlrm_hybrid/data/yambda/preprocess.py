@@ -32,7 +32,8 @@ import numpy as np
 
 from dlrm_hybrid.data.criteo.budget import available_memory, own_peak_rss, parse_size
 from dlrm_hybrid.data.feature_spec import SPLITS
-from dlrm_hybrid.data.interactions.ranking_history import (action_rows, engagement_histories,
+from dlrm_hybrid.data.interactions.ranking_history import (action_rows, check_slots,
+                                                           engagement_histories,
                                                            history_features, history_note)
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import REPORT, SplitBinaryWriter, check_new_output
@@ -106,9 +107,7 @@ def _check(args) -> None:
                         ("--time-unit", args.time_unit)):
         if not value > 0:
             raise UserError(f"{flag}: a number above 0; got {value}")
-    if args.history < 0:
-        raise UserError(f"--history: the slots of each row's history, 0 (none) or more; got "
-                        f"{args.history}")
+    check_slots(args.history)
     if args.gap_minutes < 0:
         raise UserError(f"--gap-minutes: 0 (no gap) or more; got {args.gap_minutes:g}")
     if not 0 <= args.listen_plus <= 100:
