@@ -393,6 +393,30 @@ def test_inputs_too_small_for_every_split_are_refused_and_leave_nothing(tmp_path
     assert only_inputs_left(tmp_path, ["day_0", "day_23"])
 
 
+def test_empty_inputs_are_a_one_line_error_and_leave_nothing(tmp_path):
+    """Empty files once crashed with an IndexError before any check."""
+    (tmp_path / "a.tsv").write_bytes(b"")
+    (tmp_path / "b.tsv").write_bytes(b"")
+    inputs = [tmp_path / "a.tsv", tmp_path / "b.tsv"]
+    with pytest.raises(DataError, match=f"^--input: {tmp_path / 'a.tsv'}, {tmp_path / 'b.tsv'}: "
+                                        f"empty; give Criteo TSV files with rows$"):
+        preprocess_criteo(inputs, tmp_path / "out", workers=1)
+    assert only_inputs_left(tmp_path, ["a.tsv", "b.tsv"])
+
+
+def test_a_byte_order_mark_is_dropped_and_its_row_kept(tmp_path, small_tasks):
+    """A file saved by an editor that starts it with a UTF-8 BOM: the first row is a row (it was
+    once skipped as a bad label), every other task of the file unchanged."""
+    lines = ["\t".join(r) + "\n" for r in make_rows(3000, seed=5)]
+    (tmp_path / "plain.txt").write_text("".join(lines))
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + "".join(lines).encode())
+    plain = preprocess_criteo([tmp_path / "plain.txt"], tmp_path / "a", workers=2)
+    bom = preprocess_criteo([tmp_path / "bom.txt"], tmp_path / "b", workers=2)
+    assert bom["rows_written"] == plain["rows_written"] == {**bom["rows_written"], "total": 3000}
+    assert bom["first_problem"] is None and not any(bom["bad_rows"].values())
+    assert dataset_files(tmp_path / "a") == dataset_files(tmp_path / "b")
+
+
 def test_command_line_refuses_days_without_day_23_in_one_line_with_exit_2(tmp_path):
     from conftest import run_cli
 

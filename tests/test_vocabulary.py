@@ -188,6 +188,13 @@ def test_rows_are_located_by_their_line_across_blank_lines_and_chunks(criteo_mod
     chunks = list(raw_criteo_chunks(data, str(criteo_model["dataset"]), 13, features, 4))
     assert [[chunk.locate(i) for i in range(len(chunk.dense))] for chunk in chunks] == [
         [f"{data}:{line}" for line in lines] for lines in ([3, 4], [5, 7, 8], [9, 10, 11, 12])]
+    for labelled in (False, True):  # a byte-order mark first: dropped, its row scored
+        lines = criteo_model["rows"].splitlines()[:5]
+        data.write_bytes(b"\xef\xbb\xbf" + "".join(
+            (line if labelled else line.split("\t", 1)[1]) + "\n" for line in lines).encode())
+        chunks = list(raw_criteo_chunks(data, str(criteo_model["dataset"]), 13, features, 4))
+        assert [len(chunk.dense) for chunk in chunks] == [4, 1]
+        assert (chunks[0].labels is not None) == labelled
 
 
 def test_raw_rows_need_a_criteo_shaped_model():

@@ -1,8 +1,9 @@
 """Raw Criteo TSV rows to score (`predict --raw-criteo DATASET`): `label \\t I1..I13 \\t C1..C26`
 lines, or the same without the label (39 fields; the first line decides), plain or .gz. They are
 parsed by `preprocess criteo`'s own parser and mapped to ids by DATASET's vocabulary, so a row
-scores as it would once preprocessed into that dataset. Every line but a blank one is a row: a
-malformed line is an error naming it, never skipped. Read in chunks of lines, in bounded memory."""
+scores as it would once preprocessed into that dataset (a byte-order mark dropped, as there).
+Every line but a blank one is a row: a malformed line is an error naming it, never skipped. Read
+in chunks of lines, in bounded memory."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 from dlrm_hybrid.data.criteo.parse import (BLANK_LINE, KINDS, NUM_CATEGORICAL, NUM_FIELDS,
                                            NUM_NUMERICAL, REASONS, WRONG_FIELD_COUNT,
                                            parse_lines)
+from dlrm_hybrid.data.criteo.tasks import BOM
 from dlrm_hybrid.data.criteo.vocabulary import Vocabulary
 from dlrm_hybrid.data.text_rows import ScoringRows
 from dlrm_hybrid.errors import DataError
@@ -50,6 +52,8 @@ def _chunks(path: Path, vocabulary: Vocabulary, rows_per_chunk: int) -> Iterator
             lines = _read(path, stream, rows_per_chunk)
             if not lines:
                 return
+            if first_line == 1:  # a byte-order mark, as `preprocess criteo` reads it: dropped
+                lines[0] = lines[0].removeprefix(BOM)
             if labelled is None:
                 labelled = _labelled(path, lines, first_line)
             if labelled is not None:

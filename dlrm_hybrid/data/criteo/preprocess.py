@@ -34,6 +34,7 @@ from dlrm_hybrid.data.criteo.vocabulary import FOLDER, KEY
 from dlrm_hybrid.data.criteo.work import WorkFolder, identity, write_json
 from dlrm_hybrid.data.criteo.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
 from dlrm_hybrid.data.split_binary_writer import REPORT, check_new_output
+from dlrm_hybrid.errors import DataError
 
 MAX_OUTPUT_ROW_BYTES = 1 + 2 * NUM_NUMERICAL + 4 * NUM_CATEGORICAL
 
@@ -76,6 +77,8 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
 def _run(job: Job, split: str, start: float) -> dict:
     if job.work.resumed:
         print(f"continuing the partial work in {job.work.root}", flush=True)
+    if not job.tasks:
+        raise DataError(f"--input: {', '.join(job.inputs)}: empty; give Criteo TSV files with rows")
     sample = sample_input(job.tasks[0])
     _check_disk(job, sample)
     progress = JobProgress(["count", "write"], job.input_bytes)

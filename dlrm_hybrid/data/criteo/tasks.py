@@ -13,6 +13,7 @@ from dlrm_hybrid.errors import DataError
 
 TASK_BYTES = 64 << 20  # one task of a plain file; tests shrink it to exercise several per file
 CHUNK_BYTES = 8 << 20  # parsed at once; the memory plan may choose less
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which some editors put first in a file
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,17 @@ def _next_line_start(f, position: int) -> int:
 
 def read_lines(task: Task, block: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The task's text in blocks of whole lines of about `block` bytes, each ending in a
-    newline."""
+    newline; a byte-order mark at the start of the file dropped (else its row is a bad label)."""
     carry = b""
+    first = task.start == 0
     try:
         with (gzip.open(task.path, "rb") if task.end is None else open(task.path, "rb")) as f:
             f.seek(task.start)
             left = None if task.end is None else task.end - task.start
             while data := f.read(block if left is None else min(block, left)):
                 left = None if left is None else left - len(data)
+                if first:
+                    data, first = data.removeprefix(BOM), False
                 cut = data.rfind(b"\n") + 1
                 if cut:
                     yield carry + data[:cut]
