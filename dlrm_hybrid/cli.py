@@ -267,12 +267,14 @@ def run_retrieval_export(args, index_settings: dict) -> None:
 
 def run_predict(args) -> None:
     with collector_paused():
+        from dlrm_hybrid.serve.export import description_path
         from dlrm_hybrid.serve.predict import predict
 
     if args.batch_size < 1:
         raise UserError("predict: --batch-size must be at least 1")
     refuse_overwriting_inputs([("--out", args.out), ("--label-out", args.label_out)],
                               [("--model", args.model), ("--data", args.data),
+                               ("--model's description", str(description_path(Path(args.model)))),
                                ("--raw-criteo", args.raw_criteo)], "predict")
     result = predict(args.model, args.data, args.out, args.split, args.batch_size, args.header,
                      args.raw_criteo, args.value, args.top_k_label, args.label_out,

@@ -92,6 +92,15 @@ def test_predict_refuses_an_out_that_is_its_model_spelled_relative(made):
     assert_refused(result, model, before, f"--out {relative} is --model {model}")
 
 
+def test_predict_refuses_an_out_that_is_its_models_description(made):
+    """model.json, the description `export` wrote beside model.pt, is part of the model."""
+    description = made["model"].with_suffix(".json")
+    before = description.read_bytes()
+    result = run_cli(["predict", "--model", str(made["model"]), "--data", str(made["dataset"]),
+                      "--out", str(description)])
+    assert_refused(result, description, before, f"--out {description} is --model's description")
+
+
 def test_export_refuses_a_description_over_a_checkpoint_file(made, tmp_path):
     """--out LINK/meta.pt, LINK a symlink to the checkpoint: its description LINK/meta.json
     would replace the checkpoint's meta.json."""
