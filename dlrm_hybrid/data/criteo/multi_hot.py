@@ -84,6 +84,10 @@ def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = 
     # at start for this module's arguments.
     from dlrm_hybrid.data.split_binary import SPLIT_NAMES, SplitBinaryDataset
 
+    if chunk_rows < 1:  # a range() step: 0 fails, a negative one writes no sample
+        raise ConfigError(f"--chunk-rows: at least 1 row at a time, got {chunk_rows}")
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"--seed: numpy's legacy seed, 0 to 2**32 - 1, got {seed}")
     source = SplitBinaryDataset(input_dir)
     spec = source.fspec.spec
     rows = rows or spec.cardinalities
