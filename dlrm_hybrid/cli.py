@@ -305,6 +305,8 @@ def run_synth(args) -> None:
 
 
 def run_preprocess(args) -> None:
+    if getattr(args, "seed", 0) < 0:  # numpy's generators take none (a traceback, not a line)
+        raise UserError(f"--seed: 0 or more, got {args.seed}")
     # day23: in place; first-stage, impressions and yambda: their own inputs and check
     if args.format not in ("day23", "first-stage", "impressions", "yambda"):
         inputs = args.input if isinstance(args.input, list) else [args.input]

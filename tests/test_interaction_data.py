@@ -196,6 +196,20 @@ def test_an_empty_split_is_refused_and_nothing_is_written(tmp_path):
     assert "error: the val split is empty (time cut" in result.stderr
 
 
+@pytest.mark.parametrize("command", [["interactions", "--input", "log.csv"],
+                                     ["impressions", "--impressions", "log.tsv"],
+                                     ["yambda", "--generate", "100"],
+                                     ["first-stage", "--retrieval", "r", "--ranking", "k",
+                                      "--labels", "l.txt"]])
+def test_a_negative_seed_is_one_line_before_any_reading(tmp_path, command):
+    """It was numpy's traceback once the log was read."""
+    result = run_cli(["preprocess", *command, "--output", str(tmp_path / "out"), "--seed", "-1"],
+                     cwd=tmp_path)
+    assert (result.returncode, result.stderr.strip().splitlines()) == \
+        (2, ["error: --seed: 0 or more, got -1"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_existing_output_is_not_overwritten(tmp_path):
     log = write_layout(tmp_path / "log", "u.data")
     (tmp_path / "out").mkdir()

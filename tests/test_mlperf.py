@@ -253,7 +253,7 @@ def test_multi_hot_refuses_what_it_cannot_build_and_writes_nothing(tmp_path):
     for flag, value, message in (  # -1 once wrote an empty dataset, 0 and the seed crashed
             ("--chunk-rows", "-1", "--chunk-rows: at least 1 row at a time, got -1"),
             ("--chunk-rows", "0", "--chunk-rows: at least 1 row at a time, got 0"),
-            ("--seed", "-1", "--seed: numpy's legacy seed, 0 to 2**32 - 1, got -1")):
+            ("--seed", str(2**32), f"--seed: numpy's legacy seed, 0 to 2**32 - 1, got {2**32}")):
         result = run_cli(["preprocess", "multihot", "--input", str(tmp_path / "one_hot"),
                           "--output", str(tmp_path / "out"), "--hotness", "2,2", flag, value])
         assert (result.returncode, result.stderr.strip().splitlines()[-1]) == \
