@@ -1,7 +1,9 @@
 """Resuming: only the same experiment continues (what may change is listed in docs/checkpoints.md), a
 finished run says so, and an fp16 run resumes with its loss scaler and fbgemm's step counter."""
 
+import fcntl
 import json
+import os
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from shared_runs import DEMO_RUN, DEMO_STEPS, copy_of
 from test_checkpoint_reader import rehash
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.config_loading import load_config
+from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.train.loop import train
 
 COMMON = ["checkpoint.resume=auto", "data.global_batch_size=256", "data.val_samples=2048",
@@ -291,6 +294,29 @@ def test_a_fresh_run_sets_an_earlier_run_aside_and_prunes_only_its_own_checkpoin
     assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2", "step_4", "step_5"]
     runs = {p.name: json.loads((p / "meta.json").read_text())["run"] for p in root.iterdir()}
     assert runs["step_1"] == runs["step_2"] != runs["step_4"] == runs["step_5"]
+
+
+def test_a_run_directory_another_run_is_training_in_is_refused_untouched(tmp_path,
+                                                                         process_group):
+    """A job started twice, or started again while the ranks of a SIGKILLed torchrun still
+    train: the second run neither moves the first one's files aside nor writes beside them."""
+    train(config(tmp_path, "train.max_steps=2"), process_group)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    held = os.open(tmp_path, os.O_RDONLY)  # what the running job's rank 0 holds
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        for resume in ("none", "auto"):
+            with pytest.raises(UserError) as info:
+                train(config(tmp_path, "train.max_steps=4", f"checkpoint.resume={resume}"),
+                      process_group)
+            assert str(info.value) == (
+                f"train.run_dir: {tmp_path} is in use by another training run; wait for it "
+                f"to end (or stop its ranks), or use another train.run_dir")
+    finally:
+        os.close(held)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    train(config(tmp_path, "train.max_steps=4"), process_group)  # released: resumes
+    assert [e["step"] for e in read_metrics(tmp_path) if "loss" in e] == [1, 2, 3, 4]
 
 
 def test_a_resumed_run_supersedes_the_records_of_the_steps_it_trains_again(tmp_path,

@@ -3,17 +3,20 @@ checkpoints are moved into a folder of their own before the new run writes anyth
 the two runs' files would mix: `metrics.jsonl` overwritten, the new run's checkpoints pruned
 in favour of the earlier run's higher steps, and a later `resume: auto` continuing the earlier
 run. Nothing is deleted: re-running a job (e.g. `make demo`) keeps each earlier run, named by
-when it last wrote.
+when it last wrote. The run directory is one run's at a time (`RunDirLock`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
+from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.train.checkpoint import checkpoint_root, vacant
 
 RECORD = ("metrics.jsonl", "config.yaml", "plan.json", "sharding.json", "rank_*.jsonl",
@@ -48,3 +51,39 @@ def _move(paths: List[Path], folder: Path) -> None:
         folder.mkdir(parents=True)
         for path in paths:
             path.rename(folder / path.name)
+
+
+class RunDirLock:
+    """Rank 0's exclusive flock on the run directory from just before the run first touches it
+    (a run refused while planning leaves no directory) to its end: a second run into it (a job
+    started twice, or again while the ranks of a SIGKILLed torchrun train on) stops in one line
+    before it sets anything aside or writes. A file system without flock on folders (some
+    network ones) leaves it unlocked."""
+
+    def __init__(self) -> None:
+        self._fd: Optional[int] = None
+
+    def take(self, run_dir: Path) -> None:
+        """Collective: every rank raises the UserError when another run holds `run_dir`."""
+        busy = [False]
+        if dist.get_rank() == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(run_dir, os.O_RDONLY)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy = [True]
+            except OSError:
+                pass
+        dist.broadcast_object_list(busy, src=0)
+        if busy[0]:
+            raise UserError(f"train.run_dir: {run_dir} is in use by another training run; wait "
+                            f"for it to end (or stop its ranks), or use another train.run_dir")
+
+    def __enter__(self) -> "RunDirLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

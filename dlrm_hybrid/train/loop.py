@@ -30,7 +30,7 @@ from dlrm_hybrid.parallel.tables import table_specs
 from dlrm_hybrid.train.checkpoint import (checkpoint_root, checkpoint_to_resume,
                                           intact_checkpoint_to_resume, load_checkpoint,
                                           new_run_id, run_of, save_checkpoint)
-from dlrm_hybrid.train.earlier_run import set_aside_earlier_run
+from dlrm_hybrid.train.earlier_run import RunDirLock, set_aside_earlier_run
 from dlrm_hybrid.train.resume_rules import check_same_experiment
 from dlrm_hybrid.train.divergence import DivergenceGuard
 from dlrm_hybrid.train.metrics_log import MetricsLog, done_line, metrics_text
@@ -58,16 +58,18 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     if cfg.train.mlperf_log and cfg.data.path:
         require_reference_rule(cfg.data.path)  # MLPerf evaluates on day 23's first half
         check_history(cfg, data_spec(cfg.data, cfg.model).feature_names, cfg.data.path)
-    with StopRequest(cfg.train.stop_grace_s, env.is_main, cfg.checkpoint.resume) as stop:
+    with StopRequest(cfg.train.stop_grace_s, env.is_main, cfg.checkpoint.resume) as stop, \
+            RunDirLock() as lock:
         mlperf = MLPerfLog.open(cfg, env.rank, resuming=checkpoint_to_resume(cfg) is not None)
         mlperf.init_start()
         try:
-            return _train(cfg, env, mlperf, stop)
+            return _train(cfg, env, mlperf, stop, lock)
         finally:
             mlperf.abort()  # a run that raised: run_stop aborted (nothing after a run_stop)
 
 
-def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> TrainResult:
+def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest, lock: RunDirLock
+           ) -> TrainResult:
     log = MetricsLog(Path(cfg.train.run_dir), env.rank, cfg.train.rank_logs)
     dataset = open_dataset(cfg.data, cfg.model, cfg.retrieval)
     require_samples(dataset, ("train", "val"), "training")
@@ -83,6 +85,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest) -> T
         # The loss scaler would unscale their gradient twice: the tables' backward gets it unscaled.
         raise ConfigError(f"train.precision: fp16 does not train replicated tables (the plan "
                           f"replicates {', '.join(sorted(plan.replicated))}); use bf16 or fp32")
+    lock.take(Path(cfg.train.run_dir))
     first, run_id = resume(cfg, train_step, log, stream)
     steps = run.steps
     state = lambda step: {**train_step.state_dict(),  # noqa: E731 (a checkpoint's meta)
