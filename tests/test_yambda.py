@@ -301,14 +301,10 @@ def test_partitions_spilled_to_disk_give_the_in_memory_bytes(generated, tmp_path
         assert result.returncode == 0, failure(result)
     assert "3 partitions by user, spilled" in result.stdout
     files = sorted(p.relative_to(tmp_path / "memory") for p in (tmp_path / "memory").rglob("*")
-                   if p.suffix in (".bin", ".txt"))
-    assert len(files) > 10
+                   if p.suffix in (".bin", ".txt", ".npz"))  # the bytes a resume's identity reads
+    assert len(files) > 10 and Path("timelines.npz") in files
     for f in files:
         assert (tmp_path / "memory" / f).read_bytes() == (tmp_path / "spilled" / f).read_bytes(), f
-    with np.load(tmp_path / "memory" / "timelines.npz") as a, \
-            np.load(tmp_path / "spilled" / "timelines.npz") as b:
-        for key in ("items", "actions", "times", "starts"):
-            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory", "spilled"]  # work removed
 
 

@@ -277,7 +277,7 @@ def _timelines(work: Path, partitions: int, counts: np.ndarray, folder: Path,
     with zipfile.ZipFile(folder / TIMELINES, "w", allowZip64=True) as out:
         for key, dtype in (("items", np.int64), ("actions", np.int64), ("times", np.float64)):
             with out.open(f"{key}.npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array_header_2_0(f, {"descr": np.dtype(dtype).str,
+                np.lib.format.write_array_header_1_0(f, {"descr": np.dtype(dtype).str,
                                                          "fortran_order": False,
                                                          "shape": (int(starts[-1]),)})
                 with ExitStack() as files:
