@@ -189,6 +189,16 @@ def test_stats_files_round_trip_and_the_commands_write_whole(tmp_path):
     assert not list(tmp_path.glob(".*partial*"))
 
 
+def test_a_log_with_a_byte_order_mark_and_windows_line_ends_takes_appended_rows(tmp_path):
+    """A log `memboost update` reads (a byte-order mark, CRLF) is one `recommend
+    --log-impressions` appends to, not one it refuses."""
+    log = tmp_path / "bom.tsv"
+    log.write_bytes(b"\xef\xbb\xbf" + HAND.replace("\n", "\r\n").encode())
+    before = read_impressions(str(log))
+    append_impressions(str(log), served("r9", 9, "item", "b", ["a"], True), "--log-impressions")
+    assert len(read_impressions(str(log))) == len(before) + 1
+
+
 def test_memboost_features_gives_each_row_the_statistics_before_its_time(tmp_path):
     (tmp_path / "log.tsv").write_text(HAND)
     rows = tmp_path / "rows.tsv"

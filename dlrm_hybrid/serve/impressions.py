@@ -184,7 +184,7 @@ def append_impressions(path: str, log: Impressions, flag: str) -> None:
         raise UserError(f"{flag}: {path} is a folder; give a file name in it")
     fresh = not target.exists() or target.stat().st_size == 0
     if not fresh:
-        with open(target, encoding="utf-8", errors="replace") as stream:
+        with open(target, encoding="utf-8-sig", errors="replace") as stream:  # a BOM is fine
             if stream.readline().rstrip("\n") != HEADER:
                 raise UserError(f"{flag}: {path} is not an impression log (its first line is "
                                 f"not the header); give a new file or a log `recommend` wrote")
