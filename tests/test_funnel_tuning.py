@@ -41,6 +41,20 @@ def test_the_ranker_is_picked_on_half_the_users_and_its_prior_judged_on_the_othe
     assert list(chosen) == ["listwise", "pointwise"]
 
 
+def test_a_user_with_several_held_out_items_picks_or_judges_never_both():
+    """A time split gives a user several validation pairs, all asked with one history: users
+    0 and 2 (100 pairs each) gain from the ranker's own order, 1 and 3 lose. Halves by
+    position put every user on both sides, so the gain seen where it was picked looked
+    real where it was judged; by user, users 1 and 3 judge it and the merged order stays."""
+    users = np.repeat([0, 1, 2, 3], 100)
+    pick, judge = tuning.halves(users)
+    assert set(users[pick]) == {0, 2} and set(users[judge]) == {1, 3}
+    own = np.isin(users, [0, 2]).astype(float)
+    found = {("r", 0, 0, 0.0): own, ("r", 0, 0, INF): np.full(len(users), 0.3)}
+    assert tuning.choose(found, users)["r"][2] == INF
+    assert tuning.choose(found)["r"][2] == 0.0  # each request a user of its own
+
+
 def test_a_stage_defers_to_its_incoming_order_unless_validation_shows_more_than_noise():
     """`defer`: the largest prior within one standard error of the best (inf: the stage keeps
     the order it was handed); a gain of a few users of 900 is noise, one of 40 is not."""

@@ -96,23 +96,33 @@ def defer(found: Dict[float, np.ndarray]) -> float:
     return max(p for p in found if within_noise(best, found[p]))
 
 
-def halves(users: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Positions of the validation users that pick a setting (even) and of those that judge
-    it (odd)."""
-    return np.arange(0, users, 2), np.arange(1, users, 2)
+def halves(users: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Positions of the requests (`users`: each one's user) that pick a setting and of those
+    that judge it: every other user in the order of their first request, so a user with
+    several held-out items (a time split) sits on one side only."""
+    _, first, inverse = np.unique(np.asarray(users), return_index=True, return_inverse=True)
+    side = np.argsort(np.argsort(first))[inverse.reshape(-1)] % 2
+    return np.flatnonzero(side == 0), np.flatnonzero(side == 1)
 
 
-def judged(found: Dict[float, np.ndarray]) -> float:
-    """`defer` on the judging half of the users: a stage's prior, per-user hits of each."""
-    judge = halves(len(next(iter(found.values()))))[1]
+def _users_of(found: Dict, users: Optional[np.ndarray]) -> np.ndarray:
+    """The requests' users; None: each request a user of its own."""
+    return np.arange(len(next(iter(found.values())))) if users is None else users
+
+
+def judged(found: Dict[float, np.ndarray], users: Optional[np.ndarray] = None) -> float:
+    """`defer` on the judging half of the users: a stage's prior, per-request hits of each."""
+    judge = halves(_users_of(found, users))[1]
     return defer({prior: hits[judge] for prior, hits in found.items()})
 
 
-def choose(found: Dict[Key, np.ndarray]) -> Dict[Hashable, Tuple[int, int, float]]:
-    """Per ranker group (per-user hits of each Key), the steps and value model of the best
-    HR@K at any prior on the picking half (ties: fewer steps, then the value models' order),
-    and their prior `judged` on the other half; the group best on the picking half first."""
-    pick = halves(len(next(iter(found.values()))))[0]
+def choose(found: Dict[Key, np.ndarray], users: Optional[np.ndarray] = None
+           ) -> Dict[Hashable, Tuple[int, int, float]]:
+    """Per ranker group (per-request hits of each Key; `users`: each request's user), the
+    steps and value model of the best HR@K at any prior on the picking half (ties: fewer
+    steps, then the value models' order), and their prior `judged` on the other half; the
+    group best on the picking half first."""
+    pick = halves(_users_of(found, users))[0]
     rate: Dict[Tuple[Hashable, int, int], float] = {}  # (group, steps, value): best HR@K
     for (group, steps, value, _), hit in found.items():
         rate[group, steps, value] = max(rate.get((group, steps, value), 0.0), hit[pick].mean())
@@ -122,7 +132,7 @@ def choose(found: Dict[Key, np.ndarray]) -> Dict[Hashable, Tuple[int, int, float
                                                         -best[group][0], -best[group][1]):
             best[group] = (steps, value)
     return {group: (*best[group], judged({prior: hit for (*setting, prior), hit in found.items()
-                                          if tuple(setting) == (group, *best[group])}))
+                                          if tuple(setting) == (group, *best[group])}, users))
             for group in sorted(best, key=lambda g: -rate[(g, *best[g])])}
 
 
@@ -140,7 +150,7 @@ def validation_requests(rec, data: str, split: str = "val", limit: int = 0) -> R
     the user did not engage with before: a seen item is never returned): split "val", each
     user asking with its training items, as `recommend --user` asks; "test", with its
     validation item before them (a world whose test item is the real validation item). The
-    first `limit` (0: all)."""
+    pairs of the first `limit` users (0: all)."""
     from dlrm_hybrid.data.interactions.interaction_data import open_interactions
 
     folder = Path(data)
@@ -153,11 +163,17 @@ def validation_requests(rec, data: str, split: str = "val", limit: int = 0) -> R
         raise UserError(f"--data: {data} has {dataset.users} users and {dataset.items} items, "
                         f"the retrieval model {len(rec.retriever.user_side)} and "
                         f"{len(rec.retriever.item_vectors)}; give the dataset it was trained on")
+    walked = (rec.walker.graph.description.get("source") or {}).get("splits") or []
+    if split in walked:  # its walks would reach each held-out item through the user's own edge
+        raise UserError(f"--pixie: the graph holds the {split} split's engagements (graph.yaml "
+                        f"splits: {', '.join(walked)}), the pairs chosen on; build one without "
+                        f"them (pixie build --splits train)")
     earlier = ("train",) if split == "val" else ("train", "val")
     indptr, wanted = dataset.findable(split, earlier)
     users = np.repeat(np.arange(dataset.users), np.diff(indptr))
-    if limit:
-        users, wanted = users[:limit], wanted[:limit]
+    if limit:  # a user's pairs (several in a time split) are consecutive
+        mine = np.isin(users, np.unique(users)[:limit])
+        users, wanted = users[mine], wanted[mine]
     if not len(users):
         raise UserError(f"--data: {data} has no {split} pairs to choose on (each a user's "
                         f"held-out item not seen before); make it with a validation split")
@@ -235,7 +251,7 @@ def evaluate(rec, asked: Requests, rankers: Dict[Tuple[Hashable, int], str],
     if rec.first_stage is not None:
         scored = [rec.first_stage.order(int(u), m) for u, m in zip(asked.users, merged)]
         result.first_found = fused_found(scored, merged, asked.wanted, s.first_stage_keep)
-        result.first_stage_prior = prior = judged(result.first_found)
+        result.first_stage_prior = prior = judged(result.first_found, asked.users)
         handed = [o[with_prior(o, m, prior)][:s.first_stage_keep]
                   for o, m in zip(scored, merged)]
     for (group, steps), path in rankers.items():

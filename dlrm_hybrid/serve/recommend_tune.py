@@ -8,6 +8,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import numpy as np
+
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph.commands import add_walk_arguments, walk_params
 from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace) -> None:
         *(("--ranker", r) for r in args.ranker)],
         "recommend-tune")
     require_file_target("--out", args.out)
+    if args.users < 0:
+        raise UserError(f"recommend-tune: --users must be 0 (all) or more, got {args.users}")
     if len(set(args.ranker)) < len(args.ranker):
         raise UserError("recommend-tune: --ranker: a ranker is given twice; give each once")
     values = [parse_weights("--value", v, "liked") for v in args.value] or [None]
@@ -82,9 +86,13 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"recommend-tune: {args.retrieval} does not say which dataset its model "
                         f"was trained on; give --data, the retrieval dataset")
     asked = funnel_tuning.validation_requests(rec, data, "val", args.users)
+    if len(np.unique(asked.users)) < 2:  # halves: one user picks, another judges
+        raise UserError(f"recommend-tune: the validation pairs asked are of one user; a "
+                        f"ranker's setting is picked on half the users and its prior judged on "
+                        f"the other: give --users 2 or more (0: all)")
     found = funnel_tuning.evaluate(rec, asked, {(n, 0): r for n, r in enumerate(args.ranker)},
                                    values, args.k, fusion, args.ranker_data)
-    chosen = funnel_tuning.choose(found.found)
+    chosen = funnel_tuning.choose(found.found, asked.users)
     best = next(iter(chosen))
     _, value, rank_prior = chosen[best]
     tuned = {"sources": list(settings.sources), "per_source": args.per_source,
