@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import failure, run_cli
+from dlrm_hybrid.errors import UserError
 from test_recommend import build_funnel, cli
 
 TOP_K = 3
@@ -305,3 +306,8 @@ def test_a_labelled_evaluation_pair_stays_and_is_still_asked_for(tmp_path):
                 assert got.tolist() == want.tolist()
         for got, want in zip(first.engaged(("train",)), ret.engaged(("train",))):
             assert got.tolist() == want.tolist()
+    none = np.zeros(4, bool)  # no row labelled 1: an empty training split, unless engagements
+    with pytest.raises(UserError, match="^--labels: no row of rank's split is labelled 1"):
+        first_stage_data(ret, str(tmp_path / "ret"), "rank", users, items, none, None)
+    data, counts = first_stage_data(ret, str(tmp_path / "ret"), "rank", users, items, none, 0)
+    assert counts["labelled"] == 0 and data.num_samples("train") == 3

@@ -170,6 +170,10 @@ def first_stage_data(retrieval: "InteractionData", retrieval_path: str, ranking:
         order = np.random.default_rng(engagements_seed).permutation(len(both[0]))
         pairs["train"] = (both[0][order], both[1][order])
         engaged = len(retrieval.pairs["train"][0])
+    if not len(pairs["train"][0]):  # training would refuse it; say so before writing
+        raise UserError(f"--labels: no row of {ranking}'s split is labelled 1, so the training "
+                        f"split would be empty; give `predict --top-k-label K`'s file of that "
+                        f"split, or add --engagements")
     pairs.update({s: retrieval.pairs[s] for s in retrieval.pairs if s != "train"})
     old = retrieval.meta
     meta = InteractionMeta(old.users, old.items, dict(old.user_side), dict(old.item_side), {},
