@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import failure, run_cli
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.serve.impressions import (HEADER, Impressions, append_impressions, concat,
-                                           read_impressions, served, write_impressions)
+                                           lines, read_impressions, served, write_impressions)
 from dlrm_hybrid.serve.memboost import (MemboostSettings, MemboostStats, load_stats,
                                         save_stats)
 from dlrm_hybrid.serve.memboost_features import features_before
@@ -197,6 +197,31 @@ def test_a_log_with_a_byte_order_mark_and_windows_line_ends_takes_appended_rows(
     before = read_impressions(str(log))
     append_impressions(str(log), served("r9", 9, "item", "b", ["a"], True), "--log-impressions")
     assert len(read_impressions(str(log))) == len(before) + 1
+
+
+def test_a_log_appended_to_since_it_was_added_is_refused_not_counted_twice(tmp_path):
+    """`--log-impressions` appends to its file: given again with the statistics it was added
+    to, its earlier rows would count twice (with --clicks too); a log of the new rows adds
+    them once."""
+    log, stats = tmp_path / "log.tsv", tmp_path / "s1.npz"
+    log.write_text(HAND)
+    assert run_cli(["memboost", "update", "--impressions", str(log), "--out",
+                    str(stats)]).returncode == 0
+    append_impressions(str(log), served("r9", 9, "user", "u1", ["c"], True), "--log-impressions")
+    (tmp_path / "clicks.tsv").write_text("r9\tc\n")
+    for clicks in ([], ["--clicks", str(tmp_path / "clicks.tsv")]):
+        result = run_cli(["memboost", "update", "--impressions", str(log), "--stats", str(stats),
+                          *clicks, "--out", str(tmp_path / "s2.npz")])
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)
+        assert result.stderr.startswith(f"error: memboost update: {log} begins with a log "
+                                        f"already added to the statistics"), result.stderr
+        assert not (tmp_path / "s2.npz").exists()
+    (tmp_path / "new.tsv").write_text(HEADER + "\n" + "".join(lines(
+        served("r9", 9, "user", "u1", ["c"], True))))
+    result = run_cli(["memboost", "update", "--impressions", str(tmp_path / "new.tsv"),
+                      "--stats", str(stats), "--out", str(tmp_path / "s2.npz")])
+    assert result.returncode == 0, failure(result)
+    assert load_stats(str(tmp_path / "s2.npz")).random_shown.sum() == 5
 
 
 def test_memboost_features_gives_each_row_the_statistics_before_its_time(tmp_path):

@@ -73,11 +73,13 @@ class MemboostStats:
         self.all_clicks = 0.0
         self.all_shown = 0.0
         self.logs: list = []  # digests of the logs added
+        self.log_bytes: list = []  # and their sizes (-1: unknown, statistics made before)
         self._index: Optional[Dict[str, int]] = None
 
     # ---- adding a log
-    def update(self, log: Impressions, digest: str = "") -> None:
-        """`log` added (its `digest`, where given, remembered: the same log twice is refused)."""
+    def update(self, log: Impressions, digest: str = "", size: int = -1) -> None:
+        """`log` added (its `digest` and file `size`, where given, remembered: the same log
+        twice is refused, and so is one that begins with it: `begins_with_added`)."""
         if digest and digest in self.logs:
             raise UserError("memboost update: this impression log was already added to the "
                             "statistics (same digest); give a new log")
@@ -101,6 +103,7 @@ class MemboostStats:
         self.keys, self.clicks, self.shown = merged[keep], clicks[keep], shown[keep]
         if digest:
             self.logs.append(digest)
+            self.log_bytes.append(size)
         self._index = None
 
     def _kept(self, keys: np.ndarray, clicks: np.ndarray, shown: np.ndarray) -> np.ndarray:
@@ -181,12 +184,33 @@ def digest_of(path: str) -> str:
     return h.hexdigest()
 
 
+def begins_with_added(stats: MemboostStats, path: str) -> int:
+    """The size of a log already added that the file `path` begins with (that log appended
+    to since, as `--log-impressions` appends: its earlier rows would count twice), or 0."""
+    kept: Dict[int, set] = {}
+    for digest, size in zip(stats.logs, stats.log_bytes):
+        if size > 0:  # a log added with --clicks: the log's own digest before the "+"
+            kept.setdefault(size, set()).add(digest.partition("+")[0])
+    h, done = hashlib.sha256(), 0
+    with open(path, "rb") as stream:
+        for size in sorted(kept):
+            block = stream.read(size - done)
+            if len(block) < size - done:
+                break
+            h.update(block)
+            done = size
+            if h.hexdigest() in kept[size]:
+                return size
+    return 0
+
+
 def save_stats(stats: MemboostStats, path: str) -> None:
     """The statistics as one .npz file, whole or not at all."""
     target = Path(path)
     partial = temporary_beside(target)
     meta = {"format": FORMAT, "prior": stats.settings.prior,
             "max_pairs": stats.settings.max_pairs, "positions": POSITIONS, "logs": stats.logs,
+            "log_bytes": stats.log_bytes,
             "all_clicks": stats.all_clicks, "all_shown": stats.all_shown}
     try:
         with open(partial, "wb") as stream:
@@ -230,4 +254,5 @@ def load_stats(path: str, flag: str = "--stats") -> MemboostStats:
         raise bad("its arrays disagree in length")
     stats.all_clicks, stats.all_shown = float(meta["all_clicks"]), float(meta["all_shown"])
     stats.logs = list(meta.get("logs") or [])
+    stats.log_bytes = list(meta.get("log_bytes") or [-1] * len(stats.logs))
     return stats

@@ -14,8 +14,8 @@ from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.output_paths import (refuse_overwriting_inputs, require_file_target,
                                       temporary_beside)
 from dlrm_hybrid.serve.impressions import QUERY_KINDS, apply_clicks, concat, read_impressions
-from dlrm_hybrid.serve.memboost import (MemboostSettings, MemboostStats, digest_of, load_stats,
-                                        save_stats)
+from dlrm_hybrid.serve.memboost import (MemboostSettings, MemboostStats, begins_with_added,
+                                        digest_of, load_stats, save_stats)
 from dlrm_hybrid.serve.memboost_features import FEATURES, features_before
 
 ROW_COLUMNS = ("query_kind", "query", "item", "time")
@@ -79,11 +79,15 @@ def run_update(args: argparse.Namespace) -> None:
     rows = 0
     for path in args.impressions:
         log = read_impressions(path)
-        digest = digest_of(path)
+        digest, size = digest_of(path), os.path.getsize(path)
+        if digest not in stats.logs and begins_with_added(stats, path):  # the same: update's
+            raise UserError(f"memboost update: {path} begins with a log already added to the "
+                            f"statistics (appended to since: its earlier rows would count "
+                            f"twice); give a log of the new impressions only")
         if args.clicks:
             log = apply_clicks(log, args.clicks)
             digest += "+" + digest_of(args.clicks)
-        stats.update(log, digest)
+        stats.update(log, digest, size)
         rows += len(log)
     save_stats(stats, args.out)
     random = int(stats.random_shown.sum())
