@@ -92,13 +92,14 @@ def read_run(run_dir: str, name: str) -> Run:
         raise UserError(f"plot: {run_dir} {what}; give the folder a training run wrote "
                         f"(its train.run_dir)")
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # an editor's BOM, CRLF
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"plot: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
     run = Run(name)
-    for number, line in enumerate(lines, 1):
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    for number, line in numbered:
         event = _parse(line)
-        if event is None and number == len(lines):
+        if event is None and number == numbered[-1][0]:
             print(f"plot: {path}: skipped line {number}, cut short (the run was stopped while "
                   f"writing it)", file=sys.stderr)
         elif event is None:

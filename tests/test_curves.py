@@ -269,6 +269,21 @@ def test_plot_skips_a_cut_last_line_and_the_resume_marker(tmp_path, plotted):
     assert np.array_equal(_read_png(clean / "curves.png"), _read_png(messy / "curves.png"))
 
 
+def test_plot_reads_a_record_saved_by_an_editor_as_written(tmp_path, plotted):
+    """A metrics.jsonl copied through an editor (a byte-order mark, CRLF line ends, blank
+    lines) holds the same points, not a "damaged" file."""
+    from dlrm_hybrid.curves import read_run
+
+    clean, _ = plotted
+    edited = tmp_path / "run"
+    edited.mkdir()
+    lines = (clean / "metrics.jsonl").read_text().splitlines()
+    lines.insert(5, "  ")
+    (edited / "metrics.jsonl").write_bytes(
+        "\ufeff".encode() + ("\r\n".join(lines) + "\r\n\r\n\n").encode())
+    assert read_run(str(edited), "run") == read_run(str(clean), "run")
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing", "is not a folder"),
     ("no_metrics", "holds no metrics.jsonl"),
