@@ -360,6 +360,7 @@ def test_a_checkpoint_that_does_not_exist_is_named_with_the_steps_that_do(tmp_pa
             (root / name / "meta.json").write_text("{}")
     steps = f"{root} holds step_500, step_1000: give one of them"
     for given, what in ((root / "step_2000", "does not exist"),
+                        (root / "step_1000" / "meta.json", "is a file, not a checkpoint folder"),
                         (root / "step_1500", "is not a complete checkpoint (no meta.json)"),
                         (tmp_path / "run", "is not a complete checkpoint (no meta.json)")):
         result = run_cli(["eval", "--checkpoint", str(given)])

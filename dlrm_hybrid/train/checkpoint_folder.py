@@ -23,7 +23,7 @@ def complete_checkpoints(root: Path) -> List[Path]:
 
 def require_checkpoint(path: Path, key: str, otherwise: str = "") -> None:
     """A one-line error unless `path` is a published checkpoint: one that does not exist (a
-    mistyped step) or is incomplete is named with the checkpoints that do exist beside it (or
+    mistyped step), is incomplete or is a file of one is named with the checkpoints that do exist beside it (or
     in it: a checkpoints folder or a run folder given for one of its steps). `otherwise`: the
     key's other values (checkpoint.resume: auto or none)."""
     if (path / META).exists():
@@ -31,6 +31,9 @@ def require_checkpoint(path: Path, key: str, otherwise: str = "") -> None:
     if path.is_dir():
         what = f"{path} is not a complete checkpoint (no {META})"
         roots = [path, path / "checkpoints", path.parent]
+    elif path.exists():  # a file of a checkpoint (its meta.json, a shard)
+        what = f"{path} is a file, not a checkpoint folder"
+        roots = [path.parent.parent, path.parent]
     else:
         what = f"{path} does not exist"
         roots = [path.parent]
