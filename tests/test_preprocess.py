@@ -404,6 +404,22 @@ def test_empty_inputs_are_a_one_line_error_and_leave_nothing(tmp_path):
     assert only_inputs_left(tmp_path, ["a.tsv", "b.tsv"])
 
 
+def test_an_input_given_twice_is_refused_before_reading(tmp_path, monkeypatch):
+    """`--input day_*.gz day_23.gz` once wrote day 23 twice; a file twice under a hash split put
+    copies of a row in train and in test."""
+    days = [write_day(tmp_path / "day_0", range(9)), write_day(tmp_path / "day_0.gz", range(9)),
+            write_day_23(tmp_path)]
+    (tmp_path / "link").symlink_to(days[0])
+    monkeypatch.setattr(input_sample, "read_lines", None)  # nothing may be read
+    for inputs, split, says in (
+            ([days[0], days[2], tmp_path / "." / "day_0"], "hash", "the same file; give each file"),
+            ([days[0], tmp_path / "link"], "hash", "the same file; give each file"),
+            ([days[0], days[2], days[1]], "auto", "both day 0; give each day once")):
+        with pytest.raises(ConfigError, match=f"^--input: {days[0]} and .* are {says}"):
+            preprocess_criteo(inputs, tmp_path / "out", workers=1, split=split)
+    assert only_inputs_left(tmp_path, ["day_0", "day_0.gz", "day_23", "link"])
+
+
 def test_a_byte_order_mark_is_dropped_and_its_row_kept(tmp_path, small_tasks):
     """A file saved by an editor that starts it with a UTF-8 BOM: the first row is a row (it was
     once skipped as a bad label), every other task of the file unchanged."""

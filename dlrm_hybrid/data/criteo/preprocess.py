@@ -52,6 +52,7 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
     workers = workers or os.cpu_count() or 1
     _check_arguments(inputs, output, frequency_threshold, max_table_size, workers, vocabulary)
     split = resolve_split(split, inputs)
+    _check_distinct(inputs, split)
     if split == "days":
         check_days([day_number(p) for p in inputs], "add day_23.gz")
     available = budget.available_memory()
@@ -116,6 +117,21 @@ def _check_disk(job: Job, sample: Sample) -> None:
     need = 2 * counts.RUN_ENTRY_BYTES * keys + text_bytes * sample.rows_per_byte * MAX_OUTPUT_ROW_BYTES
     held = sum(job.work.bytes_on_disk(f) for f in ("runs", "ranges", "dataset"))
     budget.check_free_disk(job.work.root, int(need) - held, "the spilled counts and the dataset")
+
+
+def _check_distinct(inputs: Sequence[str], split: str) -> None:
+    """Each file, and with --split days each day, once: a shell glob beside a file it matches
+    (`day_*.gz day_23.gz`) would write every row twice, a hash split into train and test both."""
+    seen = {}
+    for path in inputs:
+        keys = [("file", os.path.realpath(path))]  # any spelling, or a link to it
+        keys += [("day", day_number(path))] if split == "days" else []
+        for key in keys:
+            if key in seen:
+                what = "the same file" if key[0] == "file" else f"both day {key[1]}"
+                raise ConfigError(f"--input: {seen[key]} and {path} are {what}; give each "
+                                  f"{key[0]} once")
+            seen[key] = path
 
 
 def _check_arguments(inputs, output, threshold, max_table_size, workers, vocabulary) -> None:
