@@ -307,6 +307,7 @@ def broken(served):
     changed, a graph without categories, a graph of another dataset, a single-task ranker."""
     root = served.root
     (root / "users.txt").write_text("\n".join(TARGETS) + "\n")
+    (root / "users_bad.txt").write_text("u0\n\nnobody\n")
     for name, path, old, new in (("user", "users.txt", "u5\n", "v5\n"),
                                  ("item", "items.txt", "i7\n", "j7\n"),
                                  ("size", "feature_spec.yaml", "cardinality: 120",
@@ -392,6 +393,8 @@ BAD = [
                                                          "Memboost statistics"),
     (["--user", "u0", "--log-impressions", "{root}/R/users.txt"],
      "recommend: --log-impressions {root}/R/users.txt would replace a file inside --retrieval"),
+    (["--users", "{root}/users_bad.txt", "--out", "{root}/lists_bad.jsonl"],
+     "--users: {root}/users_bad.txt: unknown user 'nobody': not in the retrieval model's"),
     (["--users", "{root}/users.txt", "--out", "{root}/R/users.txt"],
      "recommend: --out {root}/R/users.txt"),
 ]

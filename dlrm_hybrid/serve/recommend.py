@@ -127,6 +127,10 @@ def run(args: argparse.Namespace) -> None:
               f"retrieval model's (e.g. {recommender.unknown_blocklist[0]!r}); nothing to block "
               f"there", file=sys.stderr)
     if args.users:
+        unknown = next((n for n in names if n not in recommender.retriever.user_of), None)
+        if unknown is not None:  # before any request: a batch stops at no late line
+            raise UserError(f"--users: {args.users}: unknown user {unknown!r}: not in the "
+                            f"retrieval model's users.txt (the raw ids of its training log)")
         return _run_batch(recommender, names, args.out, args.log_impressions)
     history = None if args.history is None else [
         i.strip() for i in args.history.split(",") if i.strip()]
