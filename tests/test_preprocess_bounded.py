@@ -188,6 +188,32 @@ def test_too_little_disk_for_the_spill_is_a_one_line_error_leaving_nothing(logs,
     assert "\n" not in str(error.value) and not list(tmp_path.iterdir())
 
 
+def test_a_resumed_run_refused_for_want_of_disk_keeps_the_work_it_says_it_keeps(
+        logs, tmp_path, monkeypatch):
+    """A run stopped after counting, then run again on a disk that has filled up meanwhile: the
+    refusal says the work done is kept, and it once was deleted."""
+    from dlrm_hybrid.data.criteo.preprocess_job import Job
+
+    def stop(*args):
+        raise KeyboardInterrupt
+
+    inputs = [logs / "day_23"]
+    monkeypatch.setattr(Job, "write", stop)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess_criteo(inputs, tmp_path / "out", workers=1, split="hash")
+    monkeypatch.undo()
+    counted = sorted(p.name for p in (tmp_path / ".out.preprocess" / "done").iterdir())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(budget.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 0))
+    with pytest.raises(DataError, match=r"GiB of disk, 0\.00 GiB are free; .*\(work done so far "
+                                        r"is kept\)$"):
+        preprocess_criteo(inputs, tmp_path / "out", workers=1, split="hash")
+    assert sorted(p.name for p in (tmp_path / ".out.preprocess" / "done").iterdir()) == counted
+    monkeypatch.undo()
+    report = preprocess_criteo(inputs, tmp_path / "out", workers=1, split="hash")
+    assert report["resumed_steps"] == len(counted)
+
+
 def test_vocabulary_maps_new_files_with_the_datasets_ids(logs, in_memory, tmp_path):
     """The same files mapped with the dataset's vocabulary give its very files; a new day's known
     values get the ids the dataset gave them, its unseen values id 0."""

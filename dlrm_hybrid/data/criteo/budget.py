@@ -129,11 +129,15 @@ def parse_bytes_per_byte() -> int:
     return PARSE_BYTES_PER_BYTE["native" if native.available() else "numpy"]
 
 
+class NoDiskSpace(DataError):
+    """A refusal that freeing space undoes: the work a stopped run left is kept for the next."""
+
+
 def check_free_disk(folder: Path, need: int, what: str) -> None:
     """Refuse, before writing, when the disk holding `folder` has less than `need` bytes free."""
     free = shutil.disk_usage(folder).free
     if free < need:
-        raise DataError(f"{folder}: {what} need about {need / 2**30:,.2f} GiB of disk, "
+        raise NoDiskSpace(f"{folder}: {what} need about {need / 2**30:,.2f} GiB of disk, "
                         f"{free / 2**30:,.2f} GiB are free; free space there or put --output on "
                         f"a larger disk (work done so far is kept)")
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from dlrm_hybrid.data.criteo.budget import NoDiskSpace
 from dlrm_hybrid.errors import DataError, UserError
 
 FOLDERS = ("done", "runs", "ranges", "dataset")
@@ -104,9 +105,10 @@ class WorkFolder:
 
     def keep_or_discard(self, error: BaseException) -> None:
         """After a failure: a refusal (bad data or options: this command cannot succeed as it
-        is) leaves nothing; an interruption (Ctrl-C, a full disk, a lost worker) keeps the work
-        done, for the same command to continue."""
-        if isinstance(error, UserError) or not any((self.root / "done").glob("*.json")):
+        is) leaves nothing; an interruption (Ctrl-C, a full disk, a lost worker) or a refusal for
+        want of disk keeps the work done, for the same command to continue."""
+        refused = isinstance(error, UserError) and not isinstance(error, NoDiskSpace)
+        if refused or not any((self.root / "done").glob("*.json")):
             self.discard()
             return
         size = sum(self.bytes_on_disk(f) for f in ("runs", "ranges", "dataset"))
