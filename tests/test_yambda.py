@@ -146,12 +146,15 @@ def test_listens_in_the_30_minutes_before_validation_and_test_are_in_no_split(tm
 
 def test_bad_rows_are_counted_and_skipped(tmp_path):
     rows = LOG + [(3, 10, 2, "listen", 70), (3, 11, 3, "listen", 70), (3, 12, 4, "skip", None),
-                  (4, 10, 5, "listen", None), (5, 10, 5, "listen", 70), (6, 10, 5, "like", 0)]
-    items = [r[1] for r in LOG] + [None, 11, 12, 10, None, -1]  # two problems: counted once
-    uids = [r[0] for r in LOG] + [3, None, 3, 4, None, 6]
+                  (4, 10, 5, "listen", None), (5, 10, 5, "listen", 70), (6, 10, 5, "like", 0),
+                  (7, 10, 5, "listen", 70)]
+    items = [r[1] for r in LOG] + [None, 11, 12, 10, None, -1, 10]  # two problems: counted once
+    uids = [r[0] for r in LOG] + [3, None, 3, 4, None, 6, 7]
+    organic = [1] * (len(rows) - 1) + [300]  # beyond is_organic's uint8: once stored as 44
     (tmp_path / "log").mkdir()
     pq.write_table(multi_event(rows, item_id=pa.array(items, pa.int64()),
-                               uid=pa.array(uids, pa.uint32())),
+                               uid=pa.array(uids, pa.uint32()),
+                               is_organic=pa.array(organic, pa.int16())),
                    tmp_path / "log" / "multi_event.parquet")
     result = preprocess(tmp_path / "log", tmp_path / "data", *DAYS)
     assert result.returncode == 0, failure(result)
@@ -160,7 +163,7 @@ def test_bad_rows_are_counted_and_skipped(tmp_path):
     report = json.loads((tmp_path / "data" / "preprocess_report.json").read_text())
     assert report["bad_rows"] == {"null_uid": 2, "null_item_id": 1, "null_timestamp": 0,
                                   "null_played_ratio": 1, "unknown_event_type": 1,
-                                  "out_of_range": 1}
+                                  "out_of_range": 2}
     assert report["events_read"] == len(rows) and report["events_kept"] == len(LOG)
     assert sum(report["rows"].values()) == sum(r[3] == "listen" for r in LOG)
 

@@ -199,7 +199,7 @@ def _add_batch(batch, kind: int, parts: Dict[str, List[np.ndarray]], bad: Dict[s
                 ("null_timestamp", null_time), ("unknown_event_type", kinds < 0),
                 ("null_played_ratio", null_played & listen),
                 ("out_of_range", _outside(uid, item, time, length, np.uint32)
-                 | _outside(played, organic, np.uint16))]
+                 | _outside(played, np.uint16) | _outside(organic, np.uint8))]
     keep = np.ones(n, bool)
     for name, mask in problems:  # a row is counted once, by its first problem
         bad[name] += int((mask & keep).sum())
