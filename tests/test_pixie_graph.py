@@ -207,6 +207,31 @@ def test_pixie_build_bad_inputs_are_one_line_errors_and_write_nothing(dataset, t
     assert sorted(p.name for p in dataset.iterdir()) == dataset_files
 
 
+KILLED_AFTER_ONE_ARRAY = """import os, sys
+import numpy as np
+from dlrm_hybrid.cli import main
+save = np.save
+def save_then_die(*args, **kwargs):
+    save(*args, **kwargs)
+    os._exit(137)  # as SIGKILL: no cleanup runs
+np.save = save_then_die
+main(sys.argv[1:])
+"""
+
+
+def test_a_build_killed_half_way_leaves_nothing_once_run_again(dataset, tmp_path):
+    """A build killed while writing leaves its unfinished folder; the next build of the same
+    output removes it (the marker says `pixie build` made it) and writes the graph whole."""
+    (tmp_path / "killed.py").write_text(KILLED_AFTER_ONE_ARRAY)
+    killed = run_cli(["pixie", "build", "--data", str(dataset), "--out", str(tmp_path / "g")],
+                     script=tmp_path / "killed.py", fresh=True)
+    assert killed.returncode == 137 and not (tmp_path / "g").exists(), failure(killed)
+    result = pixie_build(dataset, tmp_path / "g")
+    assert result.returncode == 0, failure(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g", "killed.py"]
+    assert read_graph(str(tmp_path / "g")).edges == done_fields(result.stdout)["edges"]
+
+
 @pytest.fixture(scope="module")
 def built(dataset, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pixie_graph_built") / "g"

@@ -35,6 +35,7 @@ import numpy as np
 import yaml
 
 from dlrm_hybrid.errors import DataError, UserError
+from dlrm_hybrid.partial_folder import finish_partial, start_partial
 
 FORMAT = "dlrm_hybrid pixie graph 1"
 DESCRIPTION = "graph.yaml"
@@ -264,11 +265,11 @@ def check_out(out: str, data: str = "") -> None:
 
 def write_graph(graph: Graph, out: str, raw_ids_from: Optional[str] = None) -> None:
     """The folder `out` (which must not exist): graph.yaml, the CSR arrays, the categories and
-    the dataset's raw ids; written in a hidden folder beside it, renamed when whole."""
+    the dataset's raw ids; written in `out`.partial (a killed build's removed first), renamed
+    when whole."""
     check_out(out)
     target = Path(out)
-    partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    partial.mkdir()
+    partial = start_partial(target, "pixie build")
     try:
         for name in ARRAYS:
             np.save(partial / f"{name}.npy", getattr(graph, name))
@@ -279,7 +280,7 @@ def write_graph(graph: Graph, out: str, raw_ids_from: Optional[str] = None) -> N
                 shutil.copyfile(Path(raw_ids_from) / name, partial / name)
         (partial / DESCRIPTION).write_text(yaml.safe_dump(graph.description, sort_keys=False))
         check_out(out)  # made meanwhile: a rename would replace it were it an empty folder
-        partial.rename(target)
+        finish_partial(partial, target)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 
