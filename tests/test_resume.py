@@ -318,6 +318,18 @@ def test_a_run_directory_another_run_is_training_in_is_refused_untouched(tmp_pat
     train(config(tmp_path, "train.max_steps=4"), process_group)  # released: resumes
     assert [e["step"] for e in read_metrics(tmp_path) if "loss" in e] == [1, 2, 3, 4]
 
+    shared = tmp_path / "checkpoints"  # another run directory, the same checkpoint.dir
+    held = os.open(shared, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(UserError, match=f"^checkpoint.dir: {shared} is in use by another "
+                                            f"training run; .* or use another checkpoint.dir$"):
+            train(config(tmp_path / "other", "train.max_steps=2", "checkpoint.resume=none",
+                         f"checkpoint.dir={shared}"), process_group)
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in shared.iterdir()) == ["step_2", "step_4"]
+
 
 def test_a_resumed_run_supersedes_the_records_of_the_steps_it_trains_again(tmp_path,
                                                                           process_group):

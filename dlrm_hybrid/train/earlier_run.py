@@ -54,36 +54,46 @@ def _move(paths: List[Path], folder: Path) -> None:
 
 
 class RunDirLock:
-    """Rank 0's exclusive flock on the run directory from just before the run first touches it
-    (a run refused while planning leaves no directory) to its end: a second run into it (a job
-    started twice, or again while the ranks of a SIGKILLed torchrun train on) stops in one line
-    before it sets anything aside or writes. A file system without flock on folders (some
-    network ones) leaves it unlocked."""
+    """Rank 0's exclusive flocks on the run directory (and `checkpoint.dir`, where set) from just
+    before the run first touches them (a run refused while planning leaves no directory) to its
+    end: a second run into either (a job started twice, or again while the ranks of a SIGKILLed
+    torchrun train on) stops in one line before it sets anything aside or writes. A file system
+    without flock on folders (some network ones) leaves them unlocked."""
 
     def __init__(self) -> None:
-        self._fd: Optional[int] = None
+        self._fds: List[int] = []
 
-    def take(self, run_dir: Path) -> None:
-        """Collective: every rank raises the UserError when another run holds `run_dir`."""
-        busy = [False]
+    def take(self, cfg) -> None:
+        """Collective: every rank raises the UserError when another run holds one of them."""
+        folders = [("train.run_dir", Path(cfg.train.run_dir))]
+        if cfg.checkpoint.dir:
+            folders.append(("checkpoint.dir", Path(cfg.checkpoint.dir)))
+        busy: List[Optional[str]] = [None]
         if dist.get_rank() == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(run_dir, os.O_RDONLY)
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                busy = [True]
-            except OSError:
-                pass
+            for key, folder in folders:
+                if not self._lock(folder):
+                    busy = [f"{key}: {folder} is in use by another training run; wait for it to "
+                            f"end (or stop its ranks), or use another {key}"]
+                    break
         dist.broadcast_object_list(busy, src=0)
         if busy[0]:
-            raise UserError(f"train.run_dir: {run_dir} is in use by another training run; wait "
-                            f"for it to end (or stop its ranks), or use another train.run_dir")
+            raise UserError(busy[0])
+
+    def _lock(self, folder: Path) -> bool:
+        """False if another process holds `folder`."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self._fds.append(os.open(folder, os.O_RDONLY))
+        try:
+            fcntl.flock(self._fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass
+        return True
 
     def __enter__(self) -> "RunDirLock":
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        while self._fds:
+            os.close(self._fds.pop())

@@ -85,7 +85,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest, lock
         # The loss scaler would unscale their gradient twice: the tables' backward gets it unscaled.
         raise ConfigError(f"train.precision: fp16 does not train replicated tables (the plan "
                           f"replicates {', '.join(sorted(plan.replicated))}); use bf16 or fp32")
-    lock.take(Path(cfg.train.run_dir))
+    lock.take(cfg)
     first, run_id = resume(cfg, train_step, log, stream)
     steps = run.steps
     state = lambda step: {**train_step.state_dict(),  # noqa: E731 (a checkpoint's meta)
