@@ -227,6 +227,10 @@ def test_plan_file_round_trips(tmp_path):
     again = load_plan(str(tmp_path / "p.json"))
     assert sorted(again.shards, key=repr) == sorted(plan.shards, key=repr)
     assert again.tables == plan.tables and again.imbalance() == plan.imbalance()
+    edited = tmp_path / "edited.json"  # saved again by an editor: a byte-order mark, CRLF
+    text = (tmp_path / "p.json").read_bytes()
+    edited.write_bytes("\ufeff".encode() + text.replace(b"\n", b"\r\n"))
+    assert sorted(load_plan(str(edited)).shards, key=repr) == sorted(plan.shards, key=repr)
 
 
 def test_a_plan_for_other_ranks_or_tables_is_refused(tmp_path):

@@ -52,7 +52,7 @@ def save_plan(plan: Plan, path: Path) -> None:
 
 def load_plan(path: str) -> Plan:
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(Path(path).read_text(encoding="utf-8-sig"))  # an editor's BOM
         tables = {name: TableSpec(name, t["rows"], t["dim"], t["precision"], t["optimizer"],
                                   t["hotness"], t.get("bags", 1)) for name, t in raw["tables"].items()}
         shards = []
