@@ -210,6 +210,18 @@ def test_a_negative_seed_is_one_line_before_any_reading(tmp_path, command):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("delimiter", ['"', "a\nb"])
+def test_a_delimiter_the_reader_cannot_take_is_one_line(tmp_path, delimiter):
+    """A quote (the fields' quote character) or a line break was csv's or numpy's traceback."""
+    log = write_log(tmp_path / "log.csv", ["u1,i1,5,1", "u1,i2,5,2", "u1,i3,5,3"])
+    result = preprocess([log], tmp_path / "out", "--columns", "user,item,rating,timestamp",
+                        "--delimiter", delimiter)
+    assert (result.returncode, result.stderr.strip().splitlines()) == \
+        (2, [f"error: --delimiter: {delimiter!r} holds a quote or a line break; give the "
+             f"character(s) between fields, e.g. ',' or '::' or tab"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_existing_output_is_not_overwritten(tmp_path):
     log = write_layout(tmp_path / "log", "u.data")
     (tmp_path / "out").mkdir()

@@ -323,6 +323,9 @@ def read_checked_log(args):
     columns = parse_columns(args.columns) if args.columns else None
     cut = parse_cut(args.cut, args.split)
     delimiter = "\t" if args.delimiter in ("tab", "\\t") else args.delimiter
+    if delimiter and any(c in delimiter for c in '"\r\n'):  # csv and numpy take none of them
+        raise UserError(f"--delimiter: {delimiter!r} holds a quote or a line break; give the "
+                        f"character(s) between fields, e.g. ',' or '::' or tab")
     log = read_log(args.input, columns, delimiter, args.header, args.skip_bad_rows)
     if not len(log):
         skipped = sum(log.bad.values())
