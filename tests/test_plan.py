@@ -197,7 +197,7 @@ def test_plan_file_has_the_documented_fields(tmp_path):
 
 def test_cardinalities_file_replaces_the_tables(tmp_path):
     rows = tmp_path / "rows.txt"
-    rows.write_text("1000, 2000\n3000\n")
+    rows.write_bytes("\ufeff1000, 2000\r\n3000\r\n\r\n".encode())  # as a spreadsheet saves it
     args = ["plan", "--config", "configs/demo.yaml", "--world-size", "2", "--cardinalities",
             str(rows), "--out", str(tmp_path / "p.json")]
     mismatch = run_cli(args)  # the demo's 8 per-table hotness values cannot fit 3 tables
@@ -209,10 +209,12 @@ def test_cardinalities_file_replaces_the_tables(tmp_path):
         (1000, 16, 2), (2000, 16, 2), (3000, 16, 2)]
 
 
-@pytest.mark.parametrize("content, needle", [("10, x, 30", "'x'"), ("", "nothing")])
+@pytest.mark.parametrize("content, needle", [
+    (b"10, x, 30", "'x'"), (b"", "nothing"), ("10\n2\u00b2\n".encode(), "'2\u00b2'"),
+    (b"\x89PNG\r\n\x1a\n\xb7", "is not text (UTF-8)")])
 def test_bad_cardinalities_file_is_a_one_line_error(tmp_path, content, needle):
     rows = tmp_path / "rows.txt"
-    rows.write_text(content)
+    rows.write_bytes(content)
     result = run_cli(["plan", "--config", "configs/criteo_1tb_fl15.yaml",
                       "--cardinalities", str(rows)])
     assert result.returncode == 2

@@ -154,11 +154,14 @@ def _write(flag: str, path: str, write: Callable[[Path], None]) -> None:
 
 def read_cardinalities(path: str) -> List[int]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8-sig")  # a spreadsheet's BOM
     except OSError as e:
         raise ConfigError(f"--cardinalities: cannot read {path} ({e.strerror})")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--cardinalities: {path} is not text (UTF-8); give a text file of "
+                          f"table row counts") from None
     tokens = [t for t in re.split(r"[,\s]+", text) if t]
-    bad = [t for t in tokens if not t.isdigit() or int(t) == 0]
+    bad = [t for t in tokens if not (t.isascii() and t.isdigit()) or int(t) == 0]
     if bad or not tokens:
         raise ConfigError(f"--cardinalities: {path} must hold positive integers separated by "
                           f"commas or newlines; found {bad[0] if bad else 'nothing'!r}")
