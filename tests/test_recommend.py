@@ -593,6 +593,18 @@ def test_memboost_lifts_an_engaged_item_and_recommend_logs_what_it_showed(served
     assert len({r[0] for r in rows}) == len(TARGETS)
 
 
+def test_one_request_commands_of_one_seed_do_not_all_draw_the_same_random_order(served):
+    """`recommend --user` serves one request per process: its random-order draws must differ
+    between two such processes of one --seed (they drew alike: at seed 0 and a share of 0.05
+    no request was ever shown in random order)."""
+    from dlrm_hybrid.serve.recommender import Recommender, RecommendSettings
+
+    settings = RecommendSettings(k=5, per_source=10, rank_top=20, random_share=0.05)
+    draws = [Recommender(*served.inputs[1::2], settings=settings).shuffle.random(20)
+             for _ in range(2)]
+    assert not np.array_equal(*draws)
+
+
 def test_recommend_tune_chooses_the_memboost_weight_recommend_reads(served):
     """`recommend-tune --memboost S` chooses gamma on the validation pairs: statistics that
     engage each user's validation item lift HR@1, so a weight above 0 is chosen and written

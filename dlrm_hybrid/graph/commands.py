@@ -139,7 +139,7 @@ def run_query(args: argparse.Namespace) -> None:
         queries, weights = parse_items(args.items, names, graph.items)
     result = PixieWalker(graph, args.device).walk(queries, weights, params, k=args.k)
     shown = np.arange(len(result.items))
-    shuffle = np.random.default_rng(args.seed)
+    shuffle = np.random.default_rng()  # not --seed's: each query of one seed would draw alike
     random = bool(args.random_share) and shuffle.random() < args.random_share
     if random:
         shown = shuffle.permutation(shown)

@@ -20,8 +20,8 @@ hundred best, a value model, final rules.
    is value + gamma * MB(user, item) before the order (and its prior) is taken.
 4. Rules: the blocklist out; diversity, no two items of one category in a row (greedily the next
    best item whose category differs from the last taken; when none is left, the rest in order);
-   the first K. A `random_share` of requests (drawn by a generator seeded with the walk's seed)
-   shows those K in random order: the unbiased traffic Memboost's position curve is measured on.
+   the first K. A `random_share` of requests (drawn afresh, not from the walk's seed) shows
+   those K in random order: the unbiased traffic Memboost's position curve is measured on.
 
 Ids are the retrieval folder's dense ids throughout: the graph must come from the same dataset
 (graph.yaml's dataset digest is checked against the folder's seen items). The ranker reads its
@@ -187,7 +187,8 @@ class Recommender:
         elif settings.memboost_weight:
             raise UserError("--memboost-weight: give --memboost STATS, the statistics "
                             "`memboost update` wrote")
-        self.shuffle = np.random.default_rng(settings.pixie.seed)
+        # fresh, not the walk's seed: one-request processes of one seed would all draw alike
+        self.shuffle = np.random.default_rng()
         # what `ms` measures stages with: wall time; a benchmark on a shared machine may set
         # time.thread_time (the request's own CPU time: one thread does all its work)
         self.clock = time.perf_counter
