@@ -401,6 +401,9 @@ POSITIVE = ("data.global_batch_size", "data.prefetch", "checkpoint.keep", "data.
             "model.user_tower.attention_heads", "model.hstu.max_length", "model.hstu.layers",
             "model.hstu.heads")
 
+# floats that torch refuses below 0 (with a traceback); every float must be finite
+NON_NEGATIVE = ("optim.embedding_lr", "optim.dense_lr", "optim.eps")
+
 DHEN_MODULES = ("linear", "self_attention", "conv", "dot", "dcn")  # model/dhen.py's MODULES
 
 

@@ -5,6 +5,7 @@ config.py, then checked (config_checks.py) for the world size.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from dlrm_hybrid.config import CHOICES, Config, ConfigError
+from dlrm_hybrid.config import CHOICES, NON_NEGATIVE, Config, ConfigError
 from dlrm_hybrid.config_checks import validate
 
 LEGACY_KEYS = {"dcn_layers": "layers", "dcn_low_rank": "rank"}  # model.<old> -> model.dcn.<new>
@@ -32,6 +33,8 @@ def load_config(path: Optional[str], overrides: List[str] = (), world_size: int 
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except OSError as e:
             raise ConfigError(f"config file {path}: cannot read ({e.strerror}); check the path")
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path}: not text (UTF-8); give a YAML config") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path}: not valid YAML ({str(e).splitlines()[0]})")
         if not isinstance(raw, dict):
@@ -113,12 +116,18 @@ def _check_type(key: str, hint: Any, value: Any) -> Any:
             return [_build(item, v, f"{key}[{i}].") for i, v in enumerate(value)]
         return [_check_type(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if hint is float and isinstance(value, float):
+        least = key in NON_NEGATIVE
+        if not math.isfinite(value) or least and value < 0:
+            raise ConfigError(f"{key}: expected a finite number{' of at least 0' * least}, "
+                              f"got {value}")
+        return value
     if hint is str and isinstance(value, bool) and "true" in CHOICES.get(key, ()):
         return str(value).lower()  # YAML reads true/false as booleans
     if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -39,6 +39,10 @@ def test_overrides_are_typed_and_nested():
     ("parallel.memory_per_rank=lots", 1, "parallel.memory_per_rank: 'lots' is not a size"),
     ("model.top_mlp=[1]", 1, "model.top_mlp: [1] has no hidden layer"),
     ("model.dcn.layers=0", 1, "model.dcn.layers: must be positive"),
+    ("optim.dense_lr=-0.1", 1, "optim.dense_lr: expected a finite number of at least 0, got -0.1"),
+    ("optim.embedding_lr=.nan", 1, "optim.embedding_lr: expected a finite number of at least 0"),
+    ("optim.eps=-1e-8", 1, "optim.eps: expected a finite number of at least 0, got -1e-08"),
+    ("optim.decay_power=.inf", 1, "optim.decay_power: expected a finite number, got inf"),
 ])
 def test_bad_values_raise_one_named_error(override, world, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("[", r"\[")):
@@ -84,6 +88,13 @@ def test_cli_names_a_missing_config_file(tmp_path: Path):
     result = run_cli(["train", "--config", str(tmp_path / "nope.yaml")])
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "nope.yaml" in result.stderr
+
+
+def test_a_config_that_is_not_text_is_one_named_error(tmp_path: Path):
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"PK\x03\x04\xb7\x00")
+    with pytest.raises(ConfigError, match=f"^config file {binary}: not text"):
+        load_config(str(binary))
 
 
 def test_parse_bytes():
