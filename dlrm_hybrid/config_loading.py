@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 import typing
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -17,6 +18,23 @@ from dlrm_hybrid.config import CHOICES, NON_NEGATIVE, Config, ConfigError
 from dlrm_hybrid.config_checks import validate
 
 LEGACY_KEYS = {"dcn_layers": "layers", "dcn_low_rank": "rank"}  # model.<old> -> model.dcn.<new>
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: YAML keeps the last, so a
+    second `model:` section would silently drop every setting of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                break  # the mapping's own construction names it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"{key!r} given twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def world_size_from_env() -> int:
@@ -30,7 +48,7 @@ def load_config(path: Optional[str], overrides: List[str] = (), world_size: int 
     raw: dict = {}
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader) or {}
         except OSError as e:
             raise ConfigError(f"config file {path}: cannot read ({e.strerror}); check the path")
         except UnicodeDecodeError:
@@ -44,7 +62,7 @@ def load_config(path: Optional[str], overrides: List[str] = (), world_size: int 
         if not sep or not key:
             raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set train.max_steps=40")
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = yaml.load(text, Loader=UniqueKeyLoader) if text.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"--set {key}: {text!r} is not a valid YAML value "
                               f"({str(e).splitlines()[0]}); quote it or fix its brackets")

@@ -90,6 +90,17 @@ def test_cli_names_a_missing_config_file(tmp_path: Path):
     assert result.stderr.strip().count("\n") == 0 and "nope.yaml" in result.stderr
 
 
+def test_a_key_given_twice_is_refused_not_the_first_dropped(tmp_path: Path):
+    """YAML keeps the last of two equal keys: a second `model:` section appended at the end
+    would silently drop every setting of the first."""
+    config = tmp_path / "twice.yaml"
+    config.write_text("model:\n  embedding_dim: 32\n  bottom_mlp: [64, 32]\n"
+                      "data:\n  global_batch_size: 64\nmodel:\n  interaction: dot\n")
+    with pytest.raises(ConfigError, match=f"^config file {config}: not valid YAML \\('model' "
+                                          f"given twice \\(line 6\\)\\)$"):
+        load_config(str(config))
+
+
 def test_a_config_that_is_not_text_is_one_named_error(tmp_path: Path):
     binary = tmp_path / "model.pt"
     binary.write_bytes(b"PK\x03\x04\xb7\x00")
