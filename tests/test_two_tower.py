@@ -157,14 +157,16 @@ class Vectors:
 
 
 def reference(scores: np.ndarray, seen: list, wanted: list, ks, split: str) -> dict:
-    """The metrics by sorting each user's whole row (seen items last), as their definitions say."""
+    """The metrics by sorting each user's whole row (seen items last; ties by item id, as a
+    stable sort serves them), as their definitions say."""
     out = {f"{m}@{k}": 0.0 for k in ks for m in ("recall", "hr", "ndcg")}
     out["mrr"] = 0.0
     users = [u for u in range(len(scores)) if wanted[u]]
     for u in users:
         row = scores[u].copy()
         row[list(seen[u])] = -np.inf
-        position = {item: int((row > row[item]).sum()) for item in wanted[u]}
+        position = {item: int((row > row[item]).sum() + (row[:item] == row[item]).sum())
+                    for item in wanted[u]}
         for k in ks:
             hits = [p for p in position.values() if p < k]
             out[f"recall@{k}"] += len(hits) / min(len(wanted[u]), k)
@@ -175,11 +177,13 @@ def reference(scores: np.ndarray, seen: list, wanted: list, ks, split: str) -> d
     return {f"{split}_{k}": v / len(users) for k, v in out.items()}
 
 
-@pytest.mark.parametrize("split", ["val", "test"])
-def test_the_evaluation_ranks_the_whole_corpus_exactly(split):
+@pytest.mark.parametrize("split, tied", [("val", False), ("test", False), ("val", True)])
+def test_the_evaluation_ranks_the_whole_corpus_exactly(split, tied):
     """Users with several relevant items, earlier splits' items left out (train for val; train
     and val for test), a re-engagement (an earlier item again) not one to find, the corpus
-    scored in chunks that do not divide it, users in batches that do not divide them."""
+    scored in chunks that do not divide it, users in batches that do not divide them. `tied`:
+    some users' vectors are 0 (a sequence model's user without history), every item ties:
+    ranked by item id as served, not each relevant item first (HR 1, recall and NDCG above 1)."""
     import torch
 
     from dlrm_hybrid.config import RetrievalConfig
@@ -213,6 +217,8 @@ def test_the_evaluation_ranks_the_whole_corpus_exactly(split):
     wanted = [engaged[split][u] - seen[u] for u in range(users)]
     assert sum(len(engaged[split][u] & seen[u]) for u in range(users)) >= 3  # re-watches
     user_vecs, item_vecs = rng.normal(size=(users, 4)), rng.normal(size=(items, 4))
+    if tied:
+        user_vecs[::3] = 0
     cfg = RetrievalConfig(eval_k=list(ks), eval_items_per_chunk=7)
     one_process = DistEnv(0, 1, 0, 1, "gloo", torch.device("cpu"))
     got = evaluate_retrieval(Vectors(user_vecs, item_vecs), data, cfg, one_process, batch=5,
@@ -220,6 +226,7 @@ def test_the_evaluation_ranks_the_whole_corpus_exactly(split):
     want = reference(user_vecs @ item_vecs.T, seen, wanted, ks, split)
     assert got.pop("users") == sum(1 for w in wanted if w)
     assert got == pytest.approx(want, rel=1e-12)
+    assert max(got.values()) <= 1
 
 
 def test_plan_shows_each_tower_without_importing_torch(tmp_path):

@@ -3,9 +3,10 @@
 Every rank computes the item tower over its share of the corpus; the vectors are all-gathered
 (items x E floats on each rank). Then each rank takes its share of the split's users and, in
 chunks of `retrieval.eval_items_per_chunk` items, counts for each of a user's relevant items
-how many corpus items score higher, leaving out the items the user engaged with in earlier
-splits (training, and validation when testing). That count is the relevant item's exact
-0-based position in the user's ranking of the corpus; recall, HR and NDCG (binary relevance)
+how many corpus items score higher (or as high, with a lower item id: ties as a stable sort
+serves them), leaving out the items the user engaged with in earlier splits (training, and
+validation when testing). That count is the relevant item's exact 0-based position in the
+user's ranking of the corpus; recall, HR and NDCG (binary relevance)
 at each K and MRR follow from the positions, and the per-user sums are all-reduced, so 1 and N
 ranks give the same numbers (up to the order of float sums). Memory per user batch is bounded
 by one [users, chunk] score block and its comparison with the relevant items' scores.
@@ -159,10 +160,14 @@ def _batch_sums(user: torch.Tensor, items: torch.Tensor, wanted, seen, ks: List[
         scores = user @ items[start:start + chunk].T  # [users, chunk]: the memory bound
         inside = (seen_items >= start) & (seen_items < start + scores.shape[1])
         scores[seen_rows[inside], seen_items[inside] - start] = -math.inf
+        ids = torch.arange(start, start + scores.shape[1], device=device)[None, :]
         for pairs in groups:
             mine = scores if len(pairs) == n else scores[rows[pairs]]
-            higher = (mine > positive[pairs, None]).view(torch.uint8)
-            above[pairs] += higher.sum(1, dtype=torch.int32)
+            higher = mine > positive[pairs, None]
+            # a tie goes to the lower item id, as a stable sort serves it: several relevant
+            # items tied (a zero vector ties every item) are not all first
+            higher |= (mine == positive[pairs, None]) & (ids < relevant[pairs, None])
+            above[pairs] += higher.view(torch.uint8).sum(1, dtype=torch.int32)
         # An item is not above itself: its score here may round apart from `positive`.
         own = (relevant >= start) & (relevant < start + scores.shape[1])
         above[own] -= (scores[rows[own], relevant[own] - start] > positive[own]).long()
