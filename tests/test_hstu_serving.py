@@ -152,6 +152,29 @@ def test_trained_exported_and_served_through_the_commands(log, tmp_path):
     assert "is a hstu (retrieval) model; add --retrieval" in result.stderr
 
 
+def test_a_user_without_training_items_is_a_one_line_error_in_serving(log, tmp_path):
+    """A time split leaves a user who came after the cut with no training items: the sequence
+    model has no history to read for `--user` (a traceback from the scripted tower before);
+    `--history` serves the user."""
+    lines = (log / "u.data").read_text() + "999\t1\t5\t1006\n999\t2\t5\t1007\n"
+    (tmp_path / "u.data").write_text(lines)
+    for args in (["preprocess", "interactions", "--input", str(tmp_path / "u.data"), "--output",
+                  str(tmp_path / "data"), "--split", "time", "--cut", "1006,1007"],
+                 ["train", "--config", str(log / "hstu.yaml"), "--set",
+                  f"data.path={tmp_path / 'data'}", "--set", f"train.run_dir={tmp_path / 'run'}"],
+                 ["export", "--checkpoint", str(tmp_path / "run/checkpoints/step_4"), "--out",
+                  str(tmp_path / "served"), "--retrieval"]):
+        result = run_cli(args)
+        assert result.returncode == 0, failure(result)
+    ask = ["retrieve", "--model", str(tmp_path / "served"), "--user", "999", "--k", "3"]
+    result = run_cli(ask)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)
+    assert result.stderr.startswith("error: retrieve: user '999' has no training items"), \
+        result.stderr
+    result = run_cli([*ask, "--history", "1"])
+    assert result.returncode == 0 and len(result.stdout.splitlines()) == 3, failure(result)
+
+
 @pytest.mark.parametrize("setting, says", [
     ("model.hstu.heads=3", "does not divide model.embedding_dim 8"),
     ("model.hstu.dropout=1", "model.hstu.dropout: 1.0 is not in [0, 1)"),

@@ -90,11 +90,18 @@ class Retriever:
         """[U, E] user-tower vectors of dense user ids (a history tower: of their training
         items in time order)."""
         if self.history_length:
+            histories = [self.timeline(u) for u in users]
+            empty = [u for u, h in zip(users, histories) if not len(h)]
+            if empty and self.description["user_history"]["encoder"] == "hstu":
+                name = self.user_names[empty[0]] if self.user_names else str(empty[0])
+                raise UserError(f"retrieve: user {name!r} has no training items, the history "
+                                f"the sequence model (hstu) reads; give --history I1,I2,... "
+                                f"(the user's items, oldest first)")
             times = None
             if self.timeline_times is not None:
                 indptr = self.timelines[0]
                 times = [self.timeline_times[indptr[u]:indptr[u + 1]] for u in users]
-            return self.history_vectors([self.timeline(u) for u in users], times)
+            return self.history_vectors(histories, times)
         ids = np.column_stack([users, self.user_side[users]]).astype(np.int64)
         return self._tower(ids)
 
