@@ -166,7 +166,9 @@ def _batch_sums(user: torch.Tensor, items: torch.Tensor, wanted, seen, ks: List[
             higher = mine > positive[pairs, None]
             # a tie goes to the lower item id, as a stable sort serves it: several relevant
             # items tied (a zero vector ties every item) are not all first
-            higher |= (mine == positive[pairs, None]) & (ids < relevant[pairs, None])
+            tied = mine == positive[pairs, None]
+            if bool(tied.any()):
+                higher |= tied & (ids < relevant[pairs, None])
             above[pairs] += higher.view(torch.uint8).sum(1, dtype=torch.int32)
         # An item is not above itself: its score here may round apart from `positive`.
         own = (relevant >= start) & (relevant < start + scores.shape[1])
