@@ -331,6 +331,16 @@ def test_a_run_directory_another_run_is_training_in_is_refused_untouched(tmp_pat
     assert sorted(p.name for p in shared.iterdir()) == ["step_2", "step_4"]
 
 
+@pytest.mark.parametrize("where, problem", [("file", "is a file"),
+                                             ("file/run", "cannot be made a folder")])
+def test_a_run_directory_that_cannot_be_a_folder_is_one_named_error(tmp_path, process_group,
+                                                                    where, problem):
+    (tmp_path / "file").write_text("mine\n")
+    with pytest.raises(UserError, match=f"^train.run_dir: {tmp_path / where} {problem}"):
+        train(config(tmp_path / where, "train.max_steps=1"), process_group)
+    assert (tmp_path / "file").read_text() == "mine\n"
+
+
 def test_a_resumed_run_supersedes_the_records_of_the_steps_it_trains_again(tmp_path,
                                                                           process_group):
     """Killed after step 6 with its last checkpoint at step 4: the resumed run trains steps 5

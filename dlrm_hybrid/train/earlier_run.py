@@ -68,28 +68,30 @@ class RunDirLock:
         folders = [("train.run_dir", Path(cfg.train.run_dir))]
         if cfg.checkpoint.dir:
             folders.append(("checkpoint.dir", Path(cfg.checkpoint.dir)))
-        busy: List[Optional[str]] = [None]
+        problem: List[Optional[str]] = [None]
         if dist.get_rank() == 0:
-            for key, folder in folders:
-                if not self._lock(folder):
-                    busy = [f"{key}: {folder} is in use by another training run; wait for it to "
-                            f"end (or stop its ranks), or use another {key}"]
-                    break
-        dist.broadcast_object_list(busy, src=0)
-        if busy[0]:
-            raise UserError(busy[0])
+            problem = [next(filter(None, (self._lock(key, f) for key, f in folders)), None)]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise UserError(problem[0])
 
-    def _lock(self, folder: Path) -> bool:
-        """False if another process holds `folder`."""
-        folder.mkdir(parents=True, exist_ok=True)
-        self._fds.append(os.open(folder, os.O_RDONLY))
+    def _lock(self, key: str, folder: Path) -> Optional[str]:
+        """Why `folder` cannot be this run's (None: it is now)."""
+        if folder.exists() and not folder.is_dir():
+            return f"{key}: {folder} is a file; give a folder's path"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._fds.append(os.open(folder, os.O_RDONLY))
+        except OSError as e:  # a file above it, say
+            return f"{key}: {folder} cannot be made a folder ({e.strerror}); give a folder's path"
         try:
             fcntl.flock(self._fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False
+            return (f"{key}: {folder} is in use by another training run; wait for it to end "
+                    f"(or stop its ranks), or use another {key}")
         except OSError:
             pass
-        return True
+        return None
 
     def __enter__(self) -> "RunDirLock":
         return self
