@@ -241,6 +241,12 @@ def test_memboost_features_gives_each_row_the_statistics_before_its_time(tmp_pat
     assert [float(v) for v in got[3]] == [0, 0, 0]  # its own impression is at time 4
     assert [float(v) for v in got[4]] == pytest.approx([np.log1p(2), np.log1p(1),
                                                         np.log(3 / 2)], abs=1e-5)
+    # a file saved on Windows with blank lines at its end: the same rows, nothing more
+    rows.write_bytes(rows.read_bytes().replace(b"\n", b"\r\n") + b"\r\n\r\n")
+    result = run_cli(["memboost", "features", "--impressions", str(tmp_path / "log.tsv"),
+                      "--rows", str(rows), "--out", str(tmp_path / "crlf.tsv")])
+    assert result.returncode == 0, failure(result)
+    assert (tmp_path / "crlf.tsv").read_text() == (tmp_path / "f.tsv").read_text()
     rows.write_text("query_kind\tquery\titem\ttime\nuser\tu1\ta\tsoon\n")
     result = run_cli(["memboost", "features", "--impressions", str(tmp_path / "log.tsv"),
                       "--rows", str(rows), "--out", str(tmp_path / "g.tsv")])

@@ -128,8 +128,11 @@ def _rows(path: str):
     if not lines or lines[0].strip().split("\t") != list(ROW_COLUMNS):
         raise UserError(f"--rows: {path}: the first line is not the header "
                         f"{' '.join(ROW_COLUMNS)} (tab-separated)")
-    kinds, queries, items, times = [], [], [], []
+    kinds, queries, items, times, kept = [], [], [], [], []
     for n, line in enumerate(lines[1:]):
+        if not line.strip():  # a blank line (one at the end, say) is no row
+            continue
+        kept.append(line)
         fields = line.split("\t")
         if len(fields) != len(ROW_COLUMNS):
             raise UserError(f"--rows: {path} row {n + 2}: {len(fields)} fields, the header has "
@@ -148,7 +151,7 @@ def _rows(path: str):
         queries.append(fields[1])
         items.append(fields[2])
     return (np.array(kinds, np.int8), np.array(queries, dtype=str), np.array(items, dtype=str),
-            np.array(times), lines[1:])
+            np.array(times), kept)
 
 
 def run_show(args: argparse.Namespace) -> None:
