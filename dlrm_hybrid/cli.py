@@ -20,7 +20,7 @@ from dlrm_hybrid.data.criteo import preprocess as criteo_preprocess
 from dlrm_hybrid.data.yambda import preprocess as yambda_preprocess
 from dlrm_hybrid.errors import UserError
 from dlrm_hybrid.graph import commands as pixie_commands
-from dlrm_hybrid.output_paths import refuse_overwriting_inputs
+from dlrm_hybrid.output_paths import refuse_overwriting_inputs, require_file_target
 from dlrm_hybrid.parallel import dry_run
 from dlrm_hybrid.serve import memboost_command, recommend, recommend_tune, retrieve
 from dlrm_hybrid.startup import collector_paused
@@ -230,6 +230,7 @@ def run_export(args) -> None:
         if args.quantize != "fp32" or args.table_overrides:
             raise UserError("export: --state-dict writes the fp32 weights for training; "
                             "--quantize and --quantize-table are for the served model")
+        require_file_target("--out", args.out)
 
         count = export_checkpoint(args.checkpoint, args.out)
         print(f"wrote {args.out}: {count} tensors, an unsharded state dict (torch.load it with "

@@ -125,6 +125,18 @@ def test_export_state_dict_refuses_to_replace_a_checkpoint_file(made):
                    f"--checkpoint {made['checkpoint']}")
 
 
+@pytest.mark.parametrize("out, error", [
+    ("missing/weights.pt", "--out: folder {tmp}/missing does not exist; create it first"),
+    ("folder", "--out: {tmp}/folder is a folder; give a file name in it")])
+def test_export_state_dict_to_a_path_it_cannot_write_is_one_line(made, tmp_path, out, error):
+    (tmp_path / "folder").mkdir()
+    result = run_cli(["export", "--state-dict", "--checkpoint", str(made["checkpoint"]),
+                      "--out", str(tmp_path / out)])
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines() == [f"error: {error.format(tmp=tmp_path)}"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["folder"]
+
+
 def test_bench_runs_with_every_default():
     result = run_cli(["bench"])
     assert result.returncode == 0, failure(result)
