@@ -131,6 +131,10 @@ def test_allocate_steps_follows_weight_degree_and_the_source_scaling():
     assert (np.abs(steps - exact) < 1).all() and steps[3] == 0
     assert steps[1] > 1000 * steps[0] and steps[4] == pytest.approx(3 * steps[0], abs=3)
     assert allocate_steps(np.array([0, 0]), np.array([1, 1]), 50, 10).tolist() == [0, 0]
+    # weights only in proportion: huge ones (their product with the scale past a float's
+    # range) split the steps as 1 and 2.5 do, not into a traceback
+    huge = allocate_steps(degrees, weights * 1e307, 100_003, max_degree=10_000)
+    assert huge.tolist() == steps.tolist()
 
 
 @pytest.mark.parametrize("counts_bytes", [None, 4], ids=["one_group", "a_group_per_query"])

@@ -81,7 +81,8 @@ def allocate_steps(degrees: np.ndarray, weights: np.ndarray, total: int,
     d = np.asarray(degrees, np.float64)
     with np.errstate(divide="ignore"):
         scale = np.where(d > 0, d * (max(max_degree, 1) - np.log(np.maximum(d, 1))), 0.0)
-    share = np.asarray(weights, np.float64) * scale
+    weights = np.asarray(weights, np.float64)  # in proportion only: huge ones times the
+    share = weights / max(float(weights.max(initial=0)), 1e-300) * scale  # scale overflowed
     if share.sum() <= 0:
         return np.zeros(len(d), np.int64)
     exact = total * share / share.sum()
