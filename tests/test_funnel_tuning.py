@@ -55,6 +55,35 @@ def test_a_user_with_several_held_out_items_picks_or_judges_never_both():
     assert tuning.choose(found)["r"][2] == 0.0  # each request a user of its own
 
 
+def test_a_sequence_models_user_without_history_is_not_asked(tmp_path):
+    """`recommend --user` refuses a user the sequence model (hstu) has no history for (one who
+    came after a time split's cut): validation asks the others, as recommend can, and does not
+    stop at that user; with a two-tower retrieval every user is asked."""
+    from dlrm_hybrid.data.interactions.interaction_data import (InteractionData,
+                                                                write_interactions)
+    from dlrm_hybrid.data.interactions.interaction_meta import InteractionMeta
+
+    pairs = {"train": (np.array([0, 0, 1]), np.array([1, 2, 3])),
+             "val": (np.array([0, 1, 2]), np.array([4, 4, 4])),
+             "test": (np.array([0, 1, 2]), np.array([5, 5, 5]))}
+    write_interactions(InteractionData(InteractionMeta(3, 6), pairs, np.zeros((3, 0), np.int64),
+                                       np.zeros((6, 0), np.int64)), str(tmp_path / "data"))
+    timelines = {0: np.array([1, 2]), 1: np.array([3]), 2: np.zeros(0, np.int64)}
+
+    def funnel(encoder):
+        retriever = SimpleNamespace(
+            description={"user_history": {"encoder": encoder, "length": 5}},
+            user_side=np.zeros((3, 0)), item_vectors=np.zeros((6, 2)), history_length=5,
+            timeline=timelines.get, seen=timelines.get)
+        return SimpleNamespace(retriever=retriever, stored_latest_first=lambda u: timelines[u],
+                               walker=SimpleNamespace(graph=SimpleNamespace(description={})))
+
+    assert tuning.validation_requests(funnel("hstu"), str(tmp_path / "data")).users.tolist() \
+        == [0, 1]
+    assert tuning.validation_requests(funnel("mean"), str(tmp_path / "data")).users.tolist() \
+        == [0, 1, 2]
+
+
 def test_a_stage_defers_to_its_incoming_order_unless_validation_shows_more_than_noise():
     """`defer`: the largest prior within one standard error of the best (inf: the stage keeps
     the order it was handed); a gain of a few users of 900 is noise, one of 40 is not."""

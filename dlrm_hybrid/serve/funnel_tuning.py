@@ -149,8 +149,9 @@ def validation_requests(rec, data: str, split: str = "val", limit: int = 0) -> R
     """The requests of the dataset `data` (the retrieval model's; its split's pairs whose item
     the user did not engage with before: a seen item is never returned): split "val", each
     user asking with its training items, as `recommend --user` asks; "test", with its
-    validation item before them (a world whose test item is the real validation item). The
-    pairs of the first `limit` users (0: all)."""
+    validation item before them (a world whose test item is the real validation item), but a
+    user a sequence model has no history for (recommend refuses it). The pairs of the first
+    `limit` users (0: all)."""
     from dlrm_hybrid.data.interactions.interaction_data import open_interactions
 
     folder = Path(data)
@@ -171,16 +172,21 @@ def validation_requests(rec, data: str, split: str = "val", limit: int = 0) -> R
     earlier = ("train",) if split == "val" else ("train", "val")
     indptr, wanted = dataset.findable(split, earlier)
     users = np.repeat(np.arange(dataset.users), np.diff(indptr))
+    later: Dict[int, List[int]] = {}
+    if split != "val":
+        for user, item in zip(*(np.asarray(a).tolist() for a in dataset.pairs["val"])):
+            later.setdefault(user, []).append(item)
+    if (rec.retriever.description.get("user_history") or {}).get("encoder") == "hstu":
+        # the sequence model reads the user's items: `recommend --user` refuses a user without
+        answerable = np.array([len(rec.retriever.timeline(u)) + len(later.get(u, ())) > 0
+                               for u in users.tolist()], bool)
+        users, wanted = users[answerable], wanted[answerable]
     if limit:  # a user's pairs (several in a time split) are consecutive
         mine = np.isin(users, np.unique(users)[:limit])
         users, wanted = users[mine], wanted[mine]
     if not len(users):
         raise UserError(f"--data: {data} has no {split} pairs to choose on (each a user's "
                         f"held-out item not seen before); make it with a validation split")
-    later: Dict[int, List[int]] = {}
-    if split != "val":
-        for user, item in zip(*(np.asarray(a).tolist() for a in dataset.pairs["val"])):
-            later.setdefault(user, []).append(item)
     asked = Requests(users, np.asarray(wanted, np.int64), [], [], [])
     when = request_times(dataset, split)
     for user in users.tolist():

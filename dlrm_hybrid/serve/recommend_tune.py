@@ -87,9 +87,9 @@ def run(args: argparse.Namespace) -> None:
                         f"was trained on; give --data, the retrieval dataset")
     asked = funnel_tuning.validation_requests(rec, data, "val", args.users)
     if len(np.unique(asked.users)) < 2:  # halves: one user picks, another judges
-        raise UserError(f"recommend-tune: the validation pairs asked are of one user; a "
-                        f"ranker's setting is picked on half the users and its prior judged on "
-                        f"the other: give --users 2 or more (0: all)")
+        raise UserError("recommend-tune: the validation pairs asked are of one user (a "
+                        "ranker's setting is picked on half the users, its prior judged on the "
+                        "other); give --users 2 or more, or a dataset with more validation users")
     found = funnel_tuning.evaluate(rec, asked, {(n, 0): r for n, r in enumerate(args.ranker)},
                                    values, args.k, fusion, args.ranker_data)
     chosen = funnel_tuning.choose(found.found, asked.users)
