@@ -192,8 +192,12 @@ def test_the_same_log_twice_an_output_over_an_input_and_no_train_are_refused(tmp
             (["--impressions", str(tmp_path / "b.tsv"), "--output", str(tmp_path / "d")],
              "b.tsv row 2 column request: request 'r0' is in"),
             (["--output", str(tmp_path / "a.tsv")], "--output"),
+            (["--impressions", str(tmp_path / "a.tsv"), "--output", str(tmp_path / "d")],
+             "a.tsv row 2 column request: request 'r0' is in"),  # once every row twice
             (["--output", str(tmp_path / "d"), "--val-fraction", "0.5", "--test-fraction",
-              "0.5"], "leave no request for train")):
+              "0.5"], "leave no request for train"),
+            (["--output", str(tmp_path / "d"), "--test-fraction", "0.01"],  # once an empty test
+             "--test-fraction 0.01 of 10 requests is none; give a larger share")):
         result = run_cli(flags + args)
         assert result.returncode == 2 and says in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1

@@ -65,15 +65,15 @@ def read_logs(paths: List[str], clicks: str = "") -> Impressions:
     """The logs as one, each checked (a bad row: one line naming file, row and column); a
     request id may be in one log only; `clicks` joined."""
     logs, seen = [], {}
-    for path in paths:
+    for number, path in enumerate(paths):  # by its place: the same path twice is two logs
         log = read_impressions(path)
         for n, request in enumerate(log.request.tolist()):
             earlier = seen.get(request)
-            if earlier is not None and earlier != path:
+            if earlier is not None and earlier != number:
                 raise UserError(f"--impressions: {path} row {n + 2} column request: request "
-                                f"{request!r} is in {earlier} too; a request's rows are in one "
-                                f"log (the same log twice?)")
-        seen.update((request, path) for request in log.request.tolist())
+                                f"{request!r} is in {paths[earlier]} too; a request's rows are "
+                                f"in one log (the same log twice?)")
+        seen.update((request, number) for request in log.request.tolist())
         logs.append(log)
     log = concat(logs)
     return apply_clicks(log, clicks) if clicks else log
@@ -95,6 +95,11 @@ def split_requests(log: Impressions, val_fraction: float, test_fraction: float
     rank[order] = np.arange(len(first))
     n = len(first)
     test, val = int(round(test_fraction * n)), int(round(val_fraction * n))
+    for flag, share, count in (("--val-fraction", val_fraction, val),
+                               ("--test-fraction", test_fraction, test)):
+        if share and not count:  # training would find the split empty
+            raise UserError(f"{flag} {share:g} of {n} requests is none; give a larger share "
+                            f"or more requests")
     if n - test - val < 1:
         raise UserError(f"--impressions: {n} requests leave none for train after "
                         f"{val} validation and {test} test; give smaller shares or more "
