@@ -323,6 +323,22 @@ def test_bad_rows_are_one_line_errors_and_keep_the_old_output(exported, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "rows.csv"]
 
 
+def test_a_split_binary_dense_value_that_is_not_finite_is_named_and_nothing_written(
+        exported, trained, tmp_path):
+    """float16 numerical.bin holds inf for values past 65504: once a traceback of the log loss,
+    after the probabilities (nan) were written."""
+    cfg = load_config(str(trained / "config.yaml"), ["data.train_samples=10",
+                                                    "data.val_samples=10"])
+    write_synthetic(cfg.data, str(tmp_path / "data"))
+    numerical = tmp_path / "data" / "test" / "numerical.bin"
+    dense = np.fromfile(numerical, np.float16).reshape(10, -1)
+    dense[7, 3] = np.inf
+    dense.tofile(numerical)
+    with pytest.raises(DataError, match=r"^test sample 7: dense value 3 is inf, not finite; "):
+        predict(str(exported / "fp32.pt"), str(tmp_path / "data"), str(tmp_path / "p.txt"))
+    assert not (tmp_path / "p.txt").exists()
+
+
 def test_data_of_another_shape_is_refused_before_anything_is_written(exported, trained, tmp_path):
     cfg = load_config(str(trained / "config.yaml"), ["data.train_samples=10", "data.val_samples=10"])
     other_sizes = load_config(str(trained / "config.yaml"), [
