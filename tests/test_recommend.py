@@ -441,6 +441,33 @@ def test_recommend_tune_refuses_what_would_choose_on_leaked_or_no_pairs(served, 
     assert not out.exists()
 
 
+def test_a_settings_file_serves_only_the_models_it_was_tuned_with(served):
+    """The file's choices belong to its retrieval model as to its ranker: another retrieval
+    folder (here the same checkpoint exported again) is refused as another ranker is, and a
+    ranker the file names that is gone is named with the file, not as `--model`."""
+    from dlrm_hybrid.serve.funnel_settings import FORMAT, write_settings
+
+    root = served.root
+    cli("export", "--checkpoint", str(root / "tt/checkpoints/step_150"), "--out",
+        str(root / "R_again"), "--retrieval")
+    tuned = {"format": FORMAT, "ranker": str(root / "M.pt"), "retrieval": str(root / "R"),
+             "settings": {"per_source": 10, "rank_top": 20}}
+    write_settings(root / "tuned_R.yaml", tuned)
+    write_settings(root / "tuned_gone.yaml", {**tuned, "ranker": str(root / "gone.pt")})
+    ask = ["recommend", "--pixie", str(root / "G"), "--user", "u0", "--k", "3"]
+    assert run_cli([*ask, "--retrieval", str(root / "R"), "--settings",
+                    str(root / "tuned_R.yaml")]).returncode == 0
+    for settings, retrieval, says in (
+            ("tuned_R.yaml", "R_again", f"--retrieval: {root}/R_again is not what --settings "
+                                        f"{root}/tuned_R.yaml was tuned with ({root}/R)"),
+            ("tuned_gone.yaml", "R", f"--settings: {root}/tuned_gone.yaml: its ranker "
+                                     f"{root}/gone.pt does not exist")):
+        result = run_cli([*ask, "--retrieval", str(root / retrieval), "--settings",
+                          str(root / settings)])
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)
+        assert result.stderr.startswith(f"error: {says}"), result.stderr
+
+
 def test_a_history_tower_source_reads_the_history_given_with_the_request(served):
     """With a history user tower (model.user_tower.encoder), the two_tower source is the
     tower over the request's history (given most recent first, read oldest first), else over

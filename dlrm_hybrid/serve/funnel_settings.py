@@ -53,9 +53,8 @@ def read_settings(path: str) -> dict:
     unknown = sorted(set(tuned) - set(TUNED))
     if unknown:
         raise bad(f"settings.{unknown[0]} is not a setting (known: {', '.join(TUNED)})")
-    out = {"ranker": content.get("ranker"), "first_stage": content.get("first_stage"),
-           "memboost": content.get("memboost")}
-    for key in ("ranker", "first_stage", "memboost"):
+    out = {key: content.get(key) for key in ("ranker", "first_stage", "memboost", "retrieval")}
+    for key in ("ranker", "first_stage", "memboost", "retrieval"):
         if out[key] is not None and not isinstance(out[key], str):
             raise bad(f"{key} is not a path")
     for key, value in tuned.items():
@@ -96,11 +95,18 @@ def same_path(a: Optional[str], b: Optional[str]) -> bool:
 
 def tuned_inputs(args: argparse.Namespace, tuned: dict) -> None:
     """`recommend`'s --ranker and --first-stage from the settings file where not given; the
-    file's priors and value model belong to its ranker and first stage, so others are refused
-    in one line."""
+    file's weights, priors and value model belong to its ranker, first stage and retrieval
+    model, so others are refused in one line (a file without `retrieval`: any)."""
+    if tuned.get("retrieval") and not same_path(args.retrieval, tuned["retrieval"]):
+        raise UserError(f"--retrieval: {args.retrieval} is not what --settings {args.settings} "
+                        f"was tuned with ({tuned['retrieval']}); give that one, or tune again "
+                        f"with recommend-tune")
     for key, flag in (("ranker", "--ranker"), ("first_stage", "--first-stage")):
         given = getattr(args, key)
         if given is None:
+            if tuned[key] and not Path(tuned[key]).exists():
+                raise UserError(f"--settings: {args.settings}: its {key.replace('_', ' ')} "
+                                f"{tuned[key]} does not exist; give {flag}, or tune again")
             setattr(args, key, tuned[key])
         elif not same_path(given, tuned[key]):
             raise UserError(f"{flag}: {given} is not what --settings {args.settings} was tuned "
