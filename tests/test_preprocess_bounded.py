@@ -259,4 +259,7 @@ def test_memory_limits_are_read_as_sizes_and_one_too_small_is_a_one_line_error(l
                                           r"--workers$"):
         preprocess_criteo([logs / "day_23"], tmp_path / "out", workers=2, split="hash",
                           memory_limit=20 * 2**20)
+    with pytest.raises(ConfigError, match=r"^--memory-limit: 0 MiB is below"):  # not the default
+        preprocess_criteo([logs / "day_23"], tmp_path / "out", workers=1, split="hash",
+                          memory_limit=0)
     assert not list(tmp_path.iterdir())

@@ -56,7 +56,7 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
     if split == "days":
         check_days([day_number(p) for p in inputs], "add day_23.gz")
     available = budget.available_memory()
-    limit = memory_limit or int(available * budget.DEFAULT_FRACTION)
+    limit = int(available * budget.DEFAULT_FRACTION) if memory_limit is None else memory_limit
     plan = budget.plan_memory(limit, workers, counts.counter_bytes_per_entry(),
                               budget.parse_bytes_per_byte(), task_plan.CHUNK_BYTES)
     print(budget.describe(limit, memory_limit is not None, available), flush=True)
@@ -181,7 +181,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    limit = budget.parse_size(args.memory_limit) if args.memory_limit else None
+    limit = None if args.memory_limit is None else budget.parse_size(args.memory_limit)
     report = preprocess_criteo(args.input, args.output, args.frequency_threshold,
                                args.max_table_size, args.workers, args.strict, args.split_seed,
                                args.split, args.pad_short_rows, limit, args.vocabulary,
