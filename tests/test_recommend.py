@@ -365,6 +365,7 @@ BAD = [
     (["--user", "u0", "--ranker-data", "{root}/rank_item"],
      "--ranker: 1 of the retrieval model's items are not in {root}/rank_item/items.txt"),
     (["--user", "u0", "--ranker", "{root}/demo.pt"], "--ranker: {root}/demo.pt is not a multi"),
+    (["--user", "u0", "--ranker", "{root}/gone.pt"], "--ranker: {root}/gone.pt does not exist"),
     (["--user", "u0", "--retrieval", "{root}/ret"], "--retrieval: {root}/ret has no retrieval"),
     (["--user", "u0", "--pixie", "{root}/G_plain", "--diversity", "on"],
      "--diversity on: {root}/G_plain has no item categories"),

@@ -42,7 +42,12 @@ def open_ranker(path: str):
     from dlrm_hybrid.serve.export import FORMAT_MULTITASK
     from dlrm_hybrid.serve.predict import load_scoring_model
 
-    module, description = load_scoring_model(Path(path))
+    try:
+        module, description = load_scoring_model(Path(path))
+    except UserError as e:  # predict's loader names its own flag
+        if not str(e).startswith("--model: "):
+            raise
+        raise UserError("--ranker: " + str(e)[len("--model: "):]) from None
     if description.get("format") != FORMAT_MULTITASK:
         raise UserError(f"--ranker: {path} is not a multi-task ranker (format "
                         f"{description.get('format')!r}); give one trained with model.tasks on "
