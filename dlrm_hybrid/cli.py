@@ -184,6 +184,12 @@ def run_train(args) -> None:
     from dlrm_hybrid.train.tensorboard_log import check_tensorboard
 
     cfg = load_config(args.config, args.overrides, world_size=world_size_from_env())
+    record = Path(cfg.train.run_dir) / "config.yaml"
+    if (args.config and record.exists() and os.path.samefile(args.config, record)
+            and not (record.parent / "metrics.jsonl").exists()):  # not an earlier run's record
+        raise UserError(f"train.run_dir: {cfg.train.run_dir} holds --config {args.config}, and a "
+                        f"run writes its resolved config.yaml there; keep yours elsewhere, or use "
+                        f"another train.run_dir")
     check_tensorboard(cfg.train.tensorboard)  # `true` without the package: before any work
     if cfg.data.loader == "dali":  # likewise `dali` without DALI (its module imports torch)
         from dlrm_hybrid.data.dali_loader import check_dali

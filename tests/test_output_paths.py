@@ -119,3 +119,20 @@ def test_preprocess_output_that_is_its_input_folder_is_refused(tmp_path, format)
     assert_refused(["preprocess", format, "--input", str(tmp_path / "in"), "--output",
                     str(tmp_path / "link")], kept,
                    f"preprocess {format}: --output {tmp_path / 'link'} is --input {tmp_path / 'in'}")
+
+
+def test_train_refuses_a_run_directory_whose_config_yaml_is_its_config(tmp_path):
+    """An experiment folder holding its own config.yaml and `train.run_dir: .`: the run would
+    write its resolved config over the hand-written one (a run's own config.yaml, beside its
+    metrics.jsonl, is a record the run may rewrite on resume)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("# tuned by hand\ndata: {global_batch_size: 64, train_samples: 256}\n"
+                      f"train: {{max_steps: 1, run_dir: {tmp_path}}}\n")
+    before = config.read_bytes()
+    result = run_cli(["train", "--config", str(config)])
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines() == [
+        f"error: train.run_dir: {tmp_path} holds --config {config}, and a run writes its "
+        f"resolved config.yaml there; keep yours elsewhere, or use another train.run_dir"]
+    assert config.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [
+        "config.yaml"]
