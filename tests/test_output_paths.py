@@ -136,3 +136,27 @@ def test_train_refuses_a_run_directory_whose_config_yaml_is_its_config(tmp_path)
         f"resolved config.yaml there; keep yours elsewhere, or use another train.run_dir"]
     assert config.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [
         "config.yaml"]
+
+
+@pytest.mark.parametrize("command", [
+    ["preprocess", "criteo", "--input", "{log}", "--workers", "1"],
+    ["preprocess", "interactions", "--input", "{log}", "--columns", "user,item"],
+    ["preprocess", "impressions", "--impressions", "{log}"],
+    ["preprocess", "yambda", "--input", "{folder}"],
+    ["preprocess", "yambda", "--generate", "10"],
+    ["synth", "--set", "data.train_samples=10"],
+    ["synth", "--config", "configs/two_tower_demo.yaml"]])
+def test_an_output_under_a_file_is_one_line_before_any_work(tmp_path, command):
+    """`--output notes.txt/data` (a typo) was a NotADirectoryError traceback, some after the
+    whole input was read."""
+    (tmp_path / "notes.txt").write_text("kept\n")
+    (tmp_path / "log").write_text("u1,i1\n")
+    (tmp_path / "folder").mkdir()
+    out = tmp_path / "notes.txt" / "data"
+    args = [a.format(log=tmp_path / "log", folder=tmp_path / "folder") for a in command]
+    result = run_cli([*args, "--output", str(out)])
+    assert (result.returncode, result.stderr.strip().splitlines()) == (2, [
+        f"error: --output: {out} cannot be made: {tmp_path / 'notes.txt'} is a file; choose a "
+        f"folder"]), failure(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "log", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "kept\n"

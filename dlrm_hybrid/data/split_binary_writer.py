@@ -26,6 +26,15 @@ def check_new_output(output) -> None:
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--output: {output} exists and is not empty; choose a new folder")
+    check_output_folders(output)
+
+
+def check_output_folders(output) -> None:
+    """No folder `output` would be made in is a file (else a traceback, maybe after the work)."""
+    above = next((p for p in Path(output).absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ConfigError(f"--output: {output} cannot be made: {above} is a file; choose a "
+                          f"folder")
 
 
 class SplitBinaryWriter:

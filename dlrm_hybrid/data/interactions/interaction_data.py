@@ -37,6 +37,7 @@ from dlrm_hybrid.data.interactions.histories import (POSITION_FILE, Histories, H
 from dlrm_hybrid.data.interactions.interaction_meta import (META_FILE, SPLITS, InteractionMeta,
                                                             history_length, read_meta,
                                                             tower_features)
+from dlrm_hybrid.data.split_binary_writer import check_output_folders
 from dlrm_hybrid.errors import DataError
 from dlrm_hybrid.partial_folder import finish_partial, start_partial
 
@@ -304,6 +305,7 @@ def write_interactions(data: InteractionData, path: str, raw_users: List[str] = 
     target = Path(path)
     if target.exists():
         raise DataError(f"{target}: already exists; choose another --output or remove it")
+    check_output_folders(path)
     partial = start_partial(target, "preprocess interactions")
     try:
         for split, (users, items) in data.pairs.items():

@@ -40,6 +40,7 @@ from dlrm_hybrid.data.interactions.interaction_meta import SPLITS, InteractionMe
 
 if TYPE_CHECKING:  # it imports torch: not at CLI start
     from dlrm_hybrid.data.interactions.interaction_data import InteractionData
+from dlrm_hybrid.data.split_binary_writer import check_output_folders
 from dlrm_hybrid.errors import DataError, UserError
 
 SPLIT_RULES = ("leave-last-out", "time")
@@ -318,6 +319,7 @@ def read_checked_log(args):
     that need no reading (a free --output, --min-count)."""
     if Path(args.output).exists():
         raise DataError(f"{args.output}: already exists; choose another --output or remove it")
+    check_output_folders(args.output)
     if args.min_count < 1:
         raise UserError(f"--min-count: must be at least 1, got {args.min_count}")
     columns = parse_columns(args.columns) if args.columns else None

@@ -117,11 +117,11 @@ def write_log(folder: str, events: int, users: int = 1000, items: int = 2000,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from dlrm_hybrid.data.split_binary_writer import check_new_output
     from dlrm_hybrid.partial_folder import finish_partial, start_partial
 
     target = Path(folder)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise UserError(f"--output: {folder} exists and is not empty; choose a new folder")
+    check_new_output(folder)
     log = generate(events, users, items, clusters, days, seed, plus)
     partial = start_partial(target, "preprocess yambda --generate")
     tables, rows = {}, {}
