@@ -312,6 +312,33 @@ def test_one_line_errors(trained, exported, ranker_checkpoint, tmp_path):
     assert (checkpoint / "meta.json").is_file()
 
 
+def _cut(name: str):
+    def damage(folder: Path) -> None:
+        (folder / name).write_bytes((folder / name).read_bytes()[:100])
+    return damage
+
+
+def _other_users(folder: Path) -> None:
+    np.save(folder / "user_side.npy", np.load(folder / "user_side.npy")[:-1])
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda f: (f / "seen_items.npy").unlink(), "seen_items.npy: cannot read"),
+    (_cut("item_vectors.npy"), "item_vectors.npy: damaged"),
+    (_cut("user_tower.pt"), "user_tower.pt: not a readable TorchScript file"),
+    (_other_users, f"user_side.npy: {USERS - 1} rows, retrieval.yaml says {USERS} users"),
+], ids=["missing array", "truncated vectors", "truncated tower", "short user side"])
+def test_a_damaged_export_is_a_one_line_error(exported, tmp_path, damage, says):
+    """A file of the folder missing, cut short or of another size: one line naming it, not a
+    traceback from numpy or torch."""
+    import shutil
+
+    folder = Path(shutil.copytree(exported / "flat", tmp_path / "flat"))
+    damage(folder)
+    line = _error(["retrieve", "--model", str(folder), "--user", "u1"])
+    assert line.startswith(f"error: {folder}/{says}") and "export the model again" in line, line
+
+
 def test_export_removes_only_a_partial_folder_a_stopped_export_made(trained, tmp_path):
     """`OUT.partial` that is not a stopped export's (no marker of it inside) is refused in one
     line and left as it is; a stopped export's is replaced."""

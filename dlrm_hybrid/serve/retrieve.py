@@ -57,10 +57,10 @@ class Retriever:
 
         root = Path(folder)
         self.description = read_description(root)
-        self.user_tower = jit_load(str(root / USER_TOWER), map_location="cpu")
-        self.item_vectors = np.load(root / ITEM_VECTORS)
-        self.user_side = np.load(root / USER_SIDE)
-        self.seen_indptr, self.seen_items = np.load(root / SEEN_INDPTR), np.load(root / SEEN_ITEMS)
+        self.user_tower = _tower(root / USER_TOWER)
+        self.item_vectors = _array(root / ITEM_VECTORS)
+        self.user_side = _array(root / USER_SIDE)
+        self.seen_indptr, self.seen_items = _array(root / SEEN_INDPTR), _array(root / SEEN_ITEMS)
         self.index = read_index(str(root / INDEX_FILE), self.description["index"])
         self.user_names = read_raw_ids(root / USERS)
         self.item_names = read_raw_ids(root / ITEMS)
@@ -70,9 +70,32 @@ class Retriever:
         self.history_length = int(history["length"]) if history else 0
         self.timelines = None  # exported before every tower stored them: only a history tower's
         if (root / HISTORY_INDPTR).is_file():
-            self.timelines = np.load(root / HISTORY_INDPTR), np.load(root / HISTORY_ITEMS)
-        self.timeline_times = (np.load(root / HISTORY_TIMES) if history and history.get("times")
+            self.timelines = _array(root / HISTORY_INDPTR), _array(root / HISTORY_ITEMS)
+        self.timeline_times = (_array(root / HISTORY_TIMES) if history and history.get("times")
                                else None)
+        self._check_sizes(root)
+
+    def _check_sizes(self, root: Path) -> None:
+        """The arrays hold the users and items retrieval.yaml states: a file of another export
+        (or cut short) stops here in one line, not in a request."""
+        from dlrm_hybrid.retrieval.index import INDEX_FILE
+
+        users, items = self.description.get("users"), self.description.get("items")
+        sizes = [(USER_SIDE, len(self.user_side), users, "users"),
+                 (SEEN_INDPTR, len(self.seen_indptr) - 1, users, "users"),
+                 (ITEM_VECTORS, len(self.item_vectors), items, "items"),
+                 (INDEX_FILE, self.index.ntotal, items, "items")]
+        for name, names, want, what in ((USERS, self.user_names, users, "users"),
+                                        (ITEMS, self.item_names, items, "items")):
+            if names is not None:
+                sizes.append((name, len(names), want, what))
+        for name, rows, want, what in sizes:
+            if want is not None and rows != want:
+                raise UserError(f"{root / name}: {rows} rows, {DESCRIPTION} says {want} {what}; "
+                                f"export the model again")
+        if self.seen_indptr[-1] != len(self.seen_items):
+            raise UserError(f"{root / SEEN_ITEMS}: {len(self.seen_items)} items, "
+                            f"{SEEN_INDPTR} ends at {self.seen_indptr[-1]}; export the model again")
 
     def user(self, name: str, dense: bool = False) -> int:
         """The dense id of user `name` (a raw id of the log, or with `dense` a dense id)."""
@@ -250,6 +273,28 @@ def read_description(root: Path) -> dict:
         raise UserError(f"{root / DESCRIPTION}: not written by `export --retrieval` (format "
                         f"{FORMAT!r} expected); export the model again")
     return description
+
+
+def _array(path: Path) -> np.ndarray:
+    """An .npy file of an exported folder, or a one-line error naming it."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e}); export the model again"
+                        ) from None
+    except (ValueError, EOFError) as e:  # cut short, or not an .npy file
+        raise UserError(f"{path}: damaged ({str(e).splitlines()[0] if str(e) else 'truncated'}); "
+                        f"export the model again") from None
+
+
+def _tower(path: Path):
+    """The scripted user tower, or a one-line error naming its file."""
+    try:
+        return jit_load(str(path), map_location="cpu")
+    except (RuntimeError, OSError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(f"{path}: not a readable TorchScript file ({reason}); export the model "
+                        f"again") from None
 
 
 def read_raw_ids(path: Path) -> Optional[List[str]]:
