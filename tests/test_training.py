@@ -168,6 +168,20 @@ def test_auc_of_a_one_class_split_is_reported_undefined_not_zero(tmp_path, proce
     assert math.isfinite(result.metrics["val_logloss"])
 
 
+def test_auc_of_scores_with_a_nan_is_reported_undefined_not_a_number():
+    """A nan or inf among a split's dense values scores nan: the AUC sorted it anywhere and
+    printed a plausible value beside val_logloss=nan."""
+    import math
+
+    from dlrm_hybrid.train.evaluate import auc_or_nan
+
+    with pytest.warns(UserWarning, match=r"^val_auc: undefined \(nan\): 1 of 4 samples scored "
+                                         r"nan \(a nan or inf among their dense values\?\)$"):
+        auc = auc_or_nan(torch.tensor([0.1, math.nan, 0.8, 0.3]), torch.tensor([0., 1, 1, 0]),
+                         "val_auc")
+    assert math.isnan(auc)
+
+
 def test_auc_is_torchmetrics_binary_auroc_ties_included():
     """The validation AUC (train/evaluate.py's own, without torchmetrics' import) is the value
     torchmetrics' binary_auroc gives: tied scores, unbalanced classes, two samples."""

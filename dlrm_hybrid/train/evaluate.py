@@ -82,7 +82,13 @@ def binary_auroc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def auc_or_nan(scores: torch.Tensor, labels: torch.Tensor, name: str) -> float:
-    """AUROC, or NaN with a warning when the split has one class only (the ROC is undefined)."""
+    """AUROC, or NaN with a warning when the split has one class only (the ROC is undefined)
+    or a score is NaN (it has no place in the order)."""
+    unscored = int(torch.isnan(scores).sum())
+    if unscored:
+        warnings.warn(f"{name}: undefined (nan): {unscored} of {len(labels)} samples scored nan "
+                      f"(a nan or inf among their dense values?)")
+        return math.nan
     clicks = int(labels.sum())
     if 0 < clicks < len(labels):
         return binary_auroc(scores, labels.long()).item()
