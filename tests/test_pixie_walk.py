@@ -308,6 +308,23 @@ def test_a_random_share_is_a_share_of_one_query_commands_not_all_or_none(graph_f
     assert set(read_impressions(str(log)).random.tolist()) == {False, True}
 
 
+def test_an_item_id_with_a_colon_is_an_item_not_an_item_and_a_weight(tmp_path):
+    """Raw ids such as `spotify:track:7` name an item (weight 1); `ID:W` still weighs one."""
+    lines = [f"u{u},sp:track:{i},{t}" for t, (u, i) in enumerate(
+        (u, i) for u in range(6) for i in range(5) if (u + i) % 5 != 4)]
+    (tmp_path / "log.csv").write_text("\n".join(lines) + "\n")
+    for args in (["preprocess", "interactions", "--input", str(tmp_path / "log.csv"),
+                  "--columns", "user,item,timestamp", "--output", str(tmp_path / "data")],
+                 ["pixie", "build", "--data", str(tmp_path / "data"), "--out",
+                  str(tmp_path / "g"), "--splits", "train,val,test"]):
+        assert run_cli(args).returncode == 0
+    plain = query(tmp_path / "g", "--items", "sp:track:1", "--json", "--steps", "20000")
+    weighed = query(tmp_path / "g", "--items", "sp:track:1:2", "--json", "--steps", "20000")
+    assert plain.returncode == 0 and weighed.returncode == 0, failure(plain)
+    assert json.loads(plain.stdout) == json.loads(weighed.stdout)  # one query: weight is moot
+    assert "sp:track:1" not in json.loads(plain.stdout)["items"]
+
+
 def test_pixie_query_logs_what_it_showed_for_memboost(graph_folder, tmp_path):
     """--log-impressions appends an item query's rows (query: the query items) and a user's;
     --random-share 1 shows the same items in another order and logs them as random; bad

@@ -166,7 +166,8 @@ def parse_items(text: str, names: "RawIds", items: int) -> Tuple[np.ndarray, Lis
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        name, _, weight = part.rpartition(":") if ":" in part else (part, "", "1")
+        whole = part in names.item_of  # a raw id with a colon (spotify:track:7): no weight
+        name, _, weight = part.rpartition(":") if ":" in part and not whole else (part, "", "1")
         try:
             weights.append(float(weight))
         except ValueError:
