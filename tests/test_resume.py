@@ -329,6 +329,9 @@ def test_a_run_directory_another_run_is_training_in_is_refused_untouched(tmp_pat
     finally:
         os.close(held)
     assert sorted(p.name for p in shared.iterdir()) == ["step_2", "step_4"]
+    here = tmp_path / "here"  # checkpoints in the run directory itself: one folder, one lock
+    train(config(here, "train.max_steps=1", f"checkpoint.dir={here}/."), process_group)
+    assert (here / "step_1").is_dir()
 
 
 @pytest.mark.parametrize("where, problem", [("file", "is a file"),

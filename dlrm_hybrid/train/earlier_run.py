@@ -66,7 +66,8 @@ class RunDirLock:
     def take(self, cfg) -> None:
         """Collective: every rank raises the UserError when another run holds one of them."""
         folders = [("train.run_dir", Path(cfg.train.run_dir))]
-        if cfg.checkpoint.dir:
+        if cfg.checkpoint.dir and (os.path.realpath(cfg.checkpoint.dir)
+                                   != os.path.realpath(cfg.train.run_dir)):  # one lock a folder
             folders.append(("checkpoint.dir", Path(cfg.checkpoint.dir)))
         problem: List[Optional[str]] = [None]
         if dist.get_rank() == 0:
