@@ -338,8 +338,9 @@ def run_bench(args) -> None:
         raise UserError(f"bench: --steps must be at least {ROUNDS} and --warmup at least 1")
     cfg = load_config(args.config, args.overrides)
     if cfg.model.kind != "dlrm":
-        raise UserError("bench: measures the ranker (model.kind dlrm) against its baseline; for "
-                        "two_tower use benchmarks/retrieval.py")
+        peer = {"hstu": "sequential_speed.py"}.get(cfg.model.kind, "retrieval.py")
+        raise UserError(f"bench: measures the ranker (model.kind dlrm) against its baseline; for "
+                        f"{cfg.model.kind} use benchmarks/{peer}")
     if cfg.model.tasks:
         raise UserError("bench: its baseline is a one-logit DLRM, and model.tasks names "
                         f"{len(cfg.model.tasks)} tasks; benchmarks/multitask.py measures the cost "

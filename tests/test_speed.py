@@ -376,6 +376,16 @@ def test_bench_refuses_several_ranks():
     assert "bench: runs in one process" in result.stderr
 
 
+@pytest.mark.parametrize("kind, peer", [("two_tower", "retrieval.py"),
+                                        ("hstu", "sequential_speed.py")])
+def test_bench_of_a_retrieval_config_names_its_own_benchmark(kind, peer):
+    result = run_cli(["bench", "--config", f"configs/{kind}_demo.yaml"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: bench: measures the ranker (model.kind dlrm) against its baseline; for {kind} "
+        f"use benchmarks/{peer}"]
+
+
 def test_by_default_a_cpu_run_is_fp32_and_eager(tmp_path, process_group):
     """train.precision and train.cuda_graphs default to auto: bf16 with CUDA Graphs on a GPU
     (test_gpu.py checks that there), fp32 without graphs on a CPU, and no warning about it."""
