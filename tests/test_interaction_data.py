@@ -401,7 +401,8 @@ def test_a_file_that_is_not_movielens_is_refused_whatever_its_name(tmp_path, nam
     (b"caf\xe9", "the user id b'caf\\xe9' is not UTF-8 text"),
     ("a\u2028b".encode(), "the user id 'a\\u2028b' holds a line break (U+2028)"),
     ("a\u0085b".encode(), "the user id 'a\\x85b' holds a line break (U+0085)"),
-    (b"a\x0cb", "the user id 'a\\x0cb' holds a line break (U+000C)")])
+    (b"a\x0cb", "the user id 'a\\x0cb' holds a line break (U+000C)"),
+    (b"a\rb", "the user id 'a\\rb' holds a line break (U+000D)")])  # once csv's traceback
 def test_an_id_that_cannot_be_kept_exactly_is_refused_naming_its_line(tmp_path, raw, why):
     """users.txt/items.txt hold one id a line as UTF-8: an id that is not UTF-8 would be
     replaced (two such ids collide), one with a line break would split. Other ids are kept
@@ -424,6 +425,24 @@ def test_an_id_that_cannot_be_kept_exactly_is_refused_naming_its_line(tmp_path, 
     assert sum(data.meta.samples.values()) == len(rows)
     users = (tmp_path / "out" / "users.txt").read_bytes().decode("utf-8").split("\n")
     assert sorted(users) == sorted(["", *kept])  # each exactly, one a line
+
+
+def test_a_log_whose_lines_end_in_a_carriage_return_alone_is_the_same_log(tmp_path):
+    """Classic Mac OS line ends (some spreadsheets still save CSV so) were csv's traceback."""
+    plain = write_layout(tmp_path / "a", "ratings.csv")
+    (tmp_path / "b").mkdir()
+    mac = tmp_path / "b" / "ratings.csv"
+    mac.write_bytes(plain.read_bytes().replace(b"\r\n", b"\r"))
+    for log, out in ((plain, "plain"), (mac, "mac")):
+        assert preprocess([log], tmp_path / out).returncode == 0
+    assert [pairs(open_interactions(str(tmp_path / "mac")), s) for s in SPLITS] == \
+        [pairs(open_interactions(str(tmp_path / "plain")), s) for s in SPLITS]
+    side = tmp_path / "side.csv"  # a carriage return inside a line: a bad row, named
+    side.write_bytes(b"u1,i1,a\rb,1\nu1,i2,c,2\nu1,i3,c,3\n")
+    result = preprocess([side], tmp_path / "out", "--columns", "user,item,item:genre,timestamp")
+    assert (result.returncode, result.stderr.strip().splitlines()) == (2, [
+        f"error: {side}:1: the item:genre value 'a\\rb' holds a line break (U+000D); correct "
+        f"the line, or pass --skip-bad-rows to leave out such lines (counted)"])
 
 
 def test_a_partial_folder_is_removed_only_when_a_stopped_run_made_it(tmp_path):

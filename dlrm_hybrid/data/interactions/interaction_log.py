@@ -7,7 +7,8 @@ theirs and a first line of four numbers in their delimiter. Any other file needs
 comma list of roles: user, item, timestamp, rating, label, user:NAME or item:NAME (a side feature
 of that tower) and _ (a column to ignore), unless its header names them (`header_roles`). A header line (a number column that is not a number,
 the roles' own names, or id columns named as ids are: `user_id`, `movieId`, ...) is skipped, and
-a UTF-8 byte-order mark dropped. Fields may be quoted ("a,b"). Ids and side values are kept as
+a UTF-8 byte-order mark dropped; a carriage return alone ends a line in a file without a newline
+(classic Mac OS). Fields may be quoted ("a,b"). Ids and side values are kept as
 the file's bytes; numbers are float64. A user or item id must be UTF-8 text without a line
 separator (users.txt/items.txt hold one id a line): another is a bad row (`bad_id`).
 
@@ -54,6 +55,8 @@ OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.n
        ">": operator.gt, "<": operator.lt}
 ID_WIDTH = 16  # bytes first tried for an id or side value; a wider one makes the file read again
 SEPARATOR = "\x1f"  # stands in for a delimiter of several characters (`::`)
+CR = "\ue000"  # stands in for a carriage return inside a line, which csv refuses (never in
+# the text: latin-1 decodes to U+0000..U+00FF)
 
 
 @dataclass
@@ -150,7 +153,7 @@ def header_roles(path: str, delimiter: Optional[str]) -> Optional[Tuple[str, ...
     sep = delimiter or next((d for d in ("::", "\t", ",", ";", "|") if d in first), None)
     if sep is None:
         return None
-    fields = next(csv.reader([first.replace(sep, SEPARATOR)], delimiter=SEPARATOR), [])
+    fields = _fields(first.replace(sep, SEPARATOR), SEPARATOR)
     roles = tuple(_role_named(f.strip()) for f in fields)
     if not all(roles):
         return None
@@ -192,8 +195,23 @@ def _first_line(path: str) -> str:
             head = stream.read(1 << 16)
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror}); check --input")
-    text = head.removeprefix(b"\xef\xbb\xbf").decode("latin-1").lstrip("\r\n")
+    text = _text(head).lstrip("\r\n")
     return text.split("\n", 1)[0].rstrip("\r")
+
+
+def _text(raw: bytes) -> str:
+    """A file's bytes as latin-1 text, which maps every byte to one character, so ids keep the
+    file's bytes (UTF-8 or not); a byte-order mark dropped, and classic Mac OS line ends (a
+    carriage return alone, in a file without a newline) read as newlines."""
+    text = raw.removeprefix(b"\xef\xbb\xbf").decode("latin-1")
+    return text.replace("\r", "\n") if "\n" not in text else text
+
+
+def _fields(line: str, delimiter: str) -> List[str]:
+    """One line's fields as csv reads them; a carriage return inside one is kept in it (csv
+    refuses it): the field is then a bad row's, named as such."""
+    fields = next(csv.reader([line.replace("\r", CR)], delimiter=delimiter), [])
+    return [field.replace(CR, "\r") for field in fields]
 
 
 def _sniff(path: str) -> str:
@@ -237,8 +255,7 @@ def _read_file(path: str, layout: Tuple[str, ...], delimiter: str, header: Optio
         raw = Path(path).read_bytes()
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror}); check --input")
-    # latin-1 maps every byte to one character, so ids keep the file's bytes (UTF-8 or not)
-    text = raw.removeprefix(b"\xef\xbb\xbf").decode("latin-1")
+    text = _text(raw)
     if len(delimiter) > 1:
         text = text.replace(delimiter, SEPARATOR)
         delimiter = SEPARATOR
@@ -311,8 +328,7 @@ def _skip_header(text: str, layout: Sequence[str], delimiter: str, header: Optio
     end = text.find("\n", blank)
     first = text[blank:] if end < 0 else text[blank:end]
     if header is None:
-        fields = next(csv.reader([first], delimiter=delimiter), [])
-        header = _looks_like_header(fields, layout)
+        header = _looks_like_header(_fields(first.rstrip("\r"), delimiter), layout)
     if not header:
         return text, 1
     return ("" if end < 0 else text[end + 1:]), lines_before + 2
@@ -351,7 +367,7 @@ def _read_lines(path: str, text: str, first_line: int, layout: Tuple[str, ...],
     for number, line in enumerate(lines, first_line):
         if not line.strip("\r"):
             continue  # a blank line is no row
-        fields = next(csv.reader([line.rstrip("\r")], delimiter=delimiter), [])
+        fields = _fields(line.rstrip("\r"), delimiter)
         problem = _problem(fields, layout)
         if problem is None:
             good.append(line)
@@ -375,11 +391,15 @@ def _problem(fields: List[str], layout: Sequence[str]) -> Optional[Tuple[str, st
     for value, role in zip(fields, layout):
         if role in ("user", "item") and not value:
             return "empty_id", BAD_KINDS["empty_id"].format(what=f"{role} id")
-        why = _id_problem(value.encode("latin-1")) if role in ("user", "item") else None
-        if why:
+        is_id = role in ("user", "item")
+        why = (_id_problem(value.encode("latin-1")) if is_id else
+               "holds a line break (U+000D)" if "\r" in value and role not in NUMBERS else None)
+        if why:  # (a carriage return in any other column: np.loadtxt reads no such line)
             raw = value.encode("latin-1")
-            shown = raw if why.startswith("is not") else raw.decode("utf-8")
-            return "bad_id", BAD_KINDS["bad_id"].format(what=f"{role} id", value=shown, why=why)
+            shown = (value if not is_id else raw if why.startswith("is not")
+                     else raw.decode("utf-8"))
+            what = f"{role} id" if is_id else f"{role} value"
+            return "bad_id", BAD_KINDS["bad_id"].format(what=what, value=shown, why=why)
         if role in NUMBERS and not _is_number(value):
             return "bad_number", BAD_KINDS["bad_number"].format(what=role, value=value)
     return None
