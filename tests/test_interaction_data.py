@@ -4,6 +4,7 @@ the folder it writes read back, and the planted log's recorded ceiling."""
 from __future__ import annotations
 
 import collections
+import gzip
 from pathlib import Path
 
 import numpy as np
@@ -427,7 +428,7 @@ def test_an_id_that_cannot_be_kept_exactly_is_refused_naming_its_line(tmp_path, 
     assert sorted(users) == sorted(["", *kept])  # each exactly, one a line
 
 
-def test_a_log_whose_lines_end_in_a_carriage_return_alone_is_the_same_log(tmp_path):
+def test_mac_line_ends_are_lines_and_a_carriage_return_within_or_an_archive_is_named(tmp_path):
     """Classic Mac OS line ends (some spreadsheets still save CSV so) were csv's traceback."""
     plain = write_layout(tmp_path / "a", "ratings.csv")
     (tmp_path / "b").mkdir()
@@ -437,6 +438,12 @@ def test_a_log_whose_lines_end_in_a_carriage_return_alone_is_the_same_log(tmp_pa
         assert preprocess([log], tmp_path / out).returncode == 0
     assert [pairs(open_interactions(str(tmp_path / "mac")), s) for s in SPLITS] == \
         [pairs(open_interactions(str(tmp_path / "plain")), s) for s in SPLITS]
+    packed = tmp_path / "ratings.csv.gz"  # once a line of binary named as a bad user id
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    result = preprocess([packed], tmp_path / "out", "--skip-bad-rows")
+    assert (result.returncode, result.stderr.strip().splitlines()) == (2, [
+        f"error: {packed}: a gzip archive, not a text log; extract the log from it and give "
+        f"that"])
     side = tmp_path / "side.csv"  # a carriage return inside a line: a bad row, named
     side.write_bytes(b"u1,i1,a\rb,1\nu1,i2,c,2\nu1,i3,c,3\n")
     result = preprocess([side], tmp_path / "out", "--columns", "user,item,item:genre,timestamp")

@@ -55,6 +55,8 @@ OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.n
        ">": operator.gt, "<": operator.lt}
 ID_WIDTH = 16  # bytes first tried for an id or side value; a wider one makes the file read again
 SEPARATOR = "\x1f"  # stands in for a delimiter of several characters (`::`)
+ARCHIVES = {"gzip": b"\x1f\x8b", "zip": b"PK\x03\x04", "xz": b"\xfd7zXZ\x00",
+            "zstd": b"\x28\xb5\x2f\xfd"}  # magic numbers no text log starts with
 CR = "\ue000"  # stands in for a carriage return inside a line, which csv refuses (never in
 # the text: latin-1 decodes to U+0000..U+00FF)
 
@@ -195,14 +197,19 @@ def _first_line(path: str) -> str:
             head = stream.read(1 << 16)
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror}); check --input")
-    text = _text(head).lstrip("\r\n")
+    text = _text(head, path).lstrip("\r\n")
     return text.split("\n", 1)[0].rstrip("\r")
 
 
-def _text(raw: bytes) -> str:
+def _text(raw: bytes, path: str) -> str:
     """A file's bytes as latin-1 text, which maps every byte to one character, so ids keep the
     file's bytes (UTF-8 or not); a byte-order mark dropped, and classic Mac OS line ends (a
-    carriage return alone, in a file without a newline) read as newlines."""
+    carriage return alone, in a file without a newline) read as newlines. An archive (MovieLens
+    ships .zip files) is refused, not read as rows of binary."""
+    archive = next((kind for kind, magic in ARCHIVES.items() if raw.startswith(magic)), None)
+    if archive:
+        raise DataError(f"{path}: a {archive} archive, not a text log; extract the log from it "
+                        f"and give that")
     text = raw.removeprefix(b"\xef\xbb\xbf").decode("latin-1")
     return text.replace("\r", "\n") if "\n" not in text else text
 
@@ -255,7 +262,7 @@ def _read_file(path: str, layout: Tuple[str, ...], delimiter: str, header: Optio
         raw = Path(path).read_bytes()
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror}); check --input")
-    text = _text(raw)
+    text = _text(raw, path)
     if len(delimiter) > 1:
         text = text.replace(delimiter, SEPARATOR)
         delimiter = SEPARATOR
