@@ -354,6 +354,28 @@ def test_a_ranker_description_without_its_data_asks_for_ranker_data(served):
     assert {line.split("\t")[0] for line in result.stdout.splitlines()[:3]} == LIKED["u0"]
 
 
+def test_a_ranker_trained_on_a_relative_path_is_not_read_from_another_folder(served):
+    """A ranker trained with `data.path=rank` in its own folder names its dataset `rank`: asked
+    from another folder, that path is not the dataset, and the error says so (it read like a
+    flag the user had given wrongly)."""
+    with zipfile.ZipFile(served.root / "M.pt") as source, \
+            zipfile.ZipFile(served.root / "relative.pt", "w") as relative:
+        for entry in source.infolist():
+            text = source.read(entry)
+            if entry.filename.endswith("/extra/model.json"):
+                description = json.loads(text)
+                description["source"]["data"] = "rank"
+                text = json.dumps(description).encode()
+            relative.writestr(entry, text)
+    result = run_cli(["recommend", "--retrieval", str(served.root / "R"), "--pixie",
+                      str(served.root / "G"), "--user", "u0", "--ranker",
+                      str(served.root / "relative.pt")])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: --ranker-data: {served.root}/relative.pt names its "
+                                    f"dataset rank, a path relative to where it was trained"), \
+        result.stderr
+
+
 BAD = [
     (["--user", "nobody"], "--user: unknown user 'nobody': not in the retrieval model's"),
     (["--user", "u5", "--ranker-data", "{root}/rank_user"],

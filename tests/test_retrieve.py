@@ -339,6 +339,17 @@ def test_a_damaged_export_is_a_one_line_error(exported, tmp_path, damage, says):
     assert line.startswith(f"error: {folder}/{says}") and "export the model again" in line, line
 
 
+def test_the_export_names_its_dataset_wherever_it_is_read_from(trained, tmp_path):
+    """A checkpoint trained with a relative data.path: the export states the dataset it read
+    as a whole path, so `recommend-tune` (which opens it) finds it from any folder."""
+    root, checkpoint = trained
+    result = run_cli(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "r"),
+                      "--set", "data.path=log", "--retrieval"], cwd=root)
+    assert result.returncode == 0, failure(result)
+    stated = yaml.safe_load((tmp_path / "r" / "retrieval.yaml").read_text())["source"]["data"]
+    assert stated == str(root / "log")
+
+
 def test_export_removes_only_a_partial_folder_a_stopped_export_made(trained, tmp_path):
     """`OUT.partial` that is not a stopped export's (no marker of it inside) is refused in one
     line and left as it is; a stopped export's is replaced."""

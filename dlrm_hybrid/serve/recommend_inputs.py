@@ -60,6 +60,10 @@ def trained_on(description: dict, ranker: str) -> str:
     if not data:
         raise UserError(f"--ranker-data: {ranker}'s description does not say which dataset it "
                         f"was trained on; give --ranker-data, its ranking dataset folder")
+    if not Path(data).is_absolute() and not Path(data).exists():
+        raise UserError(f"--ranker-data: {ranker} names its dataset {data}, a path relative to "
+                        f"where it was trained, not found from here; give --ranker-data, its "
+                        f"ranking dataset folder")
     return data
 
 

@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> None:
     if not data:
         raise UserError(f"recommend-tune: {args.retrieval} does not say which dataset its model "
                         f"was trained on; give --data, the retrieval dataset")
+    if not args.data and not Path(data).is_absolute() and not Path(data).exists():
+        raise UserError(f"recommend-tune: {args.retrieval} names its dataset {data}, a path "
+                        f"relative to where it was exported, not found from here; give --data, "
+                        f"the retrieval dataset")
     asked = funnel_tuning.validation_requests(rec, data, "val", args.users)
     if len(np.unique(asked.users)) < 2:  # halves: one user picks, another judges
         raise UserError("recommend-tune: the validation pairs asked are of one user (a "

@@ -282,7 +282,9 @@ def export_retrieval(checkpoint: str, out: str, params: IndexParams = IndexParam
                 "engagements, not the labels)",
         "raw_ids": bool(raw),
         "source": {"checkpoint": str(path.resolve()), "step": read_meta(path)["step"],
-                   "data": cfg.data.path or "planted", "split_rule": dataset.meta.split_rule,
+                   # the folder read, whole: a relative path would be read from elsewhere
+                   "data": str(Path(cfg.data.path).resolve()) if cfg.data.path else "planted",
+                   "split_rule": dataset.meta.split_rule,
                    "positive": dataset.meta.positive},
         "versions": {"dlrm_hybrid": __version__, "torch": str(torch.__version__)},
     }
