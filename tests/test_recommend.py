@@ -418,6 +418,9 @@ BAD = [
      "recommend: --log-impressions {root}/R/users.txt would replace a file inside --retrieval"),
     (["--users", "{root}/users_bad.txt", "--out", "{root}/lists_bad.jsonl"],
      "--users: {root}/users_bad.txt: unknown user 'nobody': not in the retrieval model's"),
+    (["--users", "{root}/users.txt", "--out", "{root}/rank/users.txt"],  # the ranker's, unnamed
+     "recommend: --out {root}/rank/users.txt would replace a file inside --ranker-data "
+     "{root}/rank"),
     (["--users", "{root}/users.txt", "--out", "{root}/R/users.txt"],
      "recommend: --out {root}/R/users.txt"),
 ]
@@ -443,25 +446,34 @@ TUNE_BAD = [
                                   "(graph.yaml splits: train, val), the pairs chosen on"),
     (["--users", "-1"], "recommend-tune: --users must be 0 (all) or more, got -1"),
     (["--users", "1"], "recommend-tune: the validation pairs asked are of one user"),
+    (["--out", "{root}/rank/users.txt"], "recommend-tune: --out {root}/rank/users.txt would "
+                                         "replace a file inside --ranker-data {root}/rank"),
+    (["--out", "{root}/ret/users.txt"], "recommend-tune: --out {root}/ret/users.txt would "
+                                        "replace a file inside --data {root}/ret"),
 ]
 
 
 @pytest.mark.parametrize("args, says", TUNE_BAD, ids=["graph_with_val", "users_below_0",
-                                                      "one_user"])
+                                                      "one_user", "out_in_ranker_data",
+                                                      "out_in_data"])
 def test_recommend_tune_refuses_what_would_choose_on_leaked_or_no_pairs(served, broken, args,
                                                                         says):
     """A graph that walked the validation engagements finds each held-out item through the
     user's own edge (HR@10 0.72 -> 0.79 on this log); a negative --users dropped the last
-    users; one user leaves the half that judges the ranker's prior empty."""
+    users; one user leaves the half that judges the ranker's prior empty; the datasets the
+    ranker and the retrieval model name are inputs too, never written over."""
     root = str(served.root)
     args = [a.format(root=root) for a in args]
     inputs = [a for pair in zip(served.inputs[::2], served.inputs[1::2]) if pair[0] not in args
               for a in pair]
     out = served.root / "tuned_bad.yaml"
+    datasets = {p: p.read_bytes() for p in (*served.root.glob("rank/*.*"),
+                                            *served.root.glob("ret/*.*"))}
     result = run_cli(["recommend-tune", *inputs, *FUNNEL, "--out", str(out), *args])
     assert result.returncode == 2 and result.stderr.count("\n") == 1, failure(result)
-    assert result.stderr.startswith(f"error: {says}"), result.stderr
+    assert result.stderr.startswith(f"error: {says.format(root=root)}"), result.stderr
     assert not out.exists()
+    assert all(p.read_bytes() == data for p, data in datasets.items())
 
 
 def test_a_settings_file_serves_only_the_models_it_was_tuned_with(served):

@@ -122,6 +122,9 @@ def run(args: argparse.Namespace) -> None:
     names = _lines("--users", args.users) if args.users else [args.user]
     recommender = Recommender(args.retrieval, args.pixie, args.ranker, args.ranker_data, settings,
                               args.first_stage, args.memboost)
+    # the ranker's dataset where its description names it (no --ranker-data): an input too
+    refuse_overwriting_inputs([("--out", args.out), ("--log-impressions", args.log_impressions)],
+                              [("--ranker-data", recommender.features.path)], "recommend")
     if recommender.unknown_blocklist:
         print(f"warning: --blocklist: {len(recommender.unknown_blocklist)} items are not the "
               f"retrieval model's (e.g. {recommender.unknown_blocklist[0]!r}); nothing to block "

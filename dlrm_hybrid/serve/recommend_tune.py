@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> None:
     refuse_overwriting_inputs([("--out", args.out)], [
         ("--retrieval", args.retrieval), ("--pixie", args.pixie), ("--first-stage",
         args.first_stage), ("--data", args.data), ("--memboost", args.memboost),
+        ("--ranker-data", args.ranker_data),
         *(("--ranker", r) for r in args.ranker)],
         "recommend-tune")
     require_file_target("--out", args.out)
@@ -89,6 +90,9 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"recommend-tune: {args.retrieval} names its dataset {data}, a path "
                         f"relative to where it was exported, not found from here; give --data, "
                         f"the retrieval dataset")
+    # the datasets the models name (no --ranker-data, --data): inputs too
+    refuse_overwriting_inputs([("--out", args.out)], [("--ranker-data", rec.features.path),
+                                                      ("--data", data)], "recommend-tune")
     asked = funnel_tuning.validation_requests(rec, data, "val", args.users)
     if len(np.unique(asked.users)) < 2:  # halves: one user picks, another judges
         raise UserError("recommend-tune: the validation pairs asked are of one user (a "
