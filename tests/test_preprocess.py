@@ -14,6 +14,7 @@ from dlrm_hybrid.data.criteo import input_sample, preprocess as criteo_preproces
 from dlrm_hybrid.data.criteo.parse import NUM_FIELDS
 from dlrm_hybrid.data.criteo.preprocess import preprocess_criteo
 from dlrm_hybrid.data.criteo.preprocess_job import Job
+from dlrm_hybrid.data.criteo.vocabulary import Vocabulary
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
@@ -402,6 +403,16 @@ def test_empty_inputs_are_a_one_line_error_and_leave_nothing(tmp_path):
                                         f"empty; give Criteo TSV files with rows$"):
         preprocess_criteo(inputs, tmp_path / "out", workers=1)
     assert only_inputs_left(tmp_path, ["a.tsv", "b.tsv"])
+
+
+def test_day_files_are_written_in_day_order_whatever_the_order_given(tmp_path):
+    """`--input day_*.gz` lists day_10 before day_2: train (read in order by MLPerf's schedule)
+    once followed the list, as `preprocess npy` never did."""
+    days = [write_day(tmp_path / f"day_{d}", [d] * 3) for d in (1, 10, 2)]
+    preprocess_criteo([*days, write_day_23(tmp_path)], tmp_path / "out", workers=2)
+    _, _, cats = read_split(tmp_path / "out", "train")
+    values = Vocabulary.load(str(tmp_path / "out")).values[0]
+    assert [int(values[i - 1]) for i in cats[0]] == [1] * 3 + [2] * 3 + [10] * 3
 
 
 def test_an_input_given_twice_is_refused_before_reading(tmp_path, monkeypatch):

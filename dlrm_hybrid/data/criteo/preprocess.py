@@ -55,6 +55,7 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
     _check_distinct(inputs, split)
     if split == "days":
         check_days([day_number(p) for p in inputs], "add day_23.gz")
+        inputs.sort(key=day_number)  # train in day order, as a shell's day_* (10 before 2) is not
     available = budget.available_memory()
     limit = int(available * budget.DEFAULT_FRACTION) if memory_limit is None else memory_limit
     plan = budget.plan_memory(limit, workers, counts.counter_bytes_per_entry(),
