@@ -316,6 +316,9 @@ def broken(served):
         text = (root / f"rank_{name}" / path).read_text()
         assert old in text
         (root / f"rank_{name}" / path).write_text(text.replace(old, new, 1))
+    shutil.copytree(root / "rank", root / "rank_cut")  # a copy cut short
+    cut = root / "rank_cut" / "train" / "cat_1.bin"
+    cut.write_bytes(cut.read_bytes()[:-7])
     shutil.copytree(root / "G", root / "G_plain")
     (root / "G_plain" / "item_category.npy").unlink()
     cli("preprocess", "interactions", "--input", str(root / "log.csv"), "--columns",
@@ -384,6 +387,8 @@ BAD = [
     (["--user", "u0", "--pixie", "{root}/G3"], "--pixie: {root}/G3 was built from another"),
     (["--user", "u0", "--ranker-data", "{root}/rank_size"],
      "--ranker: {root}/M.pt was trained on other data than {root}/rank_size"),
+    (["--user", "u0", "--ranker-data", "{root}/rank_cut"],
+     "--ranker-data: {root}/rank_cut/train/cat_1.bin: "),
     (["--user", "u0", "--ranker-data", "{root}/rank_item"],
      "--ranker: 1 of the retrieval model's items are not in {root}/rank_item/items.txt"),
     (["--user", "u0", "--ranker", "{root}/demo.pt"], "--ranker: {root}/demo.pt is not a multi"),

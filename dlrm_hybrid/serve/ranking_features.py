@@ -61,10 +61,18 @@ class RankingFeatures:
         self.user_dense = np.zeros(users, np.float32)
         self.item_dense = np.zeros(items, np.float32)
         for files in fspec.splits.values():
-            cats = [np.fromfile(p, d) for p, d in zip(files.categorical, fspec.categorical_dtypes)]
-            dense = np.fromfile(files.numerical, np.float16).reshape(
-                -1, fspec.spec.num_dense)[:, :2].astype(np.float32)
+            numbers = _column(files.numerical, np.float16)
+            rows = len(numbers) // max(fspec.spec.num_dense, 1)
+            cats = [_column(p, d, rows) for p, d in zip(files.categorical,
+                                                        fspec.categorical_dtypes)]
+            if len(numbers) != rows * fspec.spec.num_dense:
+                raise _damaged(files.numerical, f"not rows of {fspec.spec.num_dense} values")
+            dense = numbers.reshape(rows, fspec.spec.num_dense)[:, :2].astype(np.float32)
             u, i = cats[0].astype(np.int64), cats[1].astype(np.int64)
+            for ids, names, what in ((u, self.user_names, "users"), (i, self.item_names, "items")):
+                if len(ids) and not 0 <= ids.min() <= ids.max() < len(names):
+                    raise _damaged(files.categorical[0 if what == "users" else 1],
+                                   f"ids outside its {len(names)} {what}.txt")
             self.user_side[u] = np.column_stack([cats[f] for f in user_cols] or
                                                 [np.zeros((len(u), 0))])
             self.item_side[i] = np.column_stack([cats[f] for f in item_cols] or
@@ -96,3 +104,19 @@ class RankingFeatures:
                                  *([] if candidate is None else [candidate])])
         # as the dataset stored them: float16
         return dense.astype(np.float16).astype(np.float32), ids
+
+
+def _column(path, dtype, rows: Optional[int] = None) -> np.ndarray:
+    """A split's column file, `rows` long where given; a one-line error naming it otherwise."""
+    try:
+        values = np.fromfile(path, dtype)
+    except OSError as e:
+        raise _damaged(path, f"cannot read ({e.strerror or e})") from None
+    if rows is not None and len(values) != rows:
+        raise _damaged(path, f"{len(values)} rows, its split's numerical.bin {rows}")
+    return values
+
+
+def _damaged(path, what: str) -> UserError:
+    return UserError(f"--ranker-data: {path}: {what}; the ranking dataset is damaged: "
+                     f"preprocess it again")
