@@ -312,6 +312,23 @@ def test_one_line_errors(trained, exported, ranker_checkpoint, tmp_path):
     assert (checkpoint / "meta.json").is_file()
 
 
+def test_a_users_file_or_raw_ids_not_in_utf8_are_one_line(exported, tmp_path):
+    """A users file saved in another encoding, or a folder's users.txt that is: one line
+    naming the file, not a UnicodeDecodeError traceback."""
+    import shutil
+
+    (tmp_path / "users.txt").write_bytes(b"u1\n\xff\xfeu2\n")
+    line = _error(["retrieve", "--model", str(exported / "flat"), "--users",
+                   str(tmp_path / "users.txt"), "--out", str(tmp_path / "out.jsonl")])
+    assert line.startswith(f"error: --users: cannot read {tmp_path}/users.txt ("), line
+    folder = Path(shutil.copytree(exported / "flat", tmp_path / "flat"))
+    with open(folder / "users.txt", "ab") as stream:
+        stream.write(b"\xff\xfe\n")
+    line = _error(["retrieve", "--model", str(folder), "--user", "u1"])
+    assert line.startswith(f"error: {folder}/users.txt: not UTF-8 text ("), line
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def _cut(name: str):
     def damage(folder: Path) -> None:
         (folder / name).write_bytes((folder / name).read_bytes()[:100])

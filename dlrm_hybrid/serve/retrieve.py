@@ -298,7 +298,13 @@ def _tower(path: Path):
 
 
 def read_raw_ids(path: Path) -> Optional[List[str]]:
-    return path.read_text(encoding="utf-8").splitlines() if path.is_file() else None
+    """users.txt / items.txt of a folder (None where it has none)."""
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e}); write the folder again") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -369,8 +375,9 @@ def _run_batch(args: argparse.Namespace) -> None:
     try:
         names = [line.strip() for line in Path(args.users).read_text(encoding="utf-8-sig").splitlines()
                  if line.strip()]
-    except OSError as e:
-        raise UserError(f"--users: cannot read {args.users} ({e.strerror})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--users: cannot read {args.users} "
+                        f"({getattr(e, 'strerror', None) or e})") from None
     retriever = Retriever(args.model)
     users = np.array([retriever.user(n, args.dense_ids) for n in names], np.int64)
     target = Path(args.out)
