@@ -267,6 +267,7 @@ def _damage_yaml(field: str, value):
     (lambda f: (f / "item_users.npy").unlink(), "item_users.npy: cannot read"),
     (lambda f: (f / "graph.yaml").unlink(), "not a graph folder"),
     (_damage_yaml("format", "dlrm_hybrid retrieval 1"), "not written by `pixie build`"),
+    (lambda f: (f / "graph.yaml").write_bytes(b"\xff\xfe\x00"), "graph.yaml: not valid YAML"),
     (_damage_yaml("items", "many"), "users and items must be counts"),
     (_truncate, "item_indptr.npy: damaged"),
     (_short_indptr, "user_indptr.npy: not the offsets"),
@@ -274,7 +275,8 @@ def _damage_yaml(field: str, value):
     (lambda f: np.save(f / "item_category.npy", np.zeros(3, np.int32)), "item_category.npy"),
     (lambda f: np.save(f / "item_users.npy", np.load(f / "item_users.npy") * 1.0),
      "not 1-D integer"),
-], ids=["missing array", "no graph.yaml", "foreign format", "bad count", "truncated indptr",
+], ids=["missing array", "no graph.yaml", "foreign format", "binary yaml", "bad count",
+        "truncated indptr",
         "short indptr", "other edges", "category shape", "float ids"])
 def test_a_damaged_graph_folder_is_a_one_line_error(built, tmp_path, damage, expected):
     folder = Path(shutil.copytree(built, tmp_path / "g"))

@@ -344,7 +344,10 @@ def _other_users(folder: Path) -> None:
     (_cut("item_vectors.npy"), "item_vectors.npy: damaged"),
     (_cut("user_tower.pt"), "user_tower.pt: not a readable TorchScript file"),
     (_other_users, f"user_side.npy: {USERS - 1} rows, retrieval.yaml says {USERS} users"),
-], ids=["missing array", "truncated vectors", "truncated tower", "short user side"])
+    (lambda f: (f / "retrieval.yaml").write_bytes(b"\xff\xfe\x00"),
+     "retrieval.yaml: not valid YAML"),
+], ids=["missing array", "truncated vectors", "truncated tower", "short user side",
+        "binary yaml"])
 def test_a_damaged_export_is_a_one_line_error(exported, tmp_path, damage, says):
     """A file of the folder missing, cut short or of another size: one line naming it, not a
     traceback from numpy or torch."""

@@ -293,7 +293,7 @@ def read_graph(folder: str) -> Graph:
                         f"`pixie build` wrote")
     try:
         description = yaml.safe_load((root / DESCRIPTION).read_text())
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # binary bytes: not UTF-8 either
         raise DataError(f"{root / DESCRIPTION}: not valid YAML ({str(e).splitlines()[0]}); "
                         f"build the graph again") from None
     if not isinstance(description, dict) or description.get("format") != FORMAT:

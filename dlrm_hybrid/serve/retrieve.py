@@ -266,7 +266,7 @@ def read_description(root: Path) -> dict:
                         f"--retrieval` wrote")
     try:
         description = yaml.safe_load((root / DESCRIPTION).read_text())
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # binary bytes: not UTF-8 either
         raise UserError(f"{root / DESCRIPTION}: not valid YAML ({str(e).splitlines()[0]}); "
                         f"export the model again") from None
     if not isinstance(description, dict) or description.get("format") != FORMAT:
