@@ -357,6 +357,17 @@ def test_a_ranker_description_without_its_data_asks_for_ranker_data(served):
     assert {line.split("\t")[0] for line in result.stdout.splitlines()[:3]} == LIKED["u0"]
 
 
+def test_a_ranker_exported_with_a_relative_data_path_names_it_whole(served, tmp_path):
+    """export records the dataset it read as a whole path: `recommend` run from another folder
+    would otherwise read a relative path's namesake there, another dataset, silently."""
+    result = run_cli(["export", "--checkpoint", str(served.root / "rk/checkpoints/step_200"),
+                      "--out", str(tmp_path / "M.pt"), "--set", "data.path=rank"],
+                     cwd=served.root)
+    assert result.returncode == 0, failure(result)
+    description = json.loads((tmp_path / "M.json").read_text())
+    assert description["source"]["data"] == str(served.root / "rank")
+
+
 def test_a_ranker_trained_on_a_relative_path_is_not_read_from_another_folder(served):
     """A ranker trained with `data.path=rank` in its own folder names its dataset `rank`: asked
     from another folder, that path is not the dataset, and the error says so (it read like a

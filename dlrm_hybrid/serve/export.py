@@ -88,7 +88,10 @@ def export_model(checkpoint: str, out: str, quantize: str = "fp32",
         "quantization": {"default": quantize, "tables": precisions},
         "tables": table_sizes(scoring.embeddings, precisions),
         "source": {"checkpoint": str(path.resolve()), "step": read_meta(path)["step"],
-                   "data": cfg.data.path, "model": dataclasses.asdict(cfg.model)},
+                   # the folder read (export reads its feature_spec), whole: recommend run
+                   # elsewhere would read a relative path's namesake there
+                   "data": str(Path(cfg.data.path).resolve()) if cfg.data.path else cfg.data.path,
+                   "model": dataclasses.asdict(cfg.model)},
         "torch": torch.__version__,
     }
     text = json.dumps(description, indent=1)
