@@ -14,6 +14,7 @@ from conftest import (ROOT, TORCHRUN, assert_eval_and_export_reproduce, done_fie
                       read_metrics, run_cli)
 from shared_runs import DEMO_RUN, DEMO_STEPS, copy_of
 from dlrm_hybrid.config_loading import load_config
+from dlrm_hybrid.data.split_binary import SplitBinaryDataset
 from dlrm_hybrid.data.synth_dataset import write_synthetic
 from dlrm_hybrid.errors import DataError, TrainingDiverged
 from dlrm_hybrid.train.loop import train
@@ -275,21 +276,29 @@ def test_auto_passes_over_a_checkpoint_whose_meta_json_is_unreadable(tmp_path, p
     assert [p.name for p in step_3.parent.iterdir()] == ["step_3.damaged"]
 
 
-def nan_from_batch(tmp_path, batch, size=768):
-    """A split-binary copy of the synthetic data whose dense features are NaN from the
-    `batch`-th global batch on (1-based)."""
+def nan_from_batch(tmp_path, monkeypatch, batch, size=768):
+    """A split-binary copy of the synthetic data whose training batches read NaN dense features
+    from the `batch`-th global batch on (1-based): a loss that diverges at a known step. The NaN
+    is put in after the reader, which refuses a file holding one."""
     data = tmp_path / "data"
     write_synthetic(load_config(None, ["data.train_samples=20000", "data.val_samples=1000"]).data,
                     str(data))
-    numerical = np.memmap(data / "train" / "numerical.bin", dtype=np.float16, mode="r+")
-    numerical[size * 13 * (batch - 1):] = np.nan
-    numerical.flush()
+    read = SplitBinaryDataset.columns
+
+    def columns(self, split, first, count):
+        out = read(self, split, first, count)
+        if split == "train":
+            out.dense[np.arange(first, first + count) >= size * (batch - 1)] = np.nan
+        return out
+
+    monkeypatch.setattr(SplitBinaryDataset, "columns", columns)
     return data
 
 
-def test_a_diverging_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path, process_group):
+def test_a_diverging_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path, process_group,
+                                                                       monkeypatch):
     cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        *COMMON, f"data.path={nan_from_batch(tmp_path, 5)}", "train.max_steps=10",
+        *COMMON, f"data.path={nan_from_batch(tmp_path, monkeypatch, 5)}", "train.max_steps=10",
         "checkpoint.every=2", "train.log_every=2", f"train.run_dir={tmp_path / 'run'}"])
     with pytest.raises(TrainingDiverged) as info:
         train(cfg, process_group)
@@ -308,12 +317,13 @@ def all_finite(checkpoint) -> bool:
     return all(torch.isfinite(t).all() for t in state.values())
 
 
-def test_a_diverged_model_is_never_checkpointed_and_the_good_one_is_kept(tmp_path, process_group):
+def test_a_diverged_model_is_never_checkpointed_and_the_good_one_is_kept(tmp_path, process_group,
+                                                                        monkeypatch):
     """Losses are checked every 10 steps, checkpoints written every 3 and only the newest kept:
     the NaN from step 5 on must not reach step_6, and step_3 must survive as the good one."""
     run = tmp_path / "run"
     cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        *COMMON, f"data.path={nan_from_batch(tmp_path, 5)}", "train.max_steps=20",
+        *COMMON, f"data.path={nan_from_batch(tmp_path, monkeypatch, 5)}", "train.max_steps=20",
         "checkpoint.every=3", "checkpoint.keep=1", "train.log_every=10", f"train.run_dir={run}"])
     with pytest.raises(TrainingDiverged) as info:
         train(cfg, process_group)

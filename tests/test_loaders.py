@@ -190,6 +190,31 @@ def test_truncated_or_missing_files_are_one_line_errors(dataset_dir, tmp_path):
         SplitBinaryDataset(str(broken))
 
 
+def test_a_non_finite_dense_value_is_named_with_its_file_and_sample(dataset_dir, tmp_path):
+    """A nan or inf in numerical.bin (a float16 overflow, a file made elsewhere) would train as a
+    diverged loss whose advice is to lower the learning rates: the reader names it instead, in
+    every split and read (a slice, a padded last batch, a streamed window's rows)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(dataset_dir, broken)
+    data = SplitBinaryDataset(str(broken))
+    n, width = data.sizes["val"], data.spec.num_dense
+    for split, folder, row, value in (("train", "train", 1234, np.inf),
+                                      ("val", "validation", n - 1, np.nan)):
+        numerical = np.memmap(broken / folder / "numerical.bin", np.float16, "r+")
+        numerical[row * width + 2] = value
+        numerical.flush()
+        data = SplitBinaryDataset(str(broken))
+        message = (f"{broken / folder / 'numerical.bin'}: sample {row}'s dense value 2 is "
+                   f"{np.float32(value)}, not finite; ")
+        first = row - row % 100
+        with pytest.raises(DataError, match=f"^{message}"):
+            data.columns(split, first, 100)
+        assert data.columns(split, first - 100, 100).dense.shape == (100, width)  # before it
+        data.add_rows("window", split, row - 5, row + 1)
+        with pytest.raises(DataError, match=f"^{message}"):
+            data.columns("window", 0, 16)  # padded past the window's last row
+
+
 def test_loader_errors_reach_the_training_loop():
     def failing():
         yield SyntheticClicks(DATA).batch("train", 0, 8)

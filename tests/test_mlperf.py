@@ -152,12 +152,12 @@ def test_a_run_that_misses_its_target_logs_aborted(tmp_path, process_group):
     assert not (tmp_path / "other.log").exists()
 
 
-def test_a_run_that_fails_midway_still_logs_its_stop(tmp_path, process_group):
+def test_a_run_that_fails_midway_still_logs_its_stop(tmp_path, process_group, monkeypatch):
     from test_checkpoint import nan_from_batch
 
     log = tmp_path / "mlperf.log"
     cfg = load_config(str(ROOT / "configs/demo.yaml"), [
-        f"data.path={nan_from_batch(tmp_path, 3)}", "data.global_batch_size=768",
+        f"data.path={nan_from_batch(tmp_path, monkeypatch, 3)}", "data.global_batch_size=768",
         "optim.embedding=adagrad", "optim.dense_lr=0.1", "train.max_steps=0", "train.evals_per_epoch=5", "train.eval_every=0",
         "train.log_every=1", "train.progress_bar=false", "checkpoint.resume=none",
         f"train.run_dir={tmp_path / 'run'}", f"train.mlperf_log={log}"])

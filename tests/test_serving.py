@@ -334,7 +334,8 @@ def test_a_split_binary_dense_value_that_is_not_finite_is_named_and_nothing_writ
     dense = np.fromfile(numerical, np.float16).reshape(10, -1)
     dense[7, 3] = np.inf
     dense.tofile(numerical)
-    with pytest.raises(DataError, match=r"^test sample 7: dense value 3 is inf, not finite; "):
+    with pytest.raises(DataError, match=rf"^{numerical}: sample 7's dense value 3 is inf, not "
+                                        r"finite; "):
         predict(str(exported / "fp32.pt"), str(tmp_path / "data"), str(tmp_path / "p.txt"))
     assert not (tmp_path / "p.txt").exists()
 

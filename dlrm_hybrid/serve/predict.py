@@ -123,7 +123,6 @@ def predict(model_path: str, data: str, out: str, split: str = "test",
                 stream.write(",".join(outputs.columns) + "\n")
             for rows in chunks:
                 _check_ids(rows, names, cardinalities)
-                _check_dense(rows)
                 table = score(module, rows, outputs)
                 np.savetxt(stream, table, fmt="%.7g", delimiter=",")
                 scored.append(table)
@@ -334,15 +333,6 @@ def _check_ids(rows: ScoringRows, names: List[str], cardinalities: List[int]) ->
             raise DataError(f"{rows.locate(int(i))}: id {ids[i, j]} of feature {name} is outside "
                             f"its table (0..{rows_of_table - 1}); the data was preprocessed for "
                             f"another model")
-
-
-def _check_dense(rows: ScoringRows) -> None:
-    """A nan or inf (float16 files overflow past 65504) would score nan: named here instead."""
-    bad = ~np.isfinite(rows.dense)
-    if bad.any():
-        i, j = np.argwhere(bad)[0]
-        raise DataError(f"{rows.locate(int(i))}: dense value {j} is {rows.dense[i, j]}, not "
-                        f"finite; score data preprocessed like the model's training data")
 
 
 def score(module, rows: ScoringRows, outputs: Optional[Outputs] = None) -> np.ndarray:
