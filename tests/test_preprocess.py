@@ -486,6 +486,7 @@ def test_npy_day_23_of_one_row_is_refused(tmp_path):
 def test_require_samples_names_the_dataset_and_the_empty_split(tmp_path):
     from dlrm_hybrid.config import DataConfig
     from dlrm_hybrid.data.source import require_samples
+    from dlrm_hybrid.data.interactions.planted_interactions import planted_interactions
     from dlrm_hybrid.data.spec import DataSpec
     from dlrm_hybrid.data.synthetic import SyntheticClicks
 
@@ -501,6 +502,11 @@ def test_require_samples_names_the_dataset_and_the_empty_split(tmp_path):
     with pytest.raises(DataError, match="^synthetic data: the test split has no samples and "
                                         "eval reads it; set data.val_samples above 0$"):
         require_samples(synthetic, ["test"], "eval")
+    interactions = planted_interactions(DataConfig())
+    interactions.pairs.pop("test")
+    with pytest.raises(DataError, match="^planted interactions: the test split has no samples "
+                                        "and eval reads it; "):
+        require_samples(interactions, ["train", "test"], "eval")
 
 
 # ---- temporary folders of killed runs --------------------------------------------------------

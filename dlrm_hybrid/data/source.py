@@ -54,9 +54,9 @@ def require_samples(dataset, splits: Sequence[str], where: str) -> None:
         if dataset.num_samples(split):
             continue
         if isinstance(dataset, InteractionData):
-            where = dataset.root or "planted interactions"
-            raise DataError(f"{where}: the {split} split has no engagements and {where} reads "
-                            f"it; preprocess with more users or another split rule")
+            root = dataset.root or "planted interactions"
+            raise DataError(f"{root}: the {split} split has no samples and {where} reads it; "
+                            f"preprocess with more users or another split rule")
         if isinstance(dataset, SplitBinaryDataset):
             raise DataError(f"{dataset.fspec.root}: the {SPLIT_NAMES[split]} split has no samples "
                             f"and {where} reads it; preprocess again with rows for it (Criteo day "
