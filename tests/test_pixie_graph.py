@@ -196,7 +196,8 @@ def test_pixie_build_bad_inputs_are_one_line_errors_and_write_nothing(dataset, t
         (["--max-user-entropy", "1"], "--max-user-entropy: needs item categories"),
         (["--max-item-degree", "-1"], "--max-item-degree: must be 0 or more"),
         (["--min-user-degree", "-2"], "--min-user-degree: must be 0 or more"),
-        (["--max-user-degree", "2", "--min-user-degree", "3"], "every user would be removed")]
+        (["--max-user-degree", "2", "--min-user-degree", "3"], "every user would be removed"),
+        (["--min-item-degree", "100000"], "pixie build: no edge is left (")]
     for args, expected in cases:
         options = {"--data": str(dataset), "--out": str(tmp_path / "g")}
         options.update(zip(args[::2], args[1::2]))

@@ -104,6 +104,10 @@ def run_build(args: argparse.Namespace) -> None:
     pruning = Pruning(args.max_item_degree, args.max_user_degree, args.min_item_degree,
                       args.min_user_degree, args.max_user_entropy, args.seed)
     graph, report = graph_from_dataset(args.data, pruning, splits, args.category_feature)
+    if not graph.edges:  # else `recommend` would run without its Pixie source, saying nothing
+        removed = ", ".join(f"{k}={v}" for k, v in report.items() if k != "edges")
+        raise UserError(f"pixie build: no edge is left ({removed}); lower --min-item-degree or "
+                        f"--min-user-degree, or raise --max-user-entropy")
     write_graph(graph, args.out, raw_ids_from=args.data)
     d = graph.description
     print(f"wrote {args.out}: {graph.items:,} items, {graph.users:,} users, {graph.edges:,} "
