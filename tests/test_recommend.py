@@ -335,17 +335,26 @@ def broken(served):
     return root
 
 
-def test_a_ranker_description_without_its_data_asks_for_ranker_data(served):
-    """An older export's description (stored in the file) does not name the ranker's dataset."""
+def ranker_with_description(served, name: str, edit) -> Path:
+    """A copy of the served ranker M.pt, named `name`, whose stored description (model.json
+    inside the file) `edit` changed in place."""
     with zipfile.ZipFile(served.root / "M.pt") as source, \
-            zipfile.ZipFile(served.root / "old.pt", "w") as old:
+            zipfile.ZipFile(served.root / name, "w") as copy:
         for entry in source.infolist():
             text = source.read(entry)
             if entry.filename.endswith("/extra/model.json"):
                 description = json.loads(text)
-                assert description["source"].pop("data") == str(served.root / "rank")
+                edit(description)
                 text = json.dumps(description).encode()
-            old.writestr(entry, text)
+            copy.writestr(entry, text)
+    return served.root / name
+
+
+def test_a_ranker_description_without_its_data_asks_for_ranker_data(served):
+    """An older export's description (stored in the file) does not name the ranker's dataset."""
+    data = []
+    ranker_with_description(served, "old.pt", lambda d: data.append(d["source"].pop("data")))
+    assert data == [str(served.root / "rank")]
     args = ["--retrieval", str(served.root / "R"), "--pixie", str(served.root / "G"),
             "--user", "u0"]
     result = run_cli(["recommend", *args, "--ranker", str(served.root / "old.pt")])
@@ -372,15 +381,7 @@ def test_a_ranker_trained_on_a_relative_path_is_not_read_from_another_folder(ser
     """A ranker trained with `data.path=rank` in its own folder names its dataset `rank`: asked
     from another folder, that path is not the dataset, and the error says so (it read like a
     flag the user had given wrongly)."""
-    with zipfile.ZipFile(served.root / "M.pt") as source, \
-            zipfile.ZipFile(served.root / "relative.pt", "w") as relative:
-        for entry in source.infolist():
-            text = source.read(entry)
-            if entry.filename.endswith("/extra/model.json"):
-                description = json.loads(text)
-                description["source"]["data"] = "rank"
-                text = json.dumps(description).encode()
-            relative.writestr(entry, text)
+    ranker_with_description(served, "relative.pt", lambda d: d["source"].update(data="rank"))
     result = run_cli(["recommend", "--retrieval", str(served.root / "R"), "--pixie",
                       str(served.root / "G"), "--user", "u0", "--ranker",
                       str(served.root / "relative.pt")])
