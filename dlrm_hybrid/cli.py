@@ -49,6 +49,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print("interrupted (Ctrl-C)", file=sys.stderr)
         _exit(130)
+    except Exception:
+        peer = rank_failure.peer_error()  # this rank's collective broke: a peer stopped on it
+        if peer is None:
+            raise
+        rank_failure.record(peer)
+        _exit(2)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 if TYPE_CHECKING:  # torch is the launcher's import, not the CLI's at start
@@ -26,6 +27,24 @@ def record(line: str) -> None:
     if path:
         with open(path, "w") as file:
             json.dump({"message": line, "timestamp": int(time.time()), "kind": KIND}, file)
+
+
+def peer_error() -> Optional[str]:
+    """Under torchrun, the user-error line another rank of this attempt recorded (its error file
+    beside this rank's), or None. A rank whose collective broke because a peer stopped on a user
+    error (a data file only it reads, mid-run) says that line instead of gloo's 80-line
+    traceback, which would otherwise end the output below the cause."""
+    own = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not own:
+        return None
+    for other in sorted(Path(own).parent.parent.glob(f"*/{Path(own).name}")):
+        try:
+            data = json.loads(other.read_text()) if other != Path(own) else {}
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("kind") == KIND:
+            return str(data.get("message"))
+    return None
 
 
 def summary(failures: Dict[int, ProcessFailure]) -> Tuple[Optional[str], int]:

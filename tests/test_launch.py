@@ -3,6 +3,7 @@ docker, scontrol and srun on PATH record what they were asked (no training runs;
 multi-host join itself is run in test_distributed.py). Then how a launch that cannot run ends:
 a config mistake before torchrun starts, an error only the ranks see after."""
 
+import json
 import os
 import stat
 import subprocess
@@ -207,6 +208,50 @@ def test_failed_ranks_end_with_the_first_cause_and_its_exit_code(tmp_path, monke
                                               2)  # said again below the crash's traceback
     assert summary({1: crashed, 0: stopped}) == ("error: rank 1 exited with code 1", 1)
     assert summary({1: killed, 0: stopped}) == ("error: rank 1 was killed by SIGKILL", 137)
+
+
+def test_a_user_error_one_rank_meets_mid_run_ends_the_launch_alone(tmp_path):
+    """A dense nan only rank 1 reads, at step 5: rank 0's collective breaks when rank 1 stops,
+    and it says nothing of its own (gloo's traceback once buried the cause): the output ends
+    with rank 1's line, said once, and its exit code."""
+    import numpy as np
+
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.data.synth_dataset import write_synthetic
+
+    data = tmp_path / "data"
+    write_synthetic(load_config(None, ["data.train_samples=8000", "data.val_samples=1000"]).data,
+                    str(data))
+    numerical = np.memmap(data / "train" / "numerical.bin", np.float16, "r+")
+    numerical[5000 * 13 + 4] = np.nan
+    numerical.flush()
+    result = launch_on_cpu(["--set", f"data.path={data}", "--set", "train.max_steps=7",
+                            "--set", f"train.run_dir={tmp_path / 'run'}"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    cause = (f"error (rank 1): {data}/train/numerical.bin: sample 5000's dense value 4 is nan, "
+             f"not finite; ")
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith(cause), result.stderr
+    assert [line for line in lines if line.startswith("error")] == [lines[-1]], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_rank_finds_the_user_error_a_peer_recorded(tmp_path, monkeypatch):
+    """The error files torchrun gives an attempt's ranks, side by side: a peer's recorded line
+    is found, not this rank's own, nor another program's failure record."""
+    from dlrm_hybrid.rank_failure import KIND, peer_error
+
+    for rank in "012":
+        (tmp_path / rank).mkdir()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "0" / "error.json"))
+    (tmp_path / "0" / "error.json").write_text(json.dumps({"message": "mine", "kind": KIND}))
+    (tmp_path / "1" / "error.json").write_text(json.dumps({"message": {"py": "traceback"}}))
+    assert peer_error() is None
+    (tmp_path / "2" / "error.json").write_text(json.dumps({"message": "error (rank 2): x",
+                                                           "kind": KIND}))
+    assert peer_error() == "error (rank 2): x"
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    assert peer_error() is None
 
 
 def test_the_launcher_drops_torchruns_omp_num_threads_banner(tmp_path):
