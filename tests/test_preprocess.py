@@ -162,12 +162,14 @@ def test_numericals_missing_clamped_and_log_transformed(tmp_path):
     np.testing.assert_array_equal(dense, np.array(want, np.float64).astype(np.float16))
 
 
-def test_criteo_1tb_days_split_day_23_first_ceil_half_validation_as_mlperf(tmp_path):
+def test_criteo_1tb_days_split_day_23_first_ceil_half_validation_as_mlperf(tmp_path, capsys):
     """The MLPerf reference and torchrec: day 23's first ceil(N/2) rows are validation, the
-    rest test; recorded in feature_spec.yaml."""
+    rest test; recorded in feature_spec.yaml, and said, with why auto chose it."""
     day0 = write_day(tmp_path / "day_0", range(100))
     day23 = write_day(tmp_path / "day_23.gz", range(100, 151))
     report = preprocess_criteo([day0, day23], tmp_path / "out", workers=2)
+    assert ("\nsplit: days (auto: every input is named day_N): day 23's first half validation, "
+            "its second test, the other days train\n") in capsys.readouterr().out
     assert report["rows_written"] == {"total": 151, "train": 100, "validation": 26, "test": 25}
     ids = {s: read_split(tmp_path / "out", s)[2][0].tolist()
            for s in ("train", "test", "validation")}
@@ -179,10 +181,12 @@ def test_criteo_1tb_days_split_day_23_first_ceil_half_validation_as_mlperf(tmp_p
     assert report["day_23"] == "validation_first"
 
 
-def test_seeded_split_proportions_and_determinism(tmp_path):
+def test_seeded_split_proportions_and_determinism(tmp_path, capsys):
     path = tmp_path / "train.txt"
     path.write_text("".join("\t".join(r) + "\n" for r in make_rows(6000)))
     first = preprocess_criteo([path], tmp_path / "a", workers=2, split_seed=5)["rows_written"]
+    assert (f"\nsplit: hash (auto: {path} is not named day_N[.gz]): rows by a hash seeded 5: "
+            f"90% train, 5% validation, 5% test\n") in capsys.readouterr().out
     assert 0.88 < first["train"] / 6000 < 0.92
     assert 0.035 < first["validation"] / 6000 < 0.065 and 0.035 < first["test"] / 6000 < 0.065
     preprocess_criteo([path], tmp_path / "b", workers=1, split_seed=5)

@@ -29,7 +29,7 @@ from dlrm_hybrid.data.criteo.preprocess_job import Job, Options
 from dlrm_hybrid.data.criteo.preprocess_report import summary_line, survey_rows
 from dlrm_hybrid.data.criteo.progress import JobProgress
 from dlrm_hybrid.data.criteo.splits import (add_split_arguments, check_days, day_number,
-                                           resolve_split)
+                                           describe_split, resolve_split)
 from dlrm_hybrid.data.criteo.vocabulary import FOLDER, KEY
 from dlrm_hybrid.data.criteo.work import WorkFolder, identity, write_json
 from dlrm_hybrid.data.criteo.day23 import NOT_DAYS, RULE_KEY, VALIDATION_FIRST
@@ -51,7 +51,7 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
     inputs = [str(p) for p in inputs]
     workers = workers or os.cpu_count() or 1
     _check_arguments(inputs, output, frequency_threshold, max_table_size, workers, vocabulary)
-    split = resolve_split(split, inputs)
+    given, split = split, resolve_split(split, inputs)
     _check_distinct(inputs, split)
     if split == "days":
         check_days([day_number(p) for p in inputs], "add day_23.gz")
@@ -61,6 +61,7 @@ def preprocess_criteo(inputs: Sequence[str], output: str, frequency_threshold: i
     plan = budget.plan_memory(limit, workers, counts.counter_bytes_per_entry(),
                               budget.parse_bytes_per_byte(), task_plan.CHUNK_BYTES)
     print(budget.describe(limit, memory_limit is not None, available), flush=True)
+    print(describe_split(given, split, split_seed, inputs), flush=True)
     options = Options(frequency_threshold, max_table_size, strict, split, split_seed,
                       pad_short_rows, vocabulary and os.path.abspath(vocabulary),
                       task_plan.TASK_BYTES)

@@ -63,6 +63,17 @@ def resolve_split(mode: str, inputs: Sequence[str]) -> str:
     return mode if mode != "auto" else "hash" if not_days else "days"
 
 
+def describe_split(given: str, split: str, seed: int, inputs: Sequence[str]) -> str:
+    """The line saying which rule `preprocess criteo` splits by, and why where auto chose it: a
+    day file named otherwise (`day_0.tsv`) made auto hash the days' rows together, silently."""
+    not_days = [p for p in inputs if day_number(p) is None]
+    why = "" if given != "auto" else (f" (auto: {not_days[0]} is not named day_N[.gz])"
+                                      if not_days else " (auto: every input is named day_N)")
+    rule = {"days": "day 23's first half validation, its second test, the other days train",
+            "hash": f"rows by a hash seeded {seed}: 90% train, 5% validation, 5% test"}
+    return f"split: {split}{why}: {rule[split]}"
+
+
 def check_days(days: Sequence[int], add_day_23: str) -> None:
     """Day 23 alone makes validation and test, the other days train: refuse a set of days that
     leaves a split empty before reading them, not when training first evaluates."""
