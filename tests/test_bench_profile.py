@@ -80,3 +80,7 @@ def test_bench_profile_never_writes_over_an_earlier_profile(tmp_path):
     not_a_folder.write_text("x")
     result = run_cli([*BENCH, "--profile", str(not_a_folder)], timeout=60)
     assert result.returncode == 2 and "is not a folder" in result.stderr, failure(result)
+    under_a_file = not_a_folder / "profile"  # refused before the timing, not a traceback after
+    result = run_cli([*BENCH, "--profile", str(under_a_file)], timeout=60)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, failure(result)
+    assert f"{not_a_folder} is a file" in result.stderr and "samples_per_s" not in result.stdout

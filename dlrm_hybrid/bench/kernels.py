@@ -54,6 +54,9 @@ def check_profile_dir(path: str) -> Path:
     if folder.exists() and not folder.is_dir():
         raise UserError(f"bench --profile {path}: exists and is not a folder; name a new or "
                         f"empty folder")
+    above = next(p for p in folder.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise UserError(f"bench --profile {path}: {above} is a file; name a folder elsewhere")
     for name in (TRACE_NAME, TABLE_NAME):
         if (folder / name).exists():
             raise UserError(f"bench --profile {path}: {folder / name} exists from an earlier "
