@@ -90,18 +90,21 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=0, help="sequential.py --epochs")
     parser.add_argument("--quick", action="store_true", help="a small world, sequential.py "
                         "--quick: a check that it runs")
-    parser.add_argument("--work", help="keep the log and dataset here (default: a temporary "
+    parser.add_argument("--work", help="keep the log and dataset here, in a folder named by the "
+                        "world, reused by a later run of the same world (default: a temporary "
                         "folder)")
     args = parser.parse_args()
     users, items, world = QUICK if args.quick else (20000, ITEMS, WORLD)
     users = args.users or users
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(args.work or tmp)
+        key = "_".join(f"{v:g}" for v in (users, items, SEED, *world.values()))
+        work = Path(args.work) / f"planted_{key}" if args.work else Path(tmp)
         started = time.time()
         log = planted_sequences(users, items, SEED, **world)
-        write_log(work / "u.data", log)
-        run([sys.executable, "-m", "dlrm_hybrid", "preprocess", "interactions", "--input",
-             str(work / "u.data"), "--output", str(work / "data")])
+        if not (work / "data/interactions.yaml").is_file():  # another world: another folder
+            write_log(work / "u.data", log)
+            run([sys.executable, "-m", "dlrm_hybrid", "preprocess", "interactions", "--input",
+                 str(work / "u.data"), "--output", str(work / "data")])
         raw_items = np.array((work / "data/items.txt").read_text().split(), np.int64) - 1
         raw_users = np.array((work / "data/users.txt").read_text().split(), np.int64) - 1
         test_user = raw_users[np.load(work / "data/test_user.npy")]

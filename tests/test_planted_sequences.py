@@ -1,13 +1,14 @@
 """The planted sequential log (data/interactions/planted_sequences.py): a seeded world that
 preprocess reads as generated, and exact scores: the oracle and the filter against brute force
-on a tiny world, the oracle's corner case, and the oracle above popularity."""
+on a tiny world, the oracle's corner case, the oracle above popularity, and the benchmark's --work
+folder of each world."""
 
 import itertools
 
 import numpy as np
 import yaml
 
-from conftest import run_cli
+from conftest import load_script, run_cli
 from dlrm_hybrid.data.interactions import planted_sequences as ps
 
 
@@ -130,3 +131,20 @@ def test_the_oracle_beats_popularity_and_the_times_are_worth_something():
     assert found["hr@10"] >= found["bayes_hr@10"] - 0.02
     assert found["bayes_mrr"] > found["bayes_untimed_mrr"]
     assert found["users"] == 600
+
+
+def test_the_benchmark_keeps_each_worlds_dataset_in_its_own_work_folder(tmp_path, monkeypatch):
+    """benchmarks/sequential_planted.py --work run again (with other --users) measures its own
+    world's dataset: neither refused by preprocess nor the first log's dataset read again."""
+    sequential_planted = load_script("benchmarks/sequential_planted.py", "sequential_planted")
+    asked = []
+    fields = ("hstu_hr@10", "sasrec_hr@10", "hstu_hr@10_se", "sasrec_hr@10_se",
+              "hstu_ndcg@10", "sasrec_ndcg@10")
+    monkeypatch.setattr(sequential_planted, "sequential",
+                        lambda folder, args: asked.append(folder) or dict.fromkeys(fields, 0.1))
+    for users in (40, 60, 40):
+        monkeypatch.setattr("sys.argv", ["sequential_planted.py", "--quick", "--users",
+                                          str(users), "--work", str(tmp_path)])
+        sequential_planted.main()
+        assert len(np.load(asked[-1] / "test_user.npy")) == users
+    assert asked[0] == asked[2] != asked[1]
