@@ -96,12 +96,15 @@ def is_dlrmv4(cfg: Config) -> bool:
 
 def check_rules(cfg: Config) -> None:
     """Refuse, in one line naming the key, what closed_dlrmv4.yaml forbids: the optimizers, Adam's
-    betas and epsilon, the clip norm, the warm-up, the learning rate outside its band."""
+    betas and epsilon, the clip norm, the warm-up, a decay, the learning rate outside its band."""
     o, batch = cfg.optim, cfg.data.global_batch_size
     fixed = {"optim.dense": (o.dense, "adam"), "optim.dense_betas": (o.dense_betas, BETAS),
              "optim.eps": (o.eps, EPSILON), "optim.dense_clip_norm": (o.dense_clip_norm, CLIP_NORM),
              "optim.embedding": (o.embedding, "rowwise_adagrad"),
-             "optim.warmup_steps": (o.warmup_steps, WARMUP_STEPS)}
+             "optim.warmup_steps": (o.warmup_steps, WARMUP_STEPS),
+             # the warm-up ramps to a constant rate; the log has no key for a decay
+             "optim.decay_start_step": (o.decay_start_step, 0),
+             "optim.decay_steps": (o.decay_steps, 0)}
     for key, (value, rule) in fixed.items():
         if value != rule:
             raise ConfigError(f"{key}: DLRMv4's closed rules fix it at {rule}, not {value}; set "
