@@ -6,13 +6,13 @@ one core kept busy by a process this script starts.
     .venv/bin/python benchmarks/train_throughput.py --threads [--data DIR] [--samples 400000] \
         [--global-batch 256] [--steps 200] [--repeats 3] [--in-memory]
 
-Prints samples/s per world size (training steps only, as the `done:` line counts them) and the
-ratio to the 1-rank run measured in the same invocation. With --threads: writes (or reuses, with
---data) the demo config's synthetic data as split-binary files (--in-memory: the planted data,
-no files) and trains one process on it with OMP_NUM_THREADS unset (the product's default,
-dlrm_hybrid/threads.py), with torch's own default (what an unset OMP_NUM_THREADS gave before)
-and with 1, each with the host idle and with a busy core; the rounds alternate, and the load
-average before each run is printed, as the host may be shared.
+Prints the CPU, then samples/s per world size (training steps only, as the `done:` line counts
+them) and the ratio to the 1-rank run measured in the same invocation. With --threads: writes
+(or reuses, with --data) the demo config's synthetic data as split-binary files (--in-memory:
+the planted data, no files) and trains one process on it with OMP_NUM_THREADS unset (the
+product's default, dlrm_hybrid/threads.py), with torch's own default (what an unset
+OMP_NUM_THREADS gave before) and with 1, each with the host idle and with a busy core; the
+rounds alternate, and the load average before each run is printed, as the host may be shared.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def samples_per_s(config: str, nproc: int, steps: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         overrides = [f"train.max_steps={steps}", "train.eval_every=0", "data.val_samples=4096",
                      "train.progress_bar=false", f"train.run_dir={run_dir}"]
-        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+        cmd = [sys.executable, "-m", "dlrm_hybrid.torchrun", "--standalone",
                f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", "train", "--config", config,
                *[arg for o in overrides for arg in ("--set", o)]]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -155,6 +155,10 @@ def main() -> None:
         thread_rates(args)
         return
     steps = args.steps or 1000
+    from dlrm_hybrid.train.precision import cpu_description
+
+    print(f"cpu: {cpu_description()}; {os.cpu_count()} cpus; {args.config}, {steps} steps",
+          flush=True)
     results = {n: samples_per_s(args.config, n, steps) for n in args.ranks}
     base = results[args.ranks[0]]
     print(f"{'ranks':>5} {'samples/s':>12} {'vs ' + str(args.ranks[0]) + ' rank(s)':>14}")

@@ -1,17 +1,20 @@
 """The fast paths: the dot interaction's backward, autocast and the fp16 loss scaler, the
-quantized all-to-all, CUDA Graphs bookkeeping, and the `bench` command."""
+quantized all-to-all, CUDA Graphs bookkeeping, the `bench` command, and how
+benchmarks/train_throughput.py starts its ranks."""
 
 import contextlib
 import json
 import re
+import subprocess
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torchrec.models.dlrm import InteractionArch
 
-from conftest import ROOT, failure, read_metrics, run_cli
+from conftest import ROOT, failure, load_script, read_metrics, run_cli
 from dlrm_hybrid.bench.roofline import measure_peaks
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.model.interactions import DotInteraction
@@ -374,6 +377,26 @@ def test_bench_refuses_several_ranks():
     result = run_cli(["bench", "--config", "configs/demo.yaml"], nproc=2)
     assert result.returncode != 0
     assert "bench: runs in one process" in result.stderr
+
+
+def test_train_throughput_launches_its_ranks_with_the_interpreter_alone(tmp_path, monkeypatch):
+    """benchmarks/train_throughput.py where no torchrun script lies beside the interpreter (a
+    TORCH=system venv has none): the ranks start through `python -m dlrm_hybrid.torchrun`."""
+    script = load_script("benchmarks/train_throughput.py", "train_throughput_bench")
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.symlink_to(script.sys.executable)
+    monkeypatch.setattr(script.sys, "executable", str(python))
+    launched = []
+
+    def run(cmd, **kwargs):
+        launched.append(cmd)
+        assert Path(cmd[0]).exists(), cmd[0]
+        return subprocess.CompletedProcess(cmd, 0, "done: samples_per_s=1000\n", "")
+
+    monkeypatch.setattr(script.subprocess, "run", run)
+    assert script.samples_per_s("configs/demo.yaml", 2, 5) == 1000
+    assert launched[0][1:4] == ["-m", "dlrm_hybrid.torchrun", "--standalone"]
 
 
 @pytest.mark.parametrize("kind, peer", [("two_tower", "retrieval.py"),
