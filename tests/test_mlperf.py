@@ -152,6 +152,28 @@ def test_a_run_that_misses_its_target_logs_aborted(tmp_path, process_group):
     assert not (tmp_path / "other.log").exists()
 
 
+def test_a_log_in_the_run_directory_to_be_made_is_written_and_a_refused_run_leaves_none(
+        tmp_path, process_group):
+    """docs/mlperf.md's command logs into the run directory, which the run makes: it was refused
+    as a missing folder. A run refused before run_start leaves no log (its init_start alone once
+    refused the corrected rerun as a log that already holds a run)."""
+    run = tmp_path / "run"
+    cfg = load_config(None, MLPERF_SMALL + [
+        "data.train_samples=8192", "data.val_samples=2048", "train.evals_per_epoch=4",
+        "train.target_auc=0.99", f"train.run_dir={run}", f"train.mlperf_log={run / 'mlperf.log'}"])
+    cfg.data.global_batch_size = 4096  # refused by the schedule, once the log has begun
+    with pytest.raises(ConfigError, match=r"4 evaluations need at least 4 global batches"):
+        train(cfg, process_group)
+    assert not run.exists()
+    cfg.data.global_batch_size = 512
+    assert train(cfg, process_group).steps == 16
+    keys = [e["key"] for e in mllog(run / "mlperf.log")]
+    assert keys[:2] == ["cache_clear", "init_start"] and keys[-1] == "run_stop"
+    cfg.train.mlperf_log = str(tmp_path / "missing" / "mlperf.log")  # a typo is still refused
+    with pytest.raises(ConfigError, match=r"train.mlperf_log: folder .*missing does not exist"):
+        train(cfg, process_group)
+
+
 def test_a_run_that_fails_midway_still_logs_its_stop(tmp_path, process_group, monkeypatch):
     from test_checkpoint import nan_from_batch
 

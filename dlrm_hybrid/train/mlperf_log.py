@@ -30,8 +30,12 @@ class MLPerfLog:
     def __init__(self, path: Optional[Path]) -> None:
         self._mllog: Optional[MLLogger] = None
         self._running, self._epoch_num = False, 0.0
+        self._began = False  # run_start logged: from then on the log is the run's record
         if path is None:
             return
+        self._path = path
+        self._made = [f for f in (path.parent, *path.parent.parents) if not f.exists()]
+        path.parent.mkdir(parents=True, exist_ok=True)  # in the run directory (open checked)
         logger = logging.getLogger(f"dlrm_hybrid.mlperf.{id(self)}")
         logger.propagate = False
         logger.setLevel(logging.INFO)
@@ -53,7 +57,8 @@ class MLPerfLog:
         if path.exists() and path.stat().st_size:
             raise ConfigError(f"train.mlperf_log: {path} already holds a run's log; give another "
                               f"path or move it away")
-        if not path.parent.is_dir():
+        in_run_dir = Path(os.path.abspath(path)).is_relative_to(os.path.abspath(cfg.train.run_dir))
+        if not path.parent.is_dir() and not (in_run_dir and not path.parent.exists()):
             raise ConfigError(f"train.mlperf_log: folder {path.parent} does not exist")
         if dist.is_initialized():  # every rank has looked before rank 0 creates it
             dist.barrier()
@@ -94,7 +99,7 @@ class MLPerfLog:
         log.end(key=c.INIT_STOP)
         log.start(key=c.RUN_START)
         log.start(key=c.EPOCH_START, metadata={c.EPOCH_NUM: 0})
-        self._running = True
+        self._running = self._began = True
 
     def eval_start(self, metadata: Optional[dict]) -> None:
         """`metadata`: the schedule's (epoch_num, and DLRMv4's samples_count); None: unlogged."""
@@ -125,9 +130,19 @@ class MLPerfLog:
         self.close()
 
     def abort(self) -> None:
-        """A run that stopped on an error: aborted, if it had started and not yet stopped."""
+        """A run that stopped on an error: aborted, if it had started and not yet stopped; one
+        refused before run_start leaves no log (nor the folders made for it), so its rerun with
+        the settings corrected may write there."""
         if self._running:
             self.run_stop(False, self._epoch_num)
+        if self._mllog is not None and not self._began:
+            self.close()
+            self._path.unlink(missing_ok=True)
+            for folder in self._made:
+                try:
+                    folder.rmdir()
+                except OSError:  # the run's own files are in it
+                    break
         self.close()
 
     def close(self) -> None:
