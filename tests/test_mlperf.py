@@ -5,7 +5,9 @@ reference builds it."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, done_fields, failure, read_metrics, run_cli
+from conftest import ROOT, done_fields, failure, read_metrics, run_cli, start_cli
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.criteo.multi_hot import make_multi_hot
@@ -172,6 +174,26 @@ def test_a_log_in_the_run_directory_to_be_made_is_written_and_a_refused_run_leav
     cfg.train.mlperf_log = str(tmp_path / "missing" / "mlperf.log")  # a typo is still refused
     with pytest.raises(ConfigError, match=r"train.mlperf_log: folder .*missing does not exist"):
         train(cfg, process_group)
+
+
+def test_ctrl_c_ends_an_mlperf_run_aborted_and_does_not_offer_a_resume_it_refuses(tmp_path):
+    """The stop line said 'resume with the same command', which the MLPerf mode then refused."""
+    from test_stop import wait_for_step
+
+    run_dir, log = tmp_path / "run", tmp_path / "mlperf.log"
+    run = start_cli(["train", *sets(MLPERF_SMALL + [
+        "data.train_samples=20480000", "train.log_every=1", "train.target_auc=0.99",
+        f"train.run_dir={run_dir}", f"train.mlperf_log={log}"])])
+    wait_for_step(run, run_dir, 1)
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 130, out[-2000:] + err[-2000:]
+    assert re.fullmatch(r"stopped at step \d+ \(SIGINT\); checkpoint: \S+; an MLPerf run is not "
+                        r"resumed \(its log says aborted\): start anew with another "
+                        r"train.mlperf_log and checkpoint.resume=none",
+                        out.strip().splitlines()[-1]), out[-2000:]
+    stop = mllog(log)[-1]
+    assert (stop["key"], stop["metadata"]["status"]) == ("run_stop", "aborted")
 
 
 def test_a_run_that_fails_midway_still_logs_its_stop(tmp_path, process_group, monkeypatch):

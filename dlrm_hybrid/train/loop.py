@@ -58,7 +58,8 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     if cfg.train.mlperf_log and cfg.data.path:
         require_reference_rule(cfg.data.path)  # MLPerf evaluates on day 23's first half
         check_history(cfg, data_spec(cfg.data, cfg.model).feature_names, cfg.data.path)
-    with StopRequest(cfg.train.stop_grace_s, env.is_main, cfg.checkpoint.resume) as stop, \
+    with StopRequest(cfg.train.stop_grace_s, env.is_main, cfg.checkpoint.resume,
+                     bool(cfg.train.mlperf_log)) as stop, \
             RunDirLock() as lock:
         mlperf = MLPerfLog.open(cfg, env.rank, resuming=checkpoint_to_resume(cfg) is not None)
         mlperf.init_start()
@@ -205,7 +206,7 @@ def stopped_at(step: int, signum: int, checkpoint: Path, cfg: Config, log: Metri
     """Say where a run stopped by a signal stands, and close its record."""
     log.record({"step": step, "stopped_by": signal.Signals(signum).name})
     log.say(f"stopped at step {step} ({signal.Signals(signum).name}); checkpoint: {checkpoint}; "
-            f"{resume_hint(cfg.checkpoint.resume)}")
+            f"{resume_hint(cfg.checkpoint.resume, bool(cfg.train.mlperf_log))}")
     log.close()
     return RunStopped(step, signum)
 

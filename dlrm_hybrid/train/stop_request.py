@@ -44,8 +44,15 @@ class RunStopped(Exception):
         self.step, self.exit_code = step, 128 + signum
 
 
-def resume_hint(resume: str) -> str:
-    """How to continue a stopped run: `checkpoint.resume` auto finds the newest checkpoint."""
+MLPERF_HINT = ("an MLPerf run is not resumed (its log says aborted): start anew with another "
+               "train.mlperf_log and checkpoint.resume=none")
+
+
+def resume_hint(resume: str, mlperf: bool = False) -> str:
+    """How to continue a stopped run: `checkpoint.resume` auto finds the newest checkpoint; an
+    MLPerf run (train.mlperf_log) refuses to resume one."""
+    if mlperf:
+        return MLPERF_HINT
     if resume == "auto":
         return "resume with the same command"
     return "resume with the same command and --set checkpoint.resume=auto"
@@ -55,8 +62,8 @@ class StopRequest:
     """Signal handling for one training run, as a context manager (on leaving, the handlers it
     replaced are back); `agreed` at each step boundary."""
 
-    def __init__(self, grace_s: float, is_main: bool, resume: str) -> None:
-        self.grace_s, self.is_main, self.resume = grace_s, is_main, resume
+    def __init__(self, grace_s: float, is_main: bool, resume: str, mlperf: bool = False) -> None:
+        self.grace_s, self.is_main, self.resume, self.mlperf = grace_s, is_main, resume, mlperf
         self.signum: Optional[int] = None  # the first signal received on this rank
         self.step = 0  # the last finished step, for the line of a stop at once
         # (work, flag) of the all-reduce started at the last boundary
@@ -131,9 +138,10 @@ class StopRequest:
     def _exit_now(self, signum: int, why: str) -> NoReturn:
         """End the process from the watcher thread: the newest complete checkpoint is kept."""
         if self.is_main:
+            hint = (MLPERF_HINT if self.mlperf else
+                    f"{resume_hint(self.resume)}: it continues from the newest checkpoint")
             print(f"stopped at once after step {self.step} ({why}), without a checkpoint of "
-                  f"it; {resume_hint(self.resume)}: it continues from the newest checkpoint",
-                  flush=True)
+                  f"it; {hint}", flush=True)
         sys.stderr.flush()
         os._exit(128 + signum)
 
