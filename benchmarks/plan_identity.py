@@ -152,6 +152,8 @@ def record(folder: Path, inputs: Path, quick: bool) -> None:
     if used != Path(os.environ["PYTHONPATH"]).resolve():
         sys.exit(f"imported {used}'s dlrm_hybrid, not {os.environ['PYTHONPATH']}'s")
     folder.mkdir(parents=True, exist_ok=True)
+    for earlier in folder.glob("[0-9][0-9][0-9]_*.txt"):  # a --keep folder's last run: not ours
+        earlier.unlink()
     os.chdir(folder)
     for index, (name, argv) in enumerate(cases(inputs, quick)):
         text = f"plan {' '.join(a if len(a) < 200 else a[:40] + '...' for a in argv)}\n"

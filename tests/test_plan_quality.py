@@ -1,6 +1,7 @@
 """benchmarks/plan_quality.py and its torchrec adapter (benchmarks/torchrec_planner.py): what the
 side-by-side table rests on. torchrec's plan must become our Plan table for table, column for
-column, or the cost model scores some other plan; the quick run shows all three planners."""
+column, or the cost model scores some other plan; the quick run shows all three planners. And
+benchmarks/plan_identity.py's --keep folder."""
 
 import re
 
@@ -62,3 +63,20 @@ def test_the_quick_run_compares_all_three_planners():
     verdict = re.search(r"^\| demo \| 8 \| [\d.]+ \| (yes|no: \w+ [\d.]+ ms) \| "
                         r"(yes|no: [\d.]+x) \|$", run.stdout, re.M)
     assert verdict, run.stdout
+
+
+def test_plan_identity_compares_only_the_cases_of_its_own_run(tmp_path, monkeypatch):
+    """A --keep folder of an earlier run (its full grid, or another base) holds case files this
+    run does not write: they are not counted as identical nor reported as differing."""
+    identity = load_script("benchmarks/plan_identity.py", "plan_identity")
+    config = str(ROOT / "configs/demo.yaml")
+    monkeypatch.setattr(identity, "cases", lambda inputs, quick: [
+        ("demo_1", ["--config", config, "--world-size", "1"])])
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    for side, earlier in (("base", "old"), ("this", "older")):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "120_synthetic_10000_1024_nvidia.txt").write_text(earlier)
+        identity.record(tmp_path / side, tmp_path, quick=True)
+    assert identity.compare(tmp_path / "base", tmp_path / "this") == 0
+    assert sorted(p.name for p in (tmp_path / "this").iterdir()) == ["000_demo_1.txt"]
