@@ -82,7 +82,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="timed calls per batch size")
     parser.add_argument("--batches", default="1,64,512,4096")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="inference_bench_"))
+    with tempfile.TemporaryDirectory(prefix="inference_bench_") as work:  # the exports: removed
+        measure(args, Path(work))
+
+
+def measure(args, work: Path) -> None:
+    """The tables of the docstring, with the demo's run (if trained) and the exports in `work`."""
     checkpoint = Path(args.checkpoint) if args.checkpoint else train_demo(work / "run", args.steps)
     cfg = load_config(str(checkpoint / "config.yaml"))
     dataset = open_dataset(cfg.data)

@@ -1,6 +1,6 @@
 """The fast paths: the dot interaction's backward, autocast and the fp16 loss scaler, the
-quantized all-to-all, CUDA Graphs bookkeeping, the `bench` command, and how
-benchmarks/train_throughput.py starts its ranks."""
+quantized all-to-all, CUDA Graphs bookkeeping, the `bench` command, how
+benchmarks/train_throughput.py starts its ranks, and inference.py's clean-up."""
 
 import contextlib
 import json
@@ -397,6 +397,24 @@ def test_train_throughput_launches_its_ranks_with_the_interpreter_alone(tmp_path
     monkeypatch.setattr(script.subprocess, "run", run)
     assert script.samples_per_s("configs/demo.yaml", 2, 5) == 1000
     assert launched[0][1:4] == ["-m", "dlrm_hybrid.torchrun", "--standalone"]
+
+
+def test_inference_benchmark_leaves_no_exports_behind(tmp_path, monkeypatch):
+    """benchmarks/inference.py's trained demo and its four exports (for a large --checkpoint,
+    twice its tables' bytes) are removed when it ends, however it ends."""
+    script = load_script("benchmarks/inference.py", "inference_bench")
+    monkeypatch.setattr(script.tempfile, "tempdir", str(tmp_path))
+
+    def train_demo(run_dir, steps):
+        run_dir.mkdir()
+        (run_dir / "model.pt").write_bytes(b"x" * 1024)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(script, "train_demo", train_demo)
+    monkeypatch.setattr("sys.argv", ["inference.py", "--steps", "2"])
+    with pytest.raises(KeyboardInterrupt):
+        script.main()
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("kind, peer", [("two_tower", "retrieval.py"),
