@@ -280,6 +280,24 @@ def test_multi_hot_data_is_the_references_built_in_bounded_chunks(tmp_path):
     assert np.array_equal(multi, reference_tables([300, 37, 5], hotness)[0][one[:, 0] % 300])
 
 
+def test_a_killed_multi_hot_leaves_no_scratch_tables_after_the_next_run(tmp_path):
+    """The lookup tables (16 GB at MLPerf's sizes) were drawn into a folder of their own beside
+    the output, which a SIGKILLed run left there for good; the next run removes its remains."""
+    one_hot = load_config(None, ["data.hotness=[1]", "data.train_samples=100",
+                                 "data.val_samples=50", f"data.cardinalities={[10, 20]}"])
+    write_synthetic(one_hot.data, str(tmp_path / "one_hot"))
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter\n"
+        "from dlrm_hybrid.data.criteo.multi_hot import make_multi_hot\n"
+        "SplitBinaryWriter.write = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "make_multi_hot(sys.argv[1], sys.argv[2], [3, 2])\n"),
+        str(tmp_path / "one_hot"), str(tmp_path / "multi")], cwd=ROOT, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    make_multi_hot(str(tmp_path / "one_hot"), str(tmp_path / "multi"), [3, 2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multi", "one_hot"]
+
+
 def test_multi_hot_refuses_what_it_cannot_build_and_writes_nothing(tmp_path):
     one_hot = load_config(None, ["data.hotness=[1]", "data.train_samples=100",
                                  "data.val_samples=50", f"data.cardinalities={[10, 20]}"])

@@ -106,8 +106,10 @@ def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = 
     folders = list(source.fspec.splits)  # as the input has them (NVIDIA's: train and test)
     day_23 = recorded_rule(Path(input_dir), source.fspec)
     labels = source.label_names if len(source.label_names) > 1 else (LABEL,)  # kept as named
+    # The tables' scratch in the writer's partial folder: removed before it becomes the dataset,
+    # and with it by the next run where this one was killed (beside it, it was left for good).
     with SplitBinaryWriter(output, out_spec, folders, labels) as writer, tempfile.TemporaryDirectory(
-            dir=writer.tmp.parent, prefix=".multi_hot_tables-") as scratch:
+            dir=writer.tmp, prefix=".multi_hot_tables-") as scratch:
         if day_23 != UNRECORDED:
             writer.note(RULE_KEY, day_23)
         tables = lookup_tables(rows, hotness, seed, chunk_rows, Path(scratch))
