@@ -335,6 +335,19 @@ def test_a_dlrmv4_mlperf_run_refuses_what_the_closed_rules_forbid_in_one_line(ov
     load_config(str(CONFIG), ["train.mlperf_log=x.log"])  # the config itself is admitted
 
 
+def test_a_dataset_without_history_is_refused_with_a_remedy_that_exists():
+    """It said 'or set model.hstu.max_length=0', a length HSTU cannot have."""
+    from dlrm_hybrid.config import ConfigError
+    from dlrm_hybrid.config_loading import load_config
+    from dlrm_hybrid.train.mlperf_dlrmv4 import check_history
+
+    cfg = load_config(str(CONFIG), ["train.mlperf_log=x.log"])
+    with pytest.raises(ConfigError) as e:
+        check_history(cfg, ["user_id", "item_id"], "rank")
+    assert str(e.value) == ("model.hstu.max_length: 4095, and rank has no history slots: "
+                            "preprocess it with --history 4095")
+
+
 def test_the_dlrmv4_schedule_is_the_grid_and_the_dcnv2_one_unchanged():
     from dlrm_hybrid.config_loading import load_config
     from dlrm_hybrid.train.run_schedule import run_schedule

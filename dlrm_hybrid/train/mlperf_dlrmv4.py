@@ -122,6 +122,10 @@ def check_history(cfg: Config, feature_names, where: str) -> None:
     from dlrm_hybrid.data.interactions.interaction_meta import HISTORY
 
     slots = sum(name.startswith(HISTORY) for name in feature_names)
+    if is_dlrmv4(cfg) and not slots:
+        raise ConfigError(f"model.hstu.max_length: {cfg.model.hstu.max_length}, and {where} has "
+                          f"no history slots: preprocess it with --history "
+                          f"{cfg.model.hstu.max_length}")
     if is_dlrmv4(cfg) and slots != cfg.model.hstu.max_length:
         raise ConfigError(f"model.hstu.max_length: {cfg.model.hstu.max_length}, and {where} "
                           f"has {slots} history slots: the MLPerf log's max_sequence_length "
