@@ -335,6 +335,8 @@ def test_bench_peers_are_what_was_asked_or_what_can_model_the_config(tmp_path):
     alone by default, and a one-line refusal when torchrec is asked for."""
     lines, fields, _ = run_bench("model.interaction=cat")
     assert "baseline_samples_per_s" in fields and "torchrec_ratio" not in fields
+    reference = next(line for line in lines if line.strip().startswith("reference"))
+    assert "its interaction dot, ours cat" in reference  # the ratio compares other models too
     args = ["bench", "--config", "configs/demo.yaml", "--steps", "3", "--warmup", "1"]
     alone = run_cli([*args, "--peers", "none"], timeout=90)
     assert alone.returncode == 0, failure(alone)

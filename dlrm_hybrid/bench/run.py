@@ -191,6 +191,14 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # peak RSS, KiB
 
 
+def _unlike(peer: str, interaction: str) -> str:
+    """The reference is the original DLRM's `dot` model: another interaction of ours is another
+    model, whose cost the ratio includes."""
+    if peer != "reference" or interaction == "dot":
+        return ""
+    return f" (its interaction dot, ours {interaction}: the ratio includes that model's cost)"
+
+
 def _report(cfg: Config, device: torch.device, steps: int, precision: Precision, cpu: str,
             ours: float, peers: Dict[str, float], data: Tuple[float, str], split: dict,
             roof: Roofline, peaks: Peaks, peak_gib: float) -> str:
@@ -206,7 +214,8 @@ def _report(cfg: Config, device: torch.device, steps: int, precision: Precision,
         f"{torch.get_num_threads()} threads; cpu: {cpu}",
         f"  dlrm_hybrid ({ran}): {ours:,.0f} samples/s, {B / ours * 1e3:.1f} ms/step",
         *[f"  {PEERS[name]}: {rate:,.0f} samples/s, {B / rate * 1e3:.1f} ms/step; ours "
-          f"{ours / rate:.2f}x" for name, rate in peers.items()],
+          f"{ours / rate:.2f}x" + _unlike(name, cfg.model.interaction)
+          for name, rate in peers.items()],
         f"  step split, ms/step (profiled over {SPLIT_STEPS} steps): {parts}; "
         f"data (loader, outside the step) {data[0]:.1f}, made on {data[1]}",
         f"  roofline: embeddings {roof.embedding_bytes / 1024:.1f} KiB/sample at "
