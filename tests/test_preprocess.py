@@ -344,6 +344,22 @@ def test_npy_days_missing_file_is_a_data_error(tmp_path):
 
 
 
+def test_npy_days_of_text_values_are_a_one_line_error(tmp_path):
+    """Dense values or labels saved as text were read as numbers up to the first empty string,
+    which ended in numpy's 'could not convert' traceback."""
+    rng = np.random.default_rng(0)
+    for day in (0, 23):
+        write_npy_day(tmp_path, day, 10, rng, flat_labels=True)
+    for part in ("dense", "labels"):
+        kept = np.load(tmp_path / f"day_0_{part}.npy")
+        np.save(tmp_path / f"day_0_{part}.npy", kept.astype("S8"))
+        with pytest.raises(DataError, match=rf"^{tmp_path}/day_0_{part}.npy: values of type "
+                                            rf"\|S8, not numbers"):
+            npy_days.convert_npy_days(tmp_path, tmp_path / "out")
+        np.save(tmp_path / f"day_0_{part}.npy", kept)
+    assert not (tmp_path / "out").exists()
+
+
 def test_npy_days_command_writes_nonfinite_dense_as_zero(tmp_path, capsys):
     dense, _, _ = write_npy_day(tmp_path, 0, 20, np.random.default_rng(1), flat_labels=True)
     write_npy_day(tmp_path, 23, 4, np.random.default_rng(2), flat_labels=True)

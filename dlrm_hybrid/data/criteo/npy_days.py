@@ -83,6 +83,11 @@ def _open_day(folder: Path, day: int) -> Day:
         except (OSError, ValueError) as e:
             raise DataError(f"{path}: cannot read as .npy ({e}); every day needs dense, sparse "
                             f"and labels files") from None
+    for part in ("dense", "labels"):  # text would convert until its first empty string
+        if arrays[part].dtype.kind not in "biuf":
+            raise DataError(f"{folder / f'day_{day}_{part}.npy'}: values of type "
+                            f"{arrays[part].dtype.str}, not numbers; save the {part} array as "
+                            f"numbers")
     rows = len(arrays["labels"])
     shapes = {"dense": (rows, NUM_NUMERICAL), "sparse": (rows, NUM_CATEGORICAL)}
     for part, shape in shapes.items():
