@@ -185,14 +185,18 @@ def test_settings_of_the_experiment_are_refused_each_named(tmp_path, process_gro
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("overrides", [
+    ["model.embedding_dim=32", "model.bottom_mlp=[64,32]"],  # a tensor of another size
+    ["model.interaction=dhen"],  # tensors the checkpoint lacks (torch: a RuntimeError)
+    ["model.compositional=[{technique: hash, features: [cat_0], buckets: 10}]"]])
 def test_a_checkpoint_of_another_model_is_reported_as_such_not_as_corrupt(demo_checkpoint,
-                                                                          process_group):
+                                                                          process_group,
+                                                                          overrides):
     from dlrm_hybrid.errors import DataError
     from dlrm_hybrid.train.inference import evaluate_checkpoint
 
     with pytest.raises(DataError) as info:
-        evaluate_checkpoint(str(demo_checkpoint), None, [
-            "model.embedding_dim=32", "model.bottom_mlp=[64,32]"], process_group, "val")
+        evaluate_checkpoint(str(demo_checkpoint), None, overrides, process_group, "val")
     message = str(info.value)
     assert message.startswith(f"{demo_checkpoint}: does not fit this model (")
     assert message.endswith("it was trained with other model or table settings: use the config "

@@ -250,7 +250,8 @@ def _load_error(path: Path, error: BaseException) -> DataError:
                 f"in the run that wrote it, and row-wise Adagrad keeps one statistic per row of "
                 f"each shard, which cannot be resharded; resume on that run's world size with "
                 f"its plan (parallel.plan=<its run_dir>/plan.json)")
-        if isinstance(cause, ValueError) and ("Size mismatch" in text or "Missing key" in text):
+        if (isinstance(cause, ValueError) and "Size mismatch" in text
+                or isinstance(cause, (ValueError, RuntimeError)) and "Missing key" in text):
             return DataError(f"{path}: does not fit this model ({text}); it was trained with other "
                              f"model or table settings: use the config it was written with")
     cause = causes[0] if causes else error
