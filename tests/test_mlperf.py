@@ -154,6 +154,22 @@ def test_a_run_that_misses_its_target_logs_aborted(tmp_path, process_group):
     assert not (tmp_path / "other.log").exists()
 
 
+def test_a_run_cut_short_logs_no_evaluation_off_the_schedule(tmp_path, process_group):
+    """train.max_steps short of the epoch: its last step's evaluation (for metrics.jsonl) is not
+    one of the reference's, every 4 steps here; it was logged, and could end the run 'success'
+    at a point the schedule never evaluates."""
+    log = tmp_path / "mlperf.log"
+    cfg = load_config(None, MLPERF_SMALL + [
+        "data.train_samples=8192", "data.val_samples=2048", "train.evals_per_epoch=4",
+        "train.max_steps=6", "train.target_auc=0.99", f"train.run_dir={tmp_path / 'run'}",
+        f"train.mlperf_log={log}"])
+    assert train(cfg, process_group).steps == 6
+    events = mllog(log)
+    assert [e["metadata"]["epoch_num"] for e in events if e["key"] == "eval_accuracy"] == [0.25]
+    assert events[-1]["key"] == "run_stop" and events[-1]["metadata"]["status"] == "aborted"
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "val_auc" in r] == [4, 6]
+
+
 def test_a_log_in_the_run_directory_to_be_made_is_written_and_a_refused_run_leaves_none(
         tmp_path, process_group):
     """docs/mlperf.md's command logs into the run directory, which the run makes: it was refused

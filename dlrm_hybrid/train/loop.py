@@ -177,7 +177,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest, lock
         raise stopped_at(step, stopped, path, cfg, log)
     if not target.hit:
         metrics = evaluate_and_log(dmp, dataset, kind, env, log, step, mlperf, run)
-        logged = run.mlperf_metadata(step) is not None  # DLRMv4: only its grid's evaluations
+        logged = run.mlperf_metadata(step) is not None  # only the schedule's evaluations
         mlperf.run_stop(target.reached(metrics, env) and logged, run.epoch_num(step))
     if target.wanted:
         log.record({"step": step, "target_auc": target.target_auc, "target_reached": target.hit,

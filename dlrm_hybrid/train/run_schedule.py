@@ -29,8 +29,11 @@ class RunSchedule:
 
     def mlperf_metadata(self, step: int) -> Optional[dict]:
         """An evaluation's MLPerf metadata after `step` steps, or None where MLPerf does not log
-        it (DLRMv4: the run's last evaluation, when off the grid)."""
+        it: the run's last evaluation, when off the schedule (DLRMv4's grid; DCNv2's every
+        `eval_every` steps, as train.max_steps short of the epoch may end)."""
         if self.grid is None:
+            if self.eval_every and step % self.eval_every:
+                return None
             return {"epoch_num": self.epoch_num(step)}
         if not self.grid.evaluates_at(step):
             return None
