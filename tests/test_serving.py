@@ -527,6 +527,21 @@ def test_export_with_a_set_that_changes_the_models_shape_is_a_one_line_error(tra
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("change, named", [
+    ("model.tasks=[{name: click}]", "missing ['over_arch.model.1.heads.0.0.weight'"),
+    ("model.compositional=[{technique: hash, features: [cat_0], buckets: 10}]",
+     "no table t_cat_0_h")])
+def test_export_with_a_set_that_adds_tensors_or_tables_says_what_to_do(trained, tmp_path,
+                                                                      change, named):
+    """Not 'written by another version of the model': the --set asked for another model."""
+    with pytest.raises(UserError) as info:
+        export_model(str(trained), str(tmp_path / "m.pt"), overrides=[change])
+    assert named in str(info.value)
+    assert str(info.value).endswith("it was trained with other model settings: export it with "
+                                    "the config it was written with (no --set model.*)")
+    assert list(tmp_path.iterdir()) == []
+
+
 BANDS = [1e-6, 1e-5, 3e-5, 1e-4, 1.58e-4, 1e-3, 1e-2, 1e-1]  # row bounds; 1.58e-4 = 1/sqrt(40M)
 MIN_FP16_STEP = 2.0 ** -24  # fp16's subnormal step: its scales below 2^-14 are multiples of it
 

@@ -202,17 +202,20 @@ def load_dense_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor])
         if key in own and own[key].shape != value.shape:
             raise UserError(f"checkpoint: does not fit the model its config describes ({key}: "
                             f"{list(value.shape)} in the checkpoint, {list(own[key].shape)} in "
-                            f"the model); it was trained with other model settings: export it "
-                            f"with the config it was written with (no --set model.*)")
+                            f"the model); {_OTHER_MODEL}")
     missing, unexpected = model.load_state_dict(dense, strict=False)
     missing = [k for k in missing if not k.startswith(TABLE_PREFIX)]
     if missing or unexpected:
-        raise UserError(f"checkpoint: does not fit its own config's model (missing "
-                        f"{missing[:3]}, unexpected {unexpected[:3]})")
+        raise UserError(f"checkpoint: does not fit the model its config describes (missing "
+                        f"{missing[:3]}, unexpected {unexpected[:3]}); {_OTHER_MODEL}")
     absent = [p.table for p in parts if f"{TABLE_PREFIX}{p.table}.weight" not in weights]
     if absent:
-        raise UserError(f"checkpoint: has no table {absent[0]}, which its config's model has; "
-                        f"it was written by another version of the model")
+        raise UserError(f"checkpoint: has no table {absent[0]}, which the model its config "
+                        f"describes has; {_OTHER_MODEL}")
+
+
+_OTHER_MODEL = ("it was trained with other model settings: export it with the config it was "
+                "written with (no --set model.*)")
 
 
 def _scriptable(interaction: torch.nn.Module) -> torch.nn.Module:
