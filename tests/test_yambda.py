@@ -282,6 +282,13 @@ def test_the_planted_listen_plus_rates_are_the_generators_option():
     assert max(map(len, per_user)) <= 2 and 0.5 < taste.mean() < 1.0
     with pytest.raises(UserError, match="^--plus-rates: three probabilities"):
         generate(100, 5, 20, 2, 1.0, 0, (0.5, 0.4, 0.2))
+    # nan passed every comparison and wrote a log without listen+; inf days was a traceback,
+    # and days past uint32's seconds (136 years) wrapped the timestamps
+    with pytest.raises(UserError, match="^--plus-rates: three probabilities"):
+        generate(100, 5, 20, 2, 1.0, 0, (float("nan"), 0.0, 0.0))
+    for days in (float("inf"), float("nan"), 50_000.0):
+        with pytest.raises(UserError, match=r"^preprocess yambda --generate: .* days > 0"):
+            generate(100, 5, 20, 2, days, 0)
 
 
 def test_multi_event_and_the_per_event_files_give_the_same_dataset(generated, tmp_path):

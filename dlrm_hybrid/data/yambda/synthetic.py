@@ -29,6 +29,7 @@ from dlrm_hybrid.data.yambda.events import (BASE, DTYPES, EVENT_FILES, EVENT_TYP
 from dlrm_hybrid.errors import UserError
 
 STEP_S = 5  # Yambda's timestamps are seconds, in multiples of 5
+MAX_DAYS = (2**32 - 1) // 86400  # the uint32 seconds' span
 SHARES = {"like": 0.04, "dislike": 0.02, "unlike": 0.005, "undislike": 0.005}
 SESSION = 8  # mean listens a session
 LISTEN_PLUS = 50  # played_ratio_pct at or above it: listen+ (events.py's reader does not care)
@@ -38,11 +39,12 @@ PLUS = (0.25, 0.45, 0.2)  # listen+ probability: base, + in the user's taste, + 
 def generate(events: int, users: int, items: int, clusters: int, days: float, seed: int,
              plus: Sequence[float] = PLUS) -> Dict[str, Dict[str, np.ndarray]]:
     """The log's events by type (EVENT_TYPES) as columns, `events` in all."""
-    if events < 1 or users < 1 or clusters < 1 or items < clusters or days <= 0:
+    # days: the timestamps are uint32 seconds (136 years at most)
+    if events < 1 or users < 1 or clusters < 1 or items < clusters or not 0 < days <= MAX_DAYS:
         raise UserError(f"preprocess yambda --generate: events, users >= 1, items >= clusters "
-                        f">= 1 and days > 0; got events={events} users={users} items={items} "
-                        f"clusters={clusters} days={days}")
-    if len(plus) != 3 or min(plus) < 0 or sum(plus) > 1:
+                        f">= 1 and days > 0 (at most {MAX_DAYS:,}); got events={events} "
+                        f"users={users} items={items} clusters={clusters} days={days}")
+    if len(plus) != 3 or not all(p >= 0 for p in plus) or not sum(plus) <= 1:  # nan: refused
         raise UserError(f"--plus-rates: three probabilities BASE TASTE MOOD, each >= 0, adding "
                         f"up to at most 1; got {' '.join(map(str, plus))}")
     rng = np.random.default_rng(seed)
