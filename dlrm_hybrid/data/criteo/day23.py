@@ -9,8 +9,8 @@ in feature_spec.yaml as `metadata.day_23: validation_first` (`none`: not split b
 Earlier versions sent the first floor(N/2) rows to test and the rest to validation, recording
 nothing: their `preprocess criteo|npy` output is known by its preprocess_report.json (`"split":
 "days"`), and `preprocess multihot`'s by having a validation split, no report and no planted
-probabilities. With N = 178,274,637 both rules give halves of 89,137,319 rows, so no count
-tells them apart. The upgrade writes the new halves (hard links where a half is unchanged,
+probabilities. With N = 178,274,637 both rules give validation 89,137,319 rows and test
+89,137,318, so no count tells them apart. The upgrade writes the new halves (hard links where a half is unchanged,
 copies otherwise) into DIR/.day23.partial-HOST-PID, renames that to DIR/.day23.ready once whole,
 then swaps the split folders and records the rule; running it again finishes an upgrade that
 was interrupted after the rename (readers refuse the dataset until then).
