@@ -205,12 +205,14 @@ def test_its_exported_model_predicts_evals_auc(dhen_run):
 def test_a_dhen_trains_in_bf16_with_qr_tables_the_train_pipeline_and_checkpointing(tmp_path):
     (tmp_path / "tiny.yaml").write_text(TINY)
     result = run_cli(["train", "--config", str(tmp_path / "tiny.yaml"), *sets(
-        ALL_MODULES, "train.precision=bf16", "train.pipeline=enabled",
+        ALL_MODULES, "train.precision=bf16", "train.precision_fallback=false",
+        "train.pipeline=enabled",
         "model.dhen.activation_checkpointing=true", f"train.run_dir={tmp_path / 'run'}",
         "model.compositional=[{technique: qr, collisions: 4, operation: mult, rows_above: 30}]")])
     assert result.returncode == 0, failure(result)
     assert "cat_0 (50 rows): qr mult c=4" in result.stdout
-    assert read_metrics(tmp_path / "run")[0]["step_driver"] == "torchrec pipeline"
+    first = read_metrics(tmp_path / "run")[0]
+    assert first["step_driver"] == "torchrec pipeline" and first["precision"] == "bf16"
     done = done_fields(result.stdout)
     assert math.isfinite(done["train_loss"]) and done["val_auc"] > 0.5
 
