@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--emulate-avx2", action="store_true",
                         help="run bench as on an AVX2-only CPU (ONEDNN_MAX_CPU_ISA=AVX2)")
     args = parser.parse_args()
+    if Path(args.config).exists():  # from here, absolute: bench runs in the checkout's root
+        args.config = str(Path(args.config).resolve())
     for i, setting in enumerate(args.settings):
         try:
             runs = [bench_line(args.config, setting, args.steps, args.emulate_avx2)

@@ -68,7 +68,9 @@ def training_rate(data_dir: str, steps: int, batch: int) -> float:
                "--set", "train.eval_every=0", "--set", "train.progress_bar=false",
                "--set", f"train.run_dir={run_dir}"]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode:  # its error line, not a CalledProcessError traceback that hides it
+        sys.exit(f"train failed: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
     return float(out.stdout.strip().splitlines()[-1].rsplit("samples_per_s=", 1)[1])
 
 
@@ -94,6 +96,8 @@ def main() -> None:
     parser.add_argument("--synthetic", metavar="CONFIG",
                         help="measure this config's planted synthetic data instead")
     args = parser.parse_args()
+    if args.data:  # absolute: the training run starts in the checkout's root
+        args.data = str(Path(args.data).resolve())
     if args.synthetic:
         synthetic_rates(args.synthetic, args.batches)
         return

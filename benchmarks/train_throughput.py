@@ -38,12 +38,15 @@ def samples_per_s(config: str, nproc: int, steps: int) -> float:
                f"--nproc_per_node={nproc}", "-m", "dlrm_hybrid", "train", "--config", config,
                *[arg for o in overrides for arg in ("--set", o)]]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    return done_rate(out.stdout)
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    return done_rate(out)
 
 
-def done_rate(stdout: str) -> float:
-    done = stdout.strip().splitlines()[-1]
+def done_rate(run: subprocess.CompletedProcess) -> float:
+    """The samples/s of a `train` run's `done:` line; where it failed, its error line as ours."""
+    if run.returncode:
+        sys.exit(f"train failed: {(run.stderr.strip().splitlines() or ['no output'])[-1]}")
+    done = run.stdout.strip().splitlines()[-1]
     return float(done.rsplit("samples_per_s=", 1)[1])
 
 
@@ -61,8 +64,8 @@ def one_process_rate(data_dir: Optional[str], batch: int, steps: int,
             overrides.append(f"data.path={data_dir}")
         cmd = [sys.executable, "-m", "dlrm_hybrid", "train", "--config", "configs/demo.yaml",
                *[arg for o in overrides for arg in ("--set", o)]]
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    return done_rate(out.stdout)
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    return done_rate(out)
 
 
 def torch_default_threads() -> int:
@@ -150,6 +153,9 @@ def main() -> None:
     parser.add_argument("--in-memory", action="store_true",
                         help="--threads: the planted data made in the loader, no files")
     args = parser.parse_args()
+    # a path that exists from here, absolute: the runs start in the checkout's root
+    args.config, args.data = (str(Path(p).resolve()) if p and Path(p).exists() else p
+                              for p in (args.config, args.data))
     if args.threads:
         args.steps = args.steps or 200
         thread_rates(args)

@@ -1,6 +1,7 @@
 """The fast paths: the dot interaction's backward, autocast and the fp16 loss scaler, the
 quantized all-to-all, CUDA Graphs bookkeeping, the `bench` command, how
-benchmarks/train_throughput.py starts its ranks, and inference.py's clean-up."""
+benchmarks/train_throughput.py starts its ranks, inference.py's clean-up, and the paths and errors
+of bench_table.py and loader_throughput.py."""
 
 import contextlib
 import json
@@ -399,6 +400,50 @@ def test_train_throughput_launches_its_ranks_with_the_interpreter_alone(tmp_path
     monkeypatch.setattr(script.subprocess, "run", run)
     assert script.samples_per_s("configs/demo.yaml", 2, 5) == 1000
     assert launched[0][1:4] == ["-m", "dlrm_hybrid.torchrun", "--standalone"]
+
+
+def test_bench_table_reads_a_relative_config_from_where_it_is_run(tmp_path, monkeypatch,
+                                                                     capsys):
+    """benchmarks/bench_table.py --config my.yaml run in another folder: bench (started in the
+    checkout's root) measures that file, not a namesake of the checkout or none."""
+    script = load_script("benchmarks/bench_table.py", "bench_table_for_cwd")
+    (tmp_path / "my.yaml").write_text((ROOT / "configs/demo.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    read = []
+
+    def run(cmd, cwd, **kwargs):
+        config = Path(cwd) / cmd[cmd.index("--config") + 1]
+        read.append(config.read_text() if config.is_file() else None)
+        out = ("step split | dense 1.0 (50%) |\nbench: precision=fp32 samples_per_s=2 "
+               "baseline_samples_per_s=1 ratio=2 roofline_fraction=0.1 peak_mem_gib=0.1 cpu=x")
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(script.subprocess, "run", run)
+    monkeypatch.setattr("sys.argv", ["bench_table.py", "--config", "my.yaml", "--settings",
+                                     "fp32"])
+    script.main()
+    assert read == [(tmp_path / "my.yaml").read_text()]
+
+
+def test_loader_throughput_trains_on_a_relative_data_folder_or_says_why_not(tmp_path,
+                                                                            monkeypatch):
+    """benchmarks/loader_throughput.py --data DIR (relative, run elsewhere than the checkout):
+    its training run reads that folder, and where training refuses it (here: fewer samples
+    than a batch) the script ends with train's error line, not a CalledProcessError."""
+    made = run_cli(["synth", "--config", "configs/demo.yaml", "--set", "data.train_samples=300",
+                    "--set", "data.val_samples=100", "--output", str(tmp_path / "d")])
+    assert made.returncode == 0, failure(made)
+    script = load_script("benchmarks/loader_throughput.py", "loader_throughput_bench")
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT"):  # this process's group (an earlier test's): not its train's
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("sys.argv", ["loader_throughput.py", "--data", "d", "--batches", "2",
+                                     "--train-steps", "2"])
+    with pytest.raises(SystemExit) as stopped:
+        script.main()
+    assert str(stopped.value).startswith(f"train failed: error: {tmp_path / 'd'}: its training "
+                                         "split holds 300 samples, fewer than one global batch")
 
 
 def test_inference_benchmark_leaves_no_exports_behind(tmp_path, monkeypatch):
