@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, failure, run_cli
+from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.criteo.day23 import require_reference_rule, upgrade_day_23
 from dlrm_hybrid.data.feature_spec import load_feature_spec
 from dlrm_hybrid.data.criteo.multi_hot import make_multi_hot
@@ -159,6 +160,12 @@ def test_what_the_upgrade_does_not_recognise_is_refused_and_left_unchanged(tmp_p
             upgrade_day_23(str(tmp_path / name))
         assert {p: p.read_bytes() for p in (tmp_path / name).rglob("*") if p.is_file()} == before
     require_reference_rule(str(tmp_path / "hash"))  # not a day split: nothing to refuse
+    # a folder that is no dataset (the .npy days, say) is named by its flag, not as data.path
+    with pytest.raises(ConfigError, match=re.escape(f"--dataset: cannot read {tmp_path}/")):
+        upgrade_day_23(str(tmp_path))
+    (tmp_path / "uneven" / REPORT).unlink()  # as an earlier `preprocess multihot` left it
+    with pytest.raises(ConfigError, match=re.escape(f"--source: cannot read {tmp_path}/")):
+        upgrade_day_23(str(tmp_path / "uneven"), str(tmp_path))
 
 
 def strip_rule(path):

@@ -323,6 +323,8 @@ def test_multi_hot_refuses_what_it_cannot_build_and_writes_nothing(tmp_path):
     make_multi_hot(str(tmp_path / "one_hot"), str(tmp_path / "multi"), [1, 3])
     with pytest.raises(ConfigError, match=r"--input: .*multi is not one-hot \(cat_1 has 3 ids"):
         make_multi_hot(str(tmp_path / "multi"), str(tmp_path / "out"), [2, 2])
+    with pytest.raises(ConfigError, match=r"^--input: cannot read .*missing/feature_spec.yaml"):
+        make_multi_hot(str(tmp_path / "missing"), str(tmp_path / "out"), [2, 2])
     result = run_cli(["preprocess", "multihot", "--input", str(tmp_path / "one_hot"),
                       "--output", str(tmp_path / "out"), "--hotness", "2,x"])
     assert result.returncode == 2

@@ -147,13 +147,14 @@ class FeatureSpec:
         tmp.replace(self.root / "feature_spec.yaml")
 
 
-def load_feature_spec(root: str) -> FeatureSpec:
-    """Read DIR/feature_spec.yaml; any inconsistency is a ConfigError naming the file and field."""
+def load_feature_spec(root: str, key: str = "data.path") -> FeatureSpec:
+    """Read DIR/feature_spec.yaml; any inconsistency is a ConfigError naming the file and field
+    (`key`: the setting or flag that named DIR)."""
     path = Path(root) / "feature_spec.yaml"
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as e:
-        raise ConfigError(f"data.path: cannot read {path} ({e.strerror}); point data.path at a "
+        raise ConfigError(f"{key}: cannot read {path} ({e.strerror}); point {key} at a "
                           f"dataset directory (preprocess writes one)")
     except yaml.YAMLError as e:
         raise DataError(f"{path}: not valid YAML ({str(e).splitlines()[0]})")

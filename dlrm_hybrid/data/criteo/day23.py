@@ -84,7 +84,7 @@ def upgrade_day_23(dataset: str, source: Optional[str] = None) -> Dict[str, obje
     """Bring `dataset` to the reference's rule in place; rows out = rows in. Returns
     {"rule": the rule it had, "validation": rows, "test": rows}."""
     root = Path(dataset)
-    fspec = load_feature_spec(dataset)
+    fspec = load_feature_spec(dataset, "--dataset")
     if (root / READY).exists():
         return _commit(root, fspec, TEST_FIRST)
     rule = recorded_rule(root, fspec)
@@ -123,7 +123,7 @@ def upgrade_day_23(dataset: str, source: Optional[str] = None) -> Dict[str, obje
 def rule_from_source(fspec: FeatureSpec, source: Path) -> str:
     """The rule of a dataset made from `source` (which records one): day 23's labels and dense
     values, read in the rule's order, are the source's."""
-    source_rule = recorded_rule(source)
+    source_rule = recorded_rule(source, load_feature_spec(str(source), "--source"))
     if source_rule not in (VALIDATION_FIRST, TEST_FIRST):
         raise DataError(f"--source: {source} records no day-23 rule either (day_23: "
                         f"{source_rule}); give the one-hot dataset `preprocess criteo|npy "

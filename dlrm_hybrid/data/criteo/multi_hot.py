@@ -23,7 +23,7 @@ import numpy as np
 
 from dlrm_hybrid.config import ConfigError
 from dlrm_hybrid.data.criteo.day23 import RULE_KEY, UNRECORDED, recorded_rule
-from dlrm_hybrid.data.feature_spec import LABEL
+from dlrm_hybrid.data.feature_spec import LABEL, load_feature_spec
 from dlrm_hybrid.data.spec import DataSpec
 from dlrm_hybrid.data.split_binary_writer import SplitBinaryWriter
 
@@ -88,6 +88,7 @@ def make_multi_hot(input_dir: str, output: str, hotness: List[int], seed: int = 
         raise ConfigError(f"--chunk-rows: at least 1 row at a time, got {chunk_rows}")
     if not 0 <= seed < 2**32:
         raise ConfigError(f"--seed: numpy's legacy seed, 0 to 2**32 - 1, got {seed}")
+    load_feature_spec(input_dir, "--input")  # a folder that is no dataset, named by its flag
     source = SplitBinaryDataset(input_dir)
     spec = source.fspec.spec
     rows = rows or spec.cardinalities
