@@ -339,6 +339,9 @@ def main() -> None:
                         "users, one peer setting each")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and faiss load
+    # absolute: the commands it runs start in the checkout's root
+    args.data = str(Path(args.data).resolve())
+    args.work = args.work and str(Path(args.work).resolve())
     if args.ranker_steps is None:
         args.ranker_steps = str(RANKER_STEPS) if args.ranker_data == "uniform" else \
             ",".join(map(str, CANDIDATE_RANKER_STEPS))

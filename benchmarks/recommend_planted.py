@@ -246,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   *(["--quick"] if args.quick else [])]
     with tempfile.TemporaryDirectory() as tmp:
         key = hashlib.sha256(repr(sorted(vars(data_cfg).items())).encode()).hexdigest()[:10]
-        work = Path(args.work) / f"planted_{key}" if args.work else Path(tmp)
+        work = Path(args.work).resolve() / f"planted_{key}" if args.work else Path(tmp)
         log = work / "u.data"
         if not log.is_file():
             rows = write_udata(log, data_cfg)

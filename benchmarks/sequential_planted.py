@@ -98,7 +98,7 @@ def main() -> None:
     users = args.users or users
     with tempfile.TemporaryDirectory() as tmp:
         key = "_".join(f"{v:g}" for v in (users, items, SEED, *world.values()))
-        work = Path(args.work) / f"planted_{key}" if args.work else Path(tmp)
+        work = Path(args.work).resolve() / f"planted_{key}" if args.work else Path(tmp)
         started = time.time()
         log = planted_sequences(users, items, SEED, **world)
         if not (work / "data/interactions.yaml").is_file():  # another world: another folder
