@@ -44,8 +44,8 @@ class RunStopped(Exception):
         self.step, self.exit_code = step, 128 + signum
 
 
-MLPERF_HINT = ("an MLPerf run is not resumed (its log says aborted): start anew with another "
-               "train.mlperf_log and checkpoint.resume=none")
+MLPERF_HINT = ("an MLPerf run is not resumed: start anew with another train.mlperf_log and "
+               "checkpoint.resume=none")
 
 
 def resume_hint(resume: str, mlperf: bool = False) -> str:
