@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -213,6 +214,33 @@ def test_a_non_finite_dense_value_is_named_with_its_file_and_sample(dataset_dir,
         data.add_rows("window", split, row - 5, row + 1)
         with pytest.raises(DataError, match=f"^{message}"):
             data.columns("window", 0, 16)  # padded past the window's last row
+
+
+def test_a_label_other_than_0_1_or_missing_is_named_with_its_file_and_sample(dataset_dir,
+                                                                           tmp_path):
+    """A dataset made elsewhere with a label of 2 (a rating class) trained silently, the loss
+    pushing that logit without bound; a stray byte of a bool label file trained as a positive.
+    Missing labels (-1 in an int8 file) still read as NaN."""
+    bool_labels = tmp_path / "bool"
+    shutil.copytree(dataset_dir, bool_labels)
+    several = tmp_path / "several"
+    write_synthetic(DataConfig(**{**DATA.__dict__, "labels": ["click", "like"],
+                                  "label_missing": 0.3, "train_samples": 1000}), str(several))
+    for root, folder, split, name, value, allowed in (
+            (bool_labels, "train", "train", "label.bin", 255, "0 or 1"),
+            (several, "validation", "val", "label_like.bin", 2, "0 or 1 (-1: missing)"),
+            (several, "train", "train", "label_like.bin", -3, "0 or 1 (-1: missing)")):
+        labels = np.memmap(root / folder / name, np.uint8 if value > 127 else np.int8, "r+")
+        labels[37] = value
+        labels.flush()
+        data = SplitBinaryDataset(str(root))
+        message = (f"{root / folder / name}: sample 37's label is {value}, not {allowed}; "
+                   f"the file is damaged or was made by another tool")
+        with pytest.raises(DataError, match=f"^{re.escape(message)}"):
+            data.columns(split, 0, 100)
+        labels[37] = 1
+        labels.flush()
+    assert np.isnan(SplitBinaryDataset(str(several)).columns("train", 0, 1000).labels).any()
 
 
 def test_loader_errors_reach_the_training_loop():

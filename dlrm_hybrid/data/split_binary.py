@@ -41,16 +41,16 @@ class SplitBinaryDataset(ClickDataset):
             self.fspec.notes.get("request_feature", "user_id")) if store else 0)
         self.label_names = self.fspec.label_names
         self._maps: Dict[str, dict] = {}
-        self._dense_at: Dict[str, Tuple[Path, int]] = {}  # a split's numerical.bin, first row
+        self._rows_at: Dict[str, Tuple[str, int]] = {}  # a split's folder, its first row there
         self.sizes = {ours: self._open(folder) for ours, folder in SPLIT_NAMES.items()
                       if folder in self.fspec.splits}
         if "val" not in self.sizes and "test" in self.sizes:  # NVIDIA's datasets: train and test
             self.sizes["val"], self._maps["validation"] = self.sizes["test"], self._maps["test"]
-            self._dense_at["validation"] = self._dense_at["test"]
+            self._rows_at["validation"] = self._rows_at["test"]
         if "val" not in self.sizes:
             raise ConfigError(f"data.path: {path} has no validation or test split to evaluate on")
         self._maps["val"] = self._maps.pop("validation")
-        self._dense_at["val"] = self._dense_at.pop("validation")
+        self._rows_at["val"] = self._rows_at.pop("validation")
 
     def num_samples(self, split: str) -> int:
         return self.sizes[split]
@@ -61,13 +61,13 @@ class SplitBinaryDataset(ClickDataset):
         self._maps[name] = {key: [m[first:end] for m in maps] if isinstance(maps, list)
                             else maps[first:end] for key, maps in self._maps[split].items()}
         self.sizes[name] = end - first
-        path, offset = self._dense_at[split]
-        self._dense_at[name] = (path, offset + first)
+        folder, offset = self._rows_at[split]
+        self._rows_at[name] = (folder, offset + first)
 
     def _open(self, folder: str) -> int:
         files, spec = self.fspec.splits[folder], self.spec
         n = len(_memmap(files.label, np.int8, 1))
-        maps = {"labels": [_memmap(p, np.bool_ if label.missing is None else np.int8, 1, n)
+        maps = {"labels": [_memmap(p, np.uint8 if label.missing is None else np.int8, 1, n)
                            for p, label in zip(files.labels, self.fspec.labels)],
                 "dense": _memmap(files.numerical, np.float16, spec.num_dense, n),
                 "cats": [_memmap(p, d, h, n) for p, d, h in
@@ -82,7 +82,7 @@ class SplitBinaryDataset(ClickDataset):
                 raise DataError(f"{path}: ids outside [0, {rows}) of its cardinality in "
                                   f"feature_spec.yaml; the files do not match the spec")
         self._maps[folder] = maps
-        self._dense_at[folder] = (files.numerical, 0)
+        self._rows_at[folder] = (folder, 0)
         return n
 
     def columns(self, split: str, first: int, count: int) -> Columns:
@@ -97,7 +97,8 @@ class SplitBinaryDataset(ClickDataset):
             take = lambda m, dtype: m[index].astype(dtype)  # noqa: E731
         tasks = self.tasks or list(self.label_names)
         labels = np.concatenate([self._label(take(maps["labels"][self.label_names.index(t)],
-                                                  np.float32), t) for t in tasks], axis=1)
+                                                  np.float32), t, split, first)
+                                 for t in tasks], axis=1)
         true_prob = (self._true_prob(take(maps["true_prob"], np.float32), tasks)
                      if "true_prob" in maps else None)
         if self.tasks is None and len(tasks) == 1:  # the one click label: [B]
@@ -117,16 +118,32 @@ class SplitBinaryDataset(ClickDataset):
         bad = ~np.isfinite(dense)
         if bad.any():
             i, j = np.argwhere(bad)[0]
-            path, offset = self._dense_at[split]
-            row = offset + min(first + int(i), self.sizes[split] - 1)
-            raise DataError(f"{path}: sample {row}'s dense value {j} is {dense[i, j]}, not "
-                            f"finite; the file is damaged or was made by another tool: make the "
-                            f"dataset again with `preprocess`")
+            folder, row = self._row(split, first, int(i))
+            raise DataError(f"{self.fspec.splits[folder].numerical}: sample {row}'s dense value "
+                            f"{j} is {dense[i, j]}, not finite; the file is damaged or was made "
+                            f"by another tool: make the dataset again with `preprocess`")
 
-    def _label(self, values: np.ndarray, task: str) -> np.ndarray:
-        """A label column [B, 1] as float32, NaN where the file marks it missing."""
-        missing = self.fspec.labels[self.label_names.index(task)].missing
+    def _label(self, values: np.ndarray, task: str, split: str, first: int) -> np.ndarray:
+        """A label column [B, 1] as float32, NaN where the file marks it missing. Any other
+        value than 0 and 1 is named: a 2 would train as a target the loss pushes without bound,
+        a stray byte of a bool file as a positive."""
+        index = self.label_names.index(task)
+        missing = self.fspec.labels[index].missing
+        ok = (values == 0) | (values == 1) | (values == missing if missing is not None else False)
+        if not ok.all():
+            i = int(np.argwhere(~ok)[0, 0])
+            folder, row = self._row(split, first, i)
+            allowed = "0 or 1" + ("" if missing is None else f" ({missing}: missing)")
+            raise DataError(f"{self.fspec.splits[folder].labels[index]}: sample {row}'s label "
+                            f"is {values[i, 0]:g}, not {allowed}; the file is damaged or was "
+                            f"made by another tool: make the dataset again with `preprocess`")
         return values if missing is None else np.where(values == missing, np.nan, values)
+
+    def _row(self, split: str, first: int, i: int) -> Tuple[str, int]:
+        """The folder and row there of the `i`-th sample read from `first` on (padding: the
+        split's last)."""
+        folder, offset = self._rows_at[split]
+        return folder, offset + min(first + i, self.sizes[split] - 1)
 
     def _true_prob(self, table: np.ndarray, tasks: List[str]) -> np.ndarray:
         """[B, T]: each task's true probability, -1 (no oracle) for a task the file lacks."""
