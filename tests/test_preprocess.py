@@ -3,6 +3,7 @@
 import argparse
 import gzip
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -342,6 +343,20 @@ def test_npy_days_missing_file_is_a_data_error(tmp_path):
         npy_days.convert_npy_days(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
+
+
+def test_npy_days_of_the_references_multi_hot_files_point_to_preprocess_multihot(tmp_path):
+    """The MLPerf reference's materialized multi-hot days (day_N_sparse_multi_hot.npz) in place
+    of day_N_sparse.npy were called a missing file; the one-hot days and `preprocess multihot`
+    make the same ids."""
+    rng = np.random.default_rng(0)
+    write_npy_day(tmp_path, 0, 10, rng, flat_labels=True)
+    (tmp_path / "day_0_sparse.npy").rename(tmp_path / "day_0_sparse_multi_hot.npz")
+    with pytest.raises(DataError, match=re.escape(
+            f"{tmp_path}/day_0_sparse_multi_hot.npz: the MLPerf reference's multi-hot ids, which "
+            f"preprocess npy does not read; give the one-hot day_N_sparse.npy files, then "
+            f"`preprocess multihot` (it builds the same ids)")):
+        npy_days.convert_npy_days(tmp_path, tmp_path / "out")
 
 
 def test_npy_days_of_text_values_are_a_one_line_error(tmp_path):

@@ -76,6 +76,11 @@ def find_days(folder: Path) -> List[Day]:
 
 def _open_day(folder: Path, day: int) -> Day:
     arrays = {}
+    multi_hot = folder / f"day_{day}_sparse_multi_hot.npz"  # the reference's materialized days
+    if multi_hot.exists() and not (folder / f"day_{day}_sparse.npy").exists():
+        raise DataError(f"{multi_hot}: the MLPerf reference's multi-hot ids, which preprocess npy "
+                        f"does not read; give the one-hot day_N_sparse.npy files, then "
+                        f"`preprocess multihot` (it builds the same ids)")
     for part in PARTS:
         path = folder / f"day_{day}_{part}.npy"
         try:
