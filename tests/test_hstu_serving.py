@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.functional import normalize
 
-from conftest import failure, run_cli
+from conftest import ROOT, failure, run_cli
 from dlrm_hybrid.config_loading import load_config
 from dlrm_hybrid.data.interactions.interaction_data import open_interactions
 from dlrm_hybrid.model.hstu_retrieval import build_hstu
@@ -189,6 +189,18 @@ def test_settings_that_cannot_work_are_one_line_errors(log, setting, says):
                       f"data.path={log / 'data'}", *sets])
     assert result.returncode == 2 and says in result.stderr, (setting, result.stderr)
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_planted_users_with_one_training_engagement_name_the_setting_to_raise(tmp_path):
+    """hstu trains on users with two or more training engagements: 3 per user (which the config
+    check for 2 suggests) leaves none; the planted log is no folder to preprocess again."""
+    result = run_cli(["train", "--config", str(ROOT / "configs/hstu_demo.yaml"), "--set",
+                      "data.interactions_per_user=3", "--set", f"train.run_dir={tmp_path}"])
+    assert result.returncode == 2, failure(result)
+    assert result.stderr.strip().splitlines() == [
+        "error: planted interactions: the train split has no samples and training reads it "
+        "(hstu trains on users with two or more training engagements); set "
+        "data.interactions_per_user to 4 or more"]
 
 
 def test_plan_reports_the_sequence_model_without_torch_state(log):

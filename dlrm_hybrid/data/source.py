@@ -53,10 +53,13 @@ def require_samples(dataset, splits: Sequence[str], where: str) -> None:
     for split in splits:
         if dataset.num_samples(split):
             continue
+        if isinstance(dataset, InteractionData) and not dataset.root:  # hstu: 2+ per user
+            raise DataError(f"planted interactions: the {split} split has no samples and "
+                            f"{where} reads it (hstu trains on users with two or more training "
+                            f"engagements); set data.interactions_per_user to 4 or more")
         if isinstance(dataset, InteractionData):
-            root = dataset.root or "planted interactions"
-            raise DataError(f"{root}: the {split} split has no samples and {where} reads it; "
-                            f"preprocess with more users or another split rule")
+            raise DataError(f"{dataset.root}: the {split} split has no samples and {where} reads "
+                            f"it; preprocess with more users or another split rule")
         if isinstance(dataset, SplitBinaryDataset):
             raise DataError(f"{dataset.fspec.root}: the {SPLIT_NAMES[split]} split has no samples "
                             f"and {where} reads it; preprocess again with rows for it (Criteo day "
