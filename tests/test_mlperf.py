@@ -154,6 +154,21 @@ def test_a_run_that_misses_its_target_logs_aborted(tmp_path, process_group):
     assert not (tmp_path / "other.log").exists()
 
 
+def test_a_dataset_other_than_the_references_makes_an_open_division_log(tmp_path, process_group):
+    """A one-hot dataset (`preprocess multihot` skipped), or tables not capped at the reference's
+    sizes (multihot without --rows mlperf), is not the closed division's data: it was logged as
+    closed dlrm_dcnv2, which no checker rule can tell."""
+    one_hot = load_config(None, ["data.hotness=[1]", "data.train_samples=8192",
+                                 "data.val_samples=2048", f"data.cardinalities={[100, 50]}"])
+    write_synthetic(one_hot.data, str(tmp_path / "one_hot"))
+    log = tmp_path / "mlperf.log"
+    cfg = load_config(None, MLPERF_SMALL + [
+        f"data.path={tmp_path / 'one_hot'}", "train.evals_per_epoch=4", "train.target_auc=0.99",
+        f"train.run_dir={tmp_path / 'run'}", f"train.mlperf_log={log}"])
+    train(cfg, process_group)
+    assert {e["key"]: e["value"] for e in mllog(log)}["submission_division"] == "open"
+
+
 def test_a_run_cut_short_logs_no_evaluation_off_the_schedule(tmp_path, process_group):
     """train.max_steps short of the epoch: its last step's evaluation (for metrics.jsonl) is not
     one of the reference's, every 4 steps here; it was logged, and could end the run 'success'

@@ -102,7 +102,7 @@ def _train(cfg: Config, env: DistEnv, mlperf: MLPerfLog, stop: StopRequest, lock
         log.say(stream.describe(cfg.data.stream_window_s, cfg.data.stream_eval, first, steps))
     guard = DivergenceGuard(checkpoint_root(cfg), env.device, first)
     mlperf.run_start(cfg, env, dataset.num_samples("train"), dataset.num_samples("val"),
-                     train_step.precision.name)
+                     train_step.precision.name, dataset.spec)
     target = TargetWatch(cfg.train.target_auc)
 
     batches = make_loader(cfg.data, dataset, "train", env, cfg.train.seed, start_step=first,

@@ -70,15 +70,15 @@ class MLPerfLog:
             self._mllog.start(key=c.INIT_START)
 
     def run_start(self, cfg: Config, env, train_samples: int, eval_samples: int,
-                  precision: str = "fp32") -> None:
+                  precision: str = "fp32", spec=None) -> None:
         """The submission's and the run's settings, then init_stop and run_start (`precision`:
-        the training step's, e.g. bf16)."""
+        the training step's, e.g. bf16; `spec`: the dataset's, for the division)."""
         log, o = self._mllog, cfg.optim
         if log is None:
             return
         events = {
             c.SUBMISSION_BENCHMARK: DLRMV4 if is_dlrmv4(cfg) else BENCHMARK, c.SUBMISSION_ORG: ORG,
-            c.SUBMISSION_DIVISION: division(cfg), c.SUBMISSION_STATUS: c.ONPREM,
+            c.SUBMISSION_DIVISION: division(cfg, spec), c.SUBMISSION_STATUS: c.ONPREM,
             c.SUBMISSION_PLATFORM: platform(env),
             c.GLOBAL_BATCH_SIZE: cfg.data.global_batch_size,
             c.GRADIENT_ACCUMULATION_STEPS: 1, c.SEED: cfg.train.seed,
@@ -176,10 +176,16 @@ def dlrmv4_events(cfg: Config, env, precision: str) -> dict:
     }
 
 
-def division(cfg: Config) -> str:
+def division(cfg: Config, spec=None) -> str:
     """`closed`, or `open` where the embeddings are not the reference's tables: hashed or QR
-    features (configs/mlperf_dcnv2_qr.yaml) change the model, which the closed division forbids."""
-    return c.OPEN if cfg.model.compositional else c.CLOSED
+    features (configs/mlperf_dcnv2_qr.yaml) change the model, and a DCNv2 dataset (`spec`, of
+    data.path) of other hotness or table sizes than the reference's multi-hot Criteo (one-hot,
+    or `preprocess multihot` without --rows mlperf) other data; the closed division forbids both."""
+    from dlrm_hybrid.data.criteo.multi_hot import MLPERF_HOTNESS, MLPERF_ROWS
+
+    other_data = (spec is not None and bool(cfg.data.path) and not is_dlrmv4(cfg) and
+                  (list(spec.hotness), list(spec.cardinalities)) != (MLPERF_HOTNESS, MLPERF_ROWS))
+    return c.OPEN if cfg.model.compositional or other_data else c.CLOSED
 
 
 def optimizer_name(cfg: Config) -> str:
