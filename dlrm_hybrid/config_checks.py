@@ -323,7 +323,7 @@ def _validate_retrieval(cfg: Config, world_size: int) -> None:
     if not cfg.data.path and cfg.data.interactions_per_user < 3:
         raise ConfigError(f"data.interactions_per_user: {cfg.data.interactions_per_user} leaves "
                           f"the planted log no training engagements (each user's last two are "
-                          f"val and test); use 3 or more")
+                          f"val and test); use {4 if cfg.model.kind == 'hstu' else 3} or more")
     unsupported = {"parallel.dense": cfg.parallel.dense != "ddp",
                    "parallel.exchange": cfg.parallel.exchange == "des",
                    "train.cuda_graphs": cfg.train.cuda_graphs == "true",

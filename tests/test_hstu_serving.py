@@ -191,16 +191,21 @@ def test_settings_that_cannot_work_are_one_line_errors(log, setting, says):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_planted_users_with_one_training_engagement_name_the_setting_to_raise(tmp_path):
-    """hstu trains on users with two or more training engagements: 3 per user (which the config
-    check for 2 suggests) leaves none; the planted log is no folder to preprocess again."""
+@pytest.mark.parametrize("per_user, says", [
+    (2, "data.interactions_per_user: 2 leaves the planted log no training engagements (each "
+        "user's last two are val and test); use 4 or more"),
+    (3, "planted interactions: the train split has no samples and training reads it (hstu "
+        "trains on users with two or more training engagements); set "
+        "data.interactions_per_user to 4 or more")])
+def test_planted_users_with_one_training_engagement_name_the_setting_to_raise(tmp_path,
+                                                                              per_user, says):
+    """hstu trains on users with two or more training engagements, so 3 per user leaves none
+    (the planted log is no folder to preprocess again)."""
     result = run_cli(["train", "--config", str(ROOT / "configs/hstu_demo.yaml"), "--set",
-                      "data.interactions_per_user=3", "--set", f"train.run_dir={tmp_path}"])
+                      f"data.interactions_per_user={per_user}", "--set",
+                      f"train.run_dir={tmp_path}"])
     assert result.returncode == 2, failure(result)
-    assert result.stderr.strip().splitlines() == [
-        "error: planted interactions: the train split has no samples and training reads it "
-        "(hstu trains on users with two or more training engagements); set "
-        "data.interactions_per_user to 4 or more"]
+    assert result.stderr.strip().splitlines() == [f"error: {says}"]
 
 
 def test_plan_reports_the_sequence_model_without_torch_state(log):
