@@ -89,3 +89,39 @@ def test_bench_on_an_avx512_cpu_without_bf16_runs_bf16_in_fp32_and_says_so():
         f"train.precision: this CPU ({torch.backends.cpu.get_cpu_capability()}, "
         f"ONEDNN_MAX_CPU_ISA=AVX512_CORE) has no native bf16 matmul (a step 3-24x slower than "
         f"fp32); computing in fp32 (set train.precision_fallback=false to insist)")
+
+
+def _rank_deciding(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two ranks on hosts of other CPUs: rank 0 an AMX Xeon, rank 1 one limited to
+    AVX2 (oneDNN's own check stubbed: the decision must not hang on this test's host)."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from dlrm_hybrid.train import precision
+
+    torch.set_num_threads(1)
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "DEFAULT" if rank == 0 else "AVX2"
+    precision._cpuinfo = lambda: AMX_XEON
+    precision.onednn_has_kernel = lambda dtype: True
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    ran = {name: precision.effective_precision(name, torch.device("cpu"))
+           for name in ("bf16", "fp16")}
+    with open(f"{out_dir}/rank_{rank}.json", "w") as f:
+        json.dump(ran, f)
+    dist.destroy_process_group()
+    os._exit(0)  # as test_fp16_skip.py's ranks: gloo's threads torn down at exit may abort
+
+
+def test_ranks_on_other_cpus_fall_back_together(tmp_path):
+    """A job over hosts of other CPUs: one rank without native fp16 computed fp32 while the
+    others ran fp16 with its loss scaler, whose per-step collective the fp32 rank never joined
+    (a hang). Any rank's fallback is every rank's."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_deciding, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    assert ranks == [{"bf16": "fp32", "fp16": "fp32"}] * 2

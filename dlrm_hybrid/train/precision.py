@@ -100,13 +100,30 @@ def effective_precision(name: str, device: torch.device, fallback: bool = True) 
         _warn_once("train.precision: tf32 exists only on NVIDIA GPUs; computing in fp32")
         return "fp32"
     dtype = AUTOCAST_DTYPES.get(name)
-    reason = cpu_emulation(dtype) if device.type == "cpu" and dtype is not None else None
-    if fallback and reason is not None:
+    if not fallback or device.type != "cpu" or dtype is None:
+        return name
+    reason = cpu_emulation(dtype)
+    if reason is not None:
         _warn_once(f"train.precision: this CPU ({torch.backends.cpu.get_cpu_capability()}, "
                    f"{reason}) has no native {name} matmul (a step 3-24x slower than fp32); "
                    f"computing in fp32 (set train.precision_fallback=false to insist)")
+    if _on_any_rank(reason is not None):
+        if reason is None:
+            _warn_once(f"train.precision: another rank's CPU has no native {name} matmul; "
+                       f"every rank computes in fp32 (set train.precision_fallback=false to "
+                       f"insist)")
         return "fp32"
     return name
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """`flag` of any rank: ranks on hosts of other CPUs (a multi-node job) must fall back
+    together, as fp16's loss scaler runs a collective every step that all ranks must join."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _warn_once(message: str) -> None:
