@@ -540,7 +540,7 @@ def test_require_samples_names_the_dataset_and_the_empty_split(tmp_path):
     interactions = planted_interactions(DataConfig())
     interactions.pairs.pop("test")
     with pytest.raises(DataError, match="^planted interactions: the test split has no samples "
-                                        "and eval reads it; "):
+                                        "and eval reads it "):
         require_samples(interactions, ["train", "test"], "eval")
 
 
