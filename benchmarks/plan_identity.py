@@ -21,7 +21,6 @@ import contextlib
 import difflib
 import hashlib
 import io
-import json
 import os
 import subprocess
 import sys
